@@ -1,0 +1,90 @@
+"""Runs a server process: loads the model, serves RPC and metrics until told to stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ps import rpc_api
+from ps.metrics import ServerMetrics
+from ps.reaper import MembershipReaper
+from ps.server import ParameterServer, ServerCoreConfig
+from rpcps import plugins, transport
+from rpcps.metrics_http import build_info, serve_metrics
+from rpcps.summary import write_summary
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerRunConfig:
+    transport: transport.TransportConfig
+    core: ServerCoreConfig
+    model: str = plugins.BUILTIN_MODEL
+    metrics_addr: str = "0.0.0.0"
+    metrics_port: int = 9400
+    """Port of /metrics; 0 picks a free one (logged)."""
+    lease_s: float = 10.0
+    """A worker silent for this long is checked and, if its process is gone, removed."""
+    progress_s: float = 5.0
+    summary_json: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.lease_s <= 0 or self.progress_s <= 0:
+            raise ValueError("lease_s and progress_s must be > 0")
+
+
+def run_server(config: ServerRunConfig) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = ServerMetrics()
+    build_info(metrics.registry, "ps", _flat_config(config))
+    http, _ = serve_metrics(metrics.registry, config.metrics_addr, config.metrics_port)
+    model = plugins.load_model(config.model)
+    server = ParameterServer(model, config.core, metrics)
+    logger.info(
+        "model %s: %d parameters in %d chunks; optimizer %s %s",
+        config.model, server.signature.numel, len(server.layout), config.core.optimizer.name, config.core.optimizer.kwargs,
+    )
+    transport.start_server(config.transport)
+    rpc_api.publish(server)
+    reaper = MembershipReaper(server, config.lease_s, token_max_age_s=config.transport.rpc_timeout_s + 5.0)
+    reaper.start()
+    logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.transport.address)
+    try:
+        last_version = server.version
+        while not stop.wait(config.progress_s):
+            s = server.summary()
+            rate = (server.version - last_version) / config.progress_s
+            last_version = server.version
+            logger.info(
+                "version %d, %.1f updates/s, %d live workers, loss %s",
+                server.version, rate, len(server.workers.live()),
+                f"{s['final_loss']:.4f}" if s["final_loss"] is not None else "-",
+            )
+        logger.info("stopping")
+        server.stop()
+        write_summary(config.summary_json, server.summary())
+    finally:
+        reaper.stop()
+        rpc_api.withdraw()
+        transport.shutdown()
+        http.shutdown()  # type: ignore[attr-defined]
+    return 0
+
+
+def _flat_config(config: ServerRunConfig) -> dict[str, Any]:
+    d = asdict(config)
+    return {
+        "listen": config.transport.address,
+        "model": config.model,
+        "optimizer": config.core.optimizer.name,
+        "on_nonfinite": config.core.on_nonfinite,
+        "transports": ",".join(d["transport"]["transports"]),
+    }

@@ -1,0 +1,417 @@
+"""ParameterServer: owns the fp32 master parameters, the one optimizer and the model version.
+
+Every method here may run on many RPC threads at once. One lock serialises what must be serialised
+(deduplication, the optimizer step, the version) and is never held across network I/O: validation
+runs before it is taken, and pulls copy a snapshot under it and send after it is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ps.metrics import ServerMetrics
+from ps.optim import OptimizerConfig, build_optimizer
+from ps.workers import WorkerRecord, WorkerTable
+from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps.messages import PullReply, PushReply, Registration
+from rpcps.signature import DEFAULT_CHUNK_BYTES, WIRE_DTYPE, FlatLayout, ModelSignature
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerCoreConfig:
+    """What the parameter store and its update rule need (transport settings live elsewhere)."""
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    on_nonfinite: str = "reject"
+    """'reject': refuse a push holding NaN/Inf and raise on the worker; 'skip': drop it and count it."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Largest wire chunk; parameters are packed into chunks of at most this size."""
+    max_workers: int = 256
+    """Worker slots are 0..max_workers-1; bounds the per-slot metric series."""
+    max_staleness: int | None = None
+    """Refuse pushes computed more than this many updates ago (None: accept any)."""
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in ("reject", "skip"):
+            raise ValueError(f"on_nonfinite must be 'reject' or 'skip', got {self.on_nonfinite!r}")
+        if self.chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        if not 1 <= self.max_workers <= 32000:
+            raise ValueError(f"max_workers must be in [1, 32000], got {self.max_workers}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+
+@dataclass
+class ServerStats:
+    pushes_received: int = 0
+    updates_applied: int = 0
+    pushes_rejected: int = 0
+    pushes_skipped: int = 0
+    pushes_duplicate: int = 0
+    staleness_sum: int = 0
+    max_staleness: int = 0
+
+
+class ParameterServer:
+    def __init__(
+        self, model: torch.nn.Module, config: ServerCoreConfig, metrics: ServerMetrics | None = None
+    ) -> None:
+        self.config = config
+        self.signature = ModelSignature.of_module(model)
+        self.layout = FlatLayout(self.signature, config.chunk_bytes)
+        self.server_id = uuid.uuid4().hex[:12]
+        self.metrics = metrics or ServerMetrics()
+        self._lock = threading.Lock()
+        self._masters = [torch.nn.Parameter(c, requires_grad=False) for c in self.layout.empty_chunks()]
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for view, slot in zip(self.layout.views(self._masters), self.layout.slots):
+                view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
+        self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
+        self.version = 0
+        self.workers = WorkerTable(config.max_workers)
+        self.stats = ServerStats()
+        self._snapshot: list[torch.Tensor] = []
+        self._snapshot_version = -1
+        self._running = threading.Event()
+        self._running.set()
+        self._stopping = False
+        self.started = time.monotonic()
+        self.metrics.watch_workers(self._worker_liveness)
+
+    # ---- worker-facing calls -------------------------------------------------------------------
+
+    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
+        theirs = ModelSignature.from_wire(signature)
+        diff = self.signature.first_difference(theirs)
+        if diff is not None:
+            raise SignatureMismatch(f"worker {slot} ({rpc_name}) has a different model than the server: {diff}")
+        with self._lock:
+            if self._stopping:
+                raise ServerStopping("the server is shutting down; try again after it restarts")
+            record = self.workers.register(slot, rpc_name)
+            next_step = record.tracker.floor + 1
+            version = self.version
+        self.metrics.registrations.inc()
+        logger.info("worker slot %d registered as %s, resuming at step %d", slot, rpc_name, next_step)
+        return Registration(
+            record.incarnation, next_step, version, self.server_id, self.config.chunk_bytes, self.layout.chunk_numels
+        )
+
+    def push(
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: list[torch.Tensor],
+        loss: float | None = None,
+    ) -> PushReply:
+        """Validates and applies one gradient. Raises PushRejected and leaves parameters untouched."""
+        started = time.perf_counter()
+        self.metrics.pushes.inc()
+        self.metrics.in_flight.inc()
+        try:
+            return self._push(slot, incarnation, seq, base_version, chunks, loss)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.push_seconds.observe(time.perf_counter() - started)
+
+    def _push(
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: list[torch.Tensor], loss: float | None
+    ) -> PushReply:
+        with self._lock:
+            self.stats.pushes_received += 1
+            try:
+                record = self._checked_record(slot, incarnation)
+            except UnknownWorker:
+                self.stats.pushes_rejected += 1
+                self.metrics.rejected.labels("unknown_worker").inc()
+                raise
+            if record.tracker.seen(seq):
+                self.stats.pushes_duplicate += 1
+                self.metrics.duplicates.inc()
+                return PushReply("duplicate", self.version, 0)
+        try:
+            self._validate(slot, seq, chunks)
+            nonfinite = _first_nonfinite(chunks)
+        except PushRejected as e:
+            self._reject(record, seq, e)
+            raise
+        if nonfinite is not None:
+            where = self.layout.param_at(*nonfinite)
+            if self.config.on_nonfinite == "reject":
+                e = PushRejected(f"push {seq} from worker {slot} holds NaN/Inf in parameter {where!r}; parameters unchanged")
+                self._reject(record, seq, e, reason="nonfinite")
+                raise e
+            with self._lock:
+                record.tracker.mark(seq)
+                self.stats.pushes_skipped += 1
+            self.metrics.skipped.inc()
+            logger.warning("skipped push %d from worker %d: NaN/Inf in %r", seq, slot, where)
+            return PushReply("skipped", self.version, 0)
+
+        with self._lock:
+            if self._stopping:
+                raise ServerStopping("the server is shutting down; the push was not applied")
+            if not self._running.is_set():
+                return PushReply("paused", self.version, 0)
+            if record.tracker.seen(seq):  # a concurrent retry of the same push got here first
+                self.stats.pushes_duplicate += 1
+                self.metrics.duplicates.inc()
+                return PushReply("duplicate", self.version, 0)
+            staleness = self.version - base_version
+            if self.config.max_staleness is not None and staleness > self.config.max_staleness:
+                self.metrics.rejected.labels("stale").inc()
+                return PushReply("stale", self.version, staleness)
+            step_started = time.perf_counter()
+            for master, grad in zip(self._masters, chunks):
+                master.grad = grad
+            self.optimizer.step()
+            for master in self._masters:
+                master.grad = None
+            if self.schedule is not None:
+                self.schedule.step()
+            self.version += 1
+            version = self.version
+            record.tracker.mark(seq)
+            record.last_push = record.last_seen = time.monotonic()
+            record.live = True
+            record.note_loss(loss)
+            self.stats.updates_applied += 1
+            self.stats.staleness_sum += staleness
+            self.stats.max_staleness = max(self.stats.max_staleness, staleness)
+            step_seconds = time.perf_counter() - step_started
+        m = self.metrics
+        m.step_seconds.observe(step_seconds)
+        m.updates.inc()
+        m.version.set(version)
+        m.staleness.observe(staleness)
+        m.grad_bytes.inc(sum(c.numel() * c.element_size() for c in chunks))
+        return PushReply("applied", version, staleness)
+
+    def push_named(
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        grads: dict[str, torch.Tensor],
+        loss: float | None = None,
+    ) -> PushReply:
+        """Like push, for clients that send one tensor per parameter name (checked by name first)."""
+        try:
+            chunks = self._pack_named(slot, seq, grads)
+        except PushRejected as e:
+            with self._lock:
+                self.stats.pushes_received += 1
+                record = self._checked_record(slot, incarnation)
+            self.metrics.pushes.inc()
+            self._reject(record, seq, e)
+            raise
+        return self.push(slot, incarnation, seq, base_version, chunks, loss)
+
+    def _pack_named(self, slot: int, seq: int, grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if not isinstance(grads, dict):
+            raise _Names(f"push {seq} from worker {slot}: gradients must be a dict of name -> tensor, got {type(grads).__name__}")
+        unknown = sorted(set(grads) - {p.name for p in self.signature.params})
+        if unknown:
+            raise _Names(f"push {seq} from worker {slot} names parameters the model does not have: {unknown[:5]}")
+        missing = [p.name for p in self.signature.params if p.name not in grads]
+        if missing:
+            raise _Names(f"push {seq} from worker {slot} is missing gradients for {missing[:5]}")
+        chunks = self.layout.empty_chunks()
+        for view, slot_ in zip(self.layout.views(chunks), self.layout.slots):
+            grad, spec = grads[slot_.spec.name], slot_.spec
+            if not isinstance(grad, torch.Tensor):
+                raise PushRejected(f"push {seq} from worker {slot}: gradient of {spec.name!r} is a {type(grad).__name__}, not a tensor")
+            if tuple(grad.shape) != spec.shape:
+                raise PushRejected(
+                    f"push {seq} from worker {slot}: gradient of {spec.name!r} has shape {list(grad.shape)}, expected {list(spec.shape)}"
+                )
+            if str(grad.dtype).removeprefix("torch.") != spec.dtype:
+                raise _Dtype(f"push {seq} from worker {slot}: gradient of {spec.name!r} has dtype {grad.dtype}, expected {spec.dtype}")
+            view.copy_(grad)
+        return chunks
+
+    def pull(self, slot: int, incarnation: str, have_version: int) -> PullReply:
+        started = time.perf_counter()
+        with self._lock:
+            record = self._checked_record(slot, incarnation)
+            record.last_seen = time.monotonic()
+            paused = not self._running.is_set()
+            if have_version == self.version:
+                self.metrics.pulls.labels("unchanged").inc()
+                return PullReply(self.version, None, paused)
+            if self._snapshot_version != self.version:
+                # One copy per version, shared by every worker that pulls it; the RPC layer sends it
+                # after the lock is released.
+                self._snapshot = [m.detach().clone() for m in self._masters]
+                self._snapshot_version = self.version
+            reply = PullReply(self.version, self._snapshot, paused)
+        self.metrics.pulls.labels("full").inc()
+        self.metrics.param_bytes.inc(self.layout.nbytes)
+        self.metrics.pull_seconds.observe(time.perf_counter() - started)
+        return reply
+
+    def heartbeat(self, slot: int, incarnation: str) -> int:
+        with self._lock:
+            record = self._checked_record(slot, incarnation)
+            record.last_seen = time.monotonic()
+            record.live = True
+            return self.version
+
+    def leave(self, slot: int, incarnation: str) -> None:
+        with self._lock:
+            record = self._checked_record(slot, incarnation)
+            record.left = True
+            self.workers.retired_rpc_names.append(record.rpc_name)
+        logger.info("worker slot %d (%s) left", slot, record.rpc_name)
+
+    # ---- membership upkeep (called by the reaper) ------------------------------------------------
+
+    def take_retired_rpc_names(self) -> list[str]:
+        with self._lock:
+            names, self.workers.retired_rpc_names = self.workers.retired_rpc_names, []
+            return names
+
+    def silent_workers(self, lease_s: float) -> list[tuple[int, str, str]]:
+        """(slot, incarnation, rpc name) of workers still in the group but not heard from for ``lease_s``."""
+        cutoff = time.monotonic() - lease_s
+        with self._lock:
+            return [
+                (r.slot, r.incarnation, r.rpc_name)
+                for r in self.workers.records.values()
+                if not r.left and r.last_seen < cutoff
+            ]
+
+    def mark_dead(self, slot: int, incarnation: str) -> None:
+        with self._lock:
+            record = self.workers.records.get(slot)
+            if record is not None and record.incarnation == incarnation:
+                record.live = False
+                record.left = True
+
+    def mark_silent(self, slot: int, incarnation: str) -> None:
+        with self._lock:
+            record = self.workers.records.get(slot)
+            if record is not None and record.incarnation == incarnation:
+                record.live = False
+
+    # ---- control -------------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        self._running.clear()
+        self.metrics.paused.set(1)
+
+    def resume(self) -> None:
+        self._running.set()
+        self.metrics.paused.set(0)
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def stop(self) -> None:
+        """Refuses further pushes and registrations (the final checkpoint follows)."""
+        with self._lock:
+            self._stopping = True
+
+    def master_tensors(self) -> dict[str, torch.Tensor]:
+        """Named copies of the current parameters (for tests and evaluation)."""
+        with self._lock:
+            return {s.spec.name: v.detach().clone() for s, v in zip(self.layout.slots, self.layout.views(self._masters))}
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            s = self.stats
+            records = list(self.workers.records.values())
+            firsts = [sum(r.first_losses) / len(r.first_losses) for r in records if r.first_losses]
+            lasts = [sum(r.recent_losses) / len(r.recent_losses) for r in records if r.recent_losses]
+            wall = time.monotonic() - self.started
+            return {
+                "role": "ps",
+                "initial_loss": sum(firsts) / len(firsts) if firsts else None,
+                "final_loss": sum(lasts) / len(lasts) if lasts else None,
+                "steps": s.pushes_received,
+                "updates_applied": s.updates_applied,
+                "pushes_rejected": s.pushes_rejected,
+                "pushes_skipped": s.pushes_skipped,
+                "pushes_duplicate": s.pushes_duplicate,
+                "mean_staleness": s.staleness_sum / s.updates_applied if s.updates_applied else 0.0,
+                "max_staleness": s.max_staleness,
+                "updates_per_second": s.updates_applied / wall if wall > 0 else 0.0,
+                "wall_seconds": wall,
+                "model_version": self.version,
+            }
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _checked_record(self, slot: int, incarnation: str) -> WorkerRecord:
+        return self.workers.get(slot, incarnation)
+
+    def _validate(self, slot: int, seq: int, chunks: list[torch.Tensor]) -> None:
+        expected = self.layout.chunk_numels
+        if not isinstance(chunks, (list, tuple)) or len(chunks) != len(expected):
+            got = len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__
+            raise PushRejected(f"push {seq} from worker {slot} has {got} gradient chunks, expected {len(expected)}")
+        for i, (chunk, numel) in enumerate(zip(chunks, expected)):
+            if not isinstance(chunk, torch.Tensor):
+                raise PushRejected(f"push {seq} from worker {slot}: chunk {i} is a {type(chunk).__name__}, not a tensor")
+            if chunk.dtype != WIRE_DTYPE:
+                raise _Dtype(f"push {seq} from worker {slot}: chunk {i} has dtype {chunk.dtype}, expected {WIRE_DTYPE}")
+            if chunk.dim() != 1 or chunk.numel() != numel or not chunk.is_contiguous():
+                raise PushRejected(
+                    f"push {seq} from worker {slot}: chunk {i} has shape {list(chunk.shape)}, expected [{numel}] "
+                    f"(parameters {self._chunk_names(i)})"
+                )
+
+    def _chunk_names(self, chunk: int) -> str:
+        names = [s.spec.name for s in self.layout.slots if s.chunk == chunk]
+        return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
+
+    def _reject(self, record: WorkerRecord, seq: int, error: PushRejected, reason: str | None = None) -> None:
+        if reason is None:
+            reason = "dtype" if isinstance(error, _Dtype) else "names" if isinstance(error, _Names) else "shape"
+        with self._lock:
+            record.tracker.mark(seq)
+            self.stats.pushes_rejected += 1
+        self.metrics.rejected.labels(reason).inc()
+        logger.warning("rejected: %s", error)
+
+    def _worker_liveness(self) -> list[tuple[int, bool, float | None]]:
+        with self._lock:
+            return [(r.slot, r.live and not r.left, r.last_push) for r in self.workers.records.values()]
+
+
+class _Dtype(PushRejected):
+    pass
+
+
+class _Names(PushRejected):
+    pass
+
+
+def _first_nonfinite(chunks: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(chunk, element) of the first NaN/Inf, or None.
+
+    A finite sum proves every element finite (NaN and Inf propagate through a sum), so the full
+    element-wise scan only runs when the cheap reduction says there may be one.
+    """
+    for i, chunk in enumerate(chunks):
+        if torch.isfinite(chunk.sum()):
+            continue
+        bad = (~torch.isfinite(chunk)).nonzero()
+        if bad.numel():
+            return i, int(bad[0, 0])
+    return None

@@ -1,0 +1,33 @@
+"""Errors that cross the wire from the server to a worker.
+
+torch RPC does not keep a remote exception's type (a ValueError subclass comes back as a plain
+ValueError with the remote traceback glued into its message), so the server's RPC layer returns these
+as ``ErrorReply`` values and the worker's client raises the matching class with the clean message.
+"""
+
+from __future__ import annotations
+
+
+class RpcpsError(RuntimeError):
+    """Base class for errors rpcps raises on purpose (as opposed to transport failures)."""
+
+
+class PushRejected(RpcpsError, ValueError):
+    """A gradient push was refused; the parameters were not touched."""
+
+
+class SignatureMismatch(RpcpsError, ValueError):
+    """A worker's model does not match the server's."""
+
+
+class UnknownWorker(RpcpsError, LookupError):
+    """A call named a worker slot that has not registered, or an incarnation that was replaced."""
+
+
+class ServerStopping(RpcpsError):
+    """The server is shutting down and takes no more pushes."""
+
+
+ERROR_TYPES: dict[str, type[RpcpsError]] = {
+    cls.__name__: cls for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping)
+}

@@ -1,0 +1,143 @@
+"""Model signatures and the flat-buffer layout both roles agree on.
+
+A signature is the ordered list of (name, shape, dtype) of a model's trainable parameters. The layout
+packs those parameters, in order, into a few contiguous fp32 chunks of at most ``chunk_bytes`` each, so
+that a push or pull moves a handful of tensors instead of one message per parameter. A parameter is
+never split across chunks; one larger than the limit gets a chunk of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+# Single tensors of >= 32 MB are slowed by allocation on receive (see shared research notes); 16 MB
+# pieces keep the wire busy without that cost.
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+WIRE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    params: tuple[ParamSpec, ...]
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> ModelSignature:
+        specs = []
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be trained")
+            specs.append(ParamSpec(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")))
+        if not specs:
+            raise ValueError("the model has no trainable parameters")
+        return cls(tuple(specs))
+
+    def to_wire(self) -> list[tuple[str, list[int], str]]:
+        return [(p.name, list(p.shape), p.dtype) for p in self.params]
+
+    @classmethod
+    def from_wire(cls, items: list[tuple[str, list[int], str]]) -> ModelSignature:
+        return cls(tuple(ParamSpec(n, tuple(int(d) for d in s), str(t)) for n, s, t in items))
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(f"{p.name}|{p.shape}|{p.dtype};".encode())
+        return h.hexdigest()[:16]
+
+    def first_difference(self, other: ModelSignature) -> str | None:
+        """Describes the first parameter where two signatures differ, or None when they are equal."""
+        mine = {p.name: p for p in self.params}
+        theirs = {p.name: p for p in other.params}
+        for i, (a, b) in enumerate(zip(self.params, other.params)):
+            if a == b:
+                continue
+            if a.name != b.name:
+                if b.name not in mine:
+                    return f"parameter #{i} is {b.name!r}, which the server's model does not have (server has {a.name!r} there)"
+                if a.name not in theirs:
+                    return f"parameter #{i} {a.name!r} is missing from the worker's model"
+                return f"parameter #{i} is {b.name!r} on the worker but {a.name!r} on the server (different order)"
+            if a.shape != b.shape:
+                return f"parameter {a.name!r} has shape {list(b.shape)} on the worker but {list(a.shape)} on the server"
+            return f"parameter {a.name!r} has dtype {b.dtype} on the worker but {a.dtype} on the server"
+        if len(self.params) > len(other.params):
+            return f"parameter {self.params[len(other.params)].name!r} is missing from the worker's model"
+        if len(other.params) > len(self.params):
+            return f"parameter {other.params[len(self.params)].name!r} is not in the server's model"
+        return None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat layout."""
+
+    chunk: int
+    offset: int
+    spec: ParamSpec
+
+
+class FlatLayout:
+    """Packs a signature's parameters into contiguous fp32 chunks."""
+
+    def __init__(self, signature: ModelSignature, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if chunk_bytes < 4:
+            raise ValueError(f"chunk_bytes must be >= 4, got {chunk_bytes}")
+        self.signature = signature
+        limit = chunk_bytes // WIRE_DTYPE.itemsize
+        slots: list[Slot] = []
+        sizes: list[int] = []
+        for spec in signature.params:
+            if not sizes or (sizes[-1] > 0 and sizes[-1] + spec.numel > limit):
+                sizes.append(0)
+            slots.append(Slot(len(sizes) - 1, sizes[-1], spec))
+            sizes[-1] += spec.numel
+        self.slots: tuple[Slot, ...] = tuple(slots)
+        self.chunk_numels: tuple[int, ...] = tuple(sizes)
+        self._by_name = {s.spec.name: s for s in slots}
+
+    def __len__(self) -> int:
+        return len(self.chunk_numels)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.chunk_numels) * WIRE_DTYPE.itemsize
+
+    def slot(self, name: str) -> Slot | None:
+        return self._by_name.get(name)
+
+    def empty_chunks(self, pin_memory: bool = False) -> list[torch.Tensor]:
+        return [torch.zeros(n, dtype=WIRE_DTYPE, pin_memory=pin_memory) for n in self.chunk_numels]
+
+    def views(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter views into ``chunks``, in signature order."""
+        return [chunks[s.chunk][s.offset : s.offset + s.spec.numel].view(s.spec.shape) for s in self.slots]
+
+    def param_at(self, chunk: int, index: int) -> str:
+        """Name of the parameter holding element ``index`` of ``chunk`` (for error messages)."""
+        for s in self.slots:
+            if s.chunk == chunk and s.offset <= index < s.offset + s.spec.numel:
+                return s.spec.name
+        return f"<chunk {chunk} element {index}>"

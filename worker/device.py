@@ -1,0 +1,86 @@
+"""Device selection and moving gradients off the device without stalling compute."""
+
+from __future__ import annotations
+
+import torch
+
+from rpcps.signature import FlatLayout
+
+
+def pick_device(spec: str) -> torch.device:
+    """'auto' takes the GPU when there is one and the CPU otherwise; 'cuda' without a GPU is an error."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device {spec!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: only auto, cpu, cuda and cuda:N are supported")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec!r} asked for a GPU but none is available here; use --device auto or cpu")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+class GradientStager:
+    """Copies a model's gradients into flat host buffers for the wire.
+
+    On CUDA the device-to-host copies go into pinned buffers on a side stream, so they overlap with
+    whatever the default stream does next; ``wait`` blocks only until that copy is done. On the CPU
+    the copy is an ordinary memcpy.
+    """
+
+    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        self.layout = layout
+        self.params = params
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._event: torch.cuda.Event | None = None
+
+    def new_buffers(self) -> list[torch.Tensor]:
+        return self.layout.empty_chunks(pin_memory=self._stream is not None)
+
+    def stage(self, buffers: list[torch.Tensor]) -> None:
+        views = self.layout.views(buffers)
+        if self._stream is None:
+            with torch.no_grad():
+                for view, p in zip(views, self.params):
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad)
+            return
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream), torch.no_grad():
+            for view, p in zip(views, self.params):
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    p.grad.record_stream(self._stream)
+                    view.copy_(p.grad, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+
+def load_parameters(layout: FlatLayout, params: list[torch.nn.Parameter], chunks: list[torch.Tensor]) -> None:
+    """Copies pulled flat chunks into the model's own parameters (any device, any float dtype)."""
+    with torch.no_grad():
+        for view, p in zip(layout.views(chunks), params):
+            p.copy_(view, non_blocking=True)
+
+
+def memory_in_use(device: torch.device) -> tuple[int, int]:
+    """(bytes allocated now, peak bytes) on a GPU; (0, 0) on the CPU."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
