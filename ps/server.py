@@ -86,6 +86,7 @@ class ParameterServer:
         self._running = threading.Event()
         self._running.set()
         self._stopping = False
+        self._finishing = False
         self.started = time.monotonic()
         self.metrics.watch_workers(self._worker_liveness)
 
@@ -250,9 +251,9 @@ class ParameterServer:
             record = self._checked_record(slot, incarnation)
             record.last_seen = time.monotonic()
             paused = not self._running.is_set()
-            if have_version == self.version:
+            if have_version == self.version or self._finishing:
                 self.metrics.pulls.labels("unchanged").inc()
-                return PullReply(self.version, None, paused)
+                return PullReply(self.version, None, paused, self._finishing)
             if self._snapshot_version != self.version:
                 # One copy per version, shared by every worker that pulls it; the RPC layer sends it
                 # after the lock is released.
@@ -321,6 +322,12 @@ class ParameterServer:
     @property
     def paused(self) -> bool:
         return not self._running.is_set()
+
+    def finish(self) -> None:
+        """Asks every worker to stop cleanly: their next pull says so (graceful shutdown)."""
+        with self._lock:
+            self._finishing = True
+        self._running.set()
 
     def stop(self) -> None:
         """Refuses further pushes and registrations (the final checkpoint follows)."""

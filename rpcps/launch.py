@@ -128,8 +128,21 @@ class Supervisor:
     def children(self) -> list[Child]:
         return [self.server, *self.workers]
 
+    def write_scrape_targets(self) -> Path:
+        """Writes the children's /metrics addresses as a Prometheus file_sd targets file."""
+        path = self.run_dir / "prometheus_targets.json"
+        groups = [
+            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": "ps" if c is self.server else "worker", "child": c.name}}
+            for c in self.children
+        ]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups, indent=2))
+        os.replace(tmp, path)
+        return path
+
     def run(self) -> int:
         started = time.monotonic()
+        self.write_scrape_targets()
         print(f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}", flush=True)
         self.server.start()
         for w in self.workers:

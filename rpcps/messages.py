@@ -35,6 +35,8 @@ class PullReply:
     chunks: list[torch.Tensor] | None
     """None when the worker already holds ``version``."""
     paused: bool = False
+    stop: bool = False
+    """The server is shutting down for good: finish in-flight pushes, leave and exit cleanly."""
 
 
 @dataclass(frozen=True)

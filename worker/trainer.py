@@ -156,6 +156,8 @@ class Trainer:
                 if first or self.step % self.config.pull_every == 0:
                     comm += self._refresh()
                     first = False
+                    if self._stop.is_set():
+                        break
                 inputs, targets = next(batches)
                 inputs = inputs.to(self.device, non_blocking=True)
                 targets = targets.to(self.device, non_blocking=True)
@@ -194,6 +196,10 @@ class Trainer:
         started = time.perf_counter()
         while True:
             reply = self._with_retries(lambda: result(self.client.pull(self.slot, self.registration.incarnation, self.version)))
+            if reply.stop:
+                logger.info("the server is shutting down for good; stopping after in-flight pushes")
+                self._stop.set()
+                break
             if reply.chunks is not None:
                 load_parameters(self.layout, self.params, reply.chunks)
                 self.version = reply.version
