@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from ps import rpc_api
+from ps.checkpointer import CheckpointConfig, Checkpointer, find_resume_point
 from ps.metrics import ServerMetrics
 from ps.reaper import MembershipReaper
 from ps.server import ParameterServer, ServerCoreConfig
@@ -31,6 +34,7 @@ class ServerRunConfig:
     """A worker silent for this long is checked and, if its process is gone, removed."""
     progress_s: float = 5.0
     summary_json: str | None = None
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -52,10 +56,14 @@ def run_server(config: ServerRunConfig) -> int:
         "model %s: %d parameters in %d chunks; optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), config.core.optimizer.name, config.core.optimizer.kwargs,
     )
+    checkpointer = _resume(server, config)
     transport.start_server(config.transport)
     rpc_api.publish(server)
-    reaper = MembershipReaper(server, config.lease_s, token_max_age_s=config.transport.rpc_timeout_s + 5.0)
+    reaper = MembershipReaper(server, config.lease_s)
     reaper.start()
+    if checkpointer is not None:
+        server.on_update = checkpointer.notify_update
+        checkpointer.start()
     logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.transport.address)
     try:
         last_version = server.version
@@ -70,6 +78,8 @@ def run_server(config: ServerRunConfig) -> int:
             )
         logger.info("stopping")
         server.stop()
+        if checkpointer is not None:
+            checkpointer.stop(final=True)
         write_summary(config.summary_json, server.summary())
     finally:
         reaper.stop()
@@ -77,6 +87,30 @@ def run_server(config: ServerRunConfig) -> int:
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
     return 0
+
+
+def _resume(server: ParameterServer, config: ServerRunConfig) -> Checkpointer | None:
+    """Restores the server from a snapshot per --resume; returns the checkpointer (None when off)."""
+    point = find_resume_point(config.checkpoint, server.signature, config.core.optimizer.name)
+    if point is not None:
+        info, state = point
+        server.restore_state(state)
+        server.metrics.resumes.inc()
+        server.metrics.resumed_version.set(info.version)
+        logger.info("resumed from %s at version %d", info.path, info.version)
+    if config.checkpoint.directory is None:
+        return None
+    Path(config.checkpoint.directory).mkdir(parents=True, exist_ok=True)
+    meta = {
+        "signature": server.signature.to_wire(),
+        "signature_digest": server.signature.digest(),
+        "optimizer": config.core.optimizer.name,
+        "config": json.loads(json.dumps(asdict(config), default=str)),
+    }
+    checkpointer = Checkpointer(server, config.checkpoint, meta)
+    if point is not None:
+        checkpointer.adopt(point[0])
+    return checkpointer
 
 
 def _flat_config(config: ServerRunConfig) -> dict[str, Any]:

@@ -55,6 +55,12 @@ SERVER = [
     Option("--lease-s", "a worker silent this long is checked and removed if its process is gone", 10.0, positive_float),
     Option("--chunk-mb", "largest wire chunk in MiB (parameters are packed into chunks)", 16.0, positive_float),
     Option("--progress-s", "seconds between progress log lines", 5.0, positive_float),
+    Option("--checkpoint-dir", "directory for snapshots; unset disables checkpointing", None, metavar="DIR"),
+    Option("--checkpoint-every-updates", "snapshot after this many applied updates", None, positive_int, metavar="N"),
+    Option("--checkpoint-every-seconds", "snapshot at most this often while updates arrive", 60.0, positive_float,
+           metavar="T"),
+    Option("--keep-checkpoints", "newest snapshots to keep", 3, positive_int, metavar="K"),
+    Option("--resume", "auto (newest valid snapshot), never, or a snapshot directory", "auto", metavar="auto|never|PATH"),
 ]
 WORKER_TRAINING = [
     Option("--steps", "training steps per worker slot, counted across restarts", 300, non_negative_int),
@@ -154,6 +160,7 @@ def transport_config(values: dict[str, Any], host: str, port: int) -> Any:
 
 
 def server_config(values: dict[str, Any]) -> Any:
+    from ps.checkpointer import CheckpointConfig
     from ps.optim import OptimizerConfig
     from ps.runner import ServerRunConfig
     from ps.server import ServerCoreConfig
@@ -182,6 +189,13 @@ def server_config(values: dict[str, Any]) -> Any:
         lease_s=values["lease_s"],
         progress_s=values["progress_s"],
         summary_json=values["summary_json"],
+        checkpoint=CheckpointConfig(
+            directory=values["checkpoint_dir"],
+            every_updates=values["checkpoint_every_updates"],
+            every_seconds=values["checkpoint_every_seconds"],
+            keep=values["keep_checkpoints"],
+            resume=values["resume"],
+        ),
     )
 
 
