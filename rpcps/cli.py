@@ -1,7 +1,8 @@
 """The command line: parses flags and environment into typed configs and hands off to a role.
 
 Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``local`` (a server plus N
-workers on this machine, supervised). Nothing but ``trainer_entry.py`` calls ``main``.
+workers on this machine, supervised), ``ctl`` (a client of a running server's control plane).
+Nothing but ``trainer_entry.py`` calls ``main``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ SERVER = [
            metavar="T"),
     Option("--keep-checkpoints", "newest snapshots to keep", 3, positive_int, metavar="K"),
     Option("--resume", "auto (newest valid snapshot), never, or a snapshot directory", "auto", metavar="auto|never|PATH"),
+    # ---- control plane (ps/control, docs/CONTROL.md) ----
+    Option("--control-addr", "address the gRPC control plane (status, checkpoint, pause, resume, shutdown) listens on",
+           "0.0.0.0"),
+    Option("--control-port", "control-plane port; 0 picks a free one (logged)", 9500, non_negative_int),
+    Option("--control-token-file", "file holding the bearer token every control call must carry (recommended)", None,
+           metavar="PATH"),
+    Option("--tls-cert", "PEM certificate; with --tls-key the control plane speaks TLS only", None, metavar="PATH"),
+    Option("--tls-key", "PEM private key of --tls-cert", None, metavar="PATH"),
+    # ---- end control plane ----
 ]
 WORKER_TRAINING = [
     Option("--steps", "training steps per worker slot, counted across restarts", 300, non_negative_int),
@@ -110,6 +120,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, list[Option]]]:
     for role, options in tables.items():
         p = sub.add_parser(role, help=helps[role], description=helps[role])
         add_options(p, options)
+    # ---- ctl: control-plane client (rpcps/ctl.py builds its own options) ----
+    from rpcps import ctl
+
+    ctl.add_parser(sub)
+    # ---- end ctl ----
     return parser, tables
 
 
@@ -117,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, tables = build_parser()
     args = parser.parse_args(argv)
     sub = parser._subparsers._group_actions[0].choices[args.role]  # type: ignore[union-attr]
+    if args.role == "ctl":  # a client: no role logging, no role config
+        from rpcps import ctl
+
+        return ctl.run(args, sub)
     values = resolve(args, tables[args.role], sub)
     _configure_logging(args.role, values)
     log = logging.getLogger("rpcps")
@@ -196,6 +215,19 @@ def server_config(values: dict[str, Any]) -> Any:
             keep=values["keep_checkpoints"],
             resume=values["resume"],
         ),
+    )
+
+
+def control_config(values: dict[str, Any]) -> Any:
+    """The ps role's control-plane settings (for ServerRunConfig; see docs/CONTROL.md)."""
+    from ps.control.service import ControlConfig
+
+    return ControlConfig(
+        addr=values["control_addr"],
+        port=values["control_port"],
+        token_file=values["control_token_file"],
+        tls_cert=values["tls_cert"],
+        tls_key=values["tls_key"],
     )
 
 
