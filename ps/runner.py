@@ -14,6 +14,7 @@ from typing import Any
 
 from ps import rpc_api
 from ps.checkpointer import CheckpointConfig, Checkpointer, find_resume_point
+from ps.control.service import ControlConfig, start_control_server
 from ps.metrics import ServerMetrics
 from ps.reaper import MembershipReaper
 from ps.server import ParameterServer, ServerCoreConfig
@@ -41,6 +42,9 @@ class ServerRunConfig:
     progress_s: float = 5.0
     summary_json: str | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
+    control: ControlConfig = ControlConfig()
+    finish_timeout_s: float = 60.0
+    """On a control-plane Shutdown: how long to wait for workers to finish before stopping anyway."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -62,15 +66,29 @@ def run_server(config: ServerRunConfig) -> int:
         "model %s: %d parameters in %d chunks; optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), config.core.optimizer.name, config.core.optimizer.kwargs,
     )
-    checkpointer = _resume(server, config)
-    transport.start_server(config.transport)
+    finish_workers = threading.Event()
+
+    def request_shutdown() -> None:
+        finish_workers.set()
+        stop.set()
+
+    control = start_control_server(server, config.control, checkpoint=None, request_shutdown=request_shutdown)
+    try:
+        checkpointer = _resume(server, config)
+        control.attach_checkpointer(checkpointer)
+        transport.start_server(config.transport)
+    except BaseException:
+        control.stop(grace_s=0)
+        http.shutdown()  # type: ignore[attr-defined]
+        raise
     rpc_api.publish(server)
     reaper = MembershipReaper(server, config.lease_s)
     reaper.start()
     if checkpointer is not None:
         server.on_update = checkpointer.notify_update
         checkpointer.start()
-    listener = ListenerWatch(exclude_ports={config.transport.port, metrics_port})
+    listener = ListenerWatch(exclude_ports={config.transport.port, metrics_port, control.port})
+    control.set_serving(True)
     logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.transport.address)
     restart_from: str | None = None
     try:
@@ -82,11 +100,15 @@ def run_server(config: ServerRunConfig) -> int:
                 if restart_from is not None:
                     break
         logger.info("stopping")
+        control.set_serving(False)
+        if finish_workers.is_set():
+            _finish_workers(server, config.finish_timeout_s)
         server.stop()
         if checkpointer is not None and restart_from is None:
             checkpointer.stop(final=True)
         write_summary(config.summary_json, server.summary())
     finally:
+        control.stop(grace_s=5)
         reaper.stop()
         rpc_api.withdraw()
         transport.shutdown()
@@ -94,6 +116,16 @@ def run_server(config: ServerRunConfig) -> int:
     if restart_from is not None:
         restart_self({RESTART_FROM_ENV: restart_from})
     return 0
+
+
+def _finish_workers(server: ParameterServer, timeout_s: float) -> None:
+    """Tells workers to stop for good and waits (bounded) until none is live."""
+    server.finish()
+    deadline = time.monotonic() + timeout_s
+    while server.workers_live_count() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if server.workers_live_count():
+        logger.warning("%d workers still running after %.0fs; stopping anyway", server.workers_live_count(), timeout_s)
 
 
 class _Progress:

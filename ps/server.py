@@ -331,6 +331,10 @@ class ParameterServer:
         with self._lock:
             return [(r.slot, r.incarnation, r.rpc_name, r.last_seen) for r in self.workers.records.values() if not r.left]
 
+    def workers_live_count(self) -> int:
+        with self._lock:
+            return len(self.workers.live())
+
     def mark_alive(self, slot: int, incarnation: str) -> None:
         with self._lock:
             record = self.workers.records.get(slot)

@@ -100,6 +100,10 @@ LOCAL = [
 ]
 
 
+LOCAL_PICKS = ("--listen", "--metrics-port", "--control-addr", "--control-port")
+"""Server options ``local`` sets itself (loopback addresses, free ports)."""
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, list[Option]]]:
     parser = argparse.ArgumentParser(
         prog="rpcps",
@@ -110,7 +114,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, list[Option]]]:
     tables = {
         "ps": COMMON + SERVER,
         "worker": COMMON + WORKER,
-        "local": COMMON + [o for o in SERVER if o.flag not in ("--listen", "--metrics-port")] + WORKER_TRAINING + LOCAL,
+        "local": COMMON + [o for o in SERVER if o.flag not in LOCAL_PICKS] + WORKER_TRAINING + LOCAL,
     }
     helps = {
         "ps": "run a parameter server (one per job)",
@@ -215,6 +219,7 @@ def server_config(values: dict[str, Any]) -> Any:
             keep=values["keep_checkpoints"],
             resume=values["resume"],
         ),
+        control=control_config(values),
     )
 
 

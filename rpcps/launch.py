@@ -98,10 +98,14 @@ class Supervisor:
         self.interrupted = False
         base = [sys.executable, entry]
         common = [o.dest for o in cli.COMMON if o.dest != "summary_json"]
-        server_only = [o.dest for o in cli.SERVER if o.dest not in ("listen", "metrics_port")]
+        server_only = [o.dest for o in cli.SERVER if o.flag not in cli.LOCAL_PICKS]
+        self.control_port = free_port()
         training = [o.dest for o in cli.WORKER_TRAINING]
         self.server = self._child(
-            "ps", base + ["ps", "--listen", f"127.0.0.1:{self.port}"] + _flags(values, common + server_only)
+            "ps",
+            base
+            + ["ps", "--listen", f"127.0.0.1:{self.port}", "--control-addr", "127.0.0.1", "--control-port", str(self.control_port)]
+            + _flags(values, common + server_only),
         )
         self.workers = [
             self._child(
@@ -143,7 +147,11 @@ class Supervisor:
     def run(self) -> int:
         started = time.monotonic()
         self.write_scrape_targets()
-        print(f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}", flush=True)
+        print(
+            f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}; "
+            f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}",
+            flush=True,
+        )
         self.server.start()
         for w in self.workers:
             w.start()

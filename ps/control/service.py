@@ -286,6 +286,10 @@ class ControlServer:
     def shutdown_requested(self) -> bool:
         return self._servicer.shutdown_requested
 
+    def attach_checkpointer(self, checkpoint: CheckpointHook | None) -> None:
+        """Connects the checkpointer once resume is done (the control plane starts before it)."""
+        self._servicer.checkpoint = checkpoint
+
     def set_serving(self, serving: bool) -> None:
         """SERVING once the model is loaded and any resume is done; NOT_SERVING when shutting down.
 
