@@ -158,6 +158,8 @@ class Checkpointer:
             self._newest = info
             self._last_version = version
             self._publish(info)
+            if self.server.audit is not None:
+                self.server.audit.snapshot(version)
             logger.info("snapshot of version %d written to %s in %.2fs", version, info.path, time.perf_counter() - started)
             self._purge(info)
             return info

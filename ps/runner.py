@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ps import rpc_api
+from ps.audit import AuditLog
 from ps.checkpointer import CheckpointConfig, Checkpointer, find_resume_point
 from ps.control.service import ControlConfig, start_control_server
 from ps.metrics import ServerMetrics
@@ -42,6 +43,8 @@ class ServerRunConfig:
     progress_s: float = 5.0
     summary_json: str | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
+    audit_log: str | None = None
+    """Append a ledger of applied updates here (for fault-injection checks; costs a write per update)."""
     control: ControlConfig = ControlConfig()
     finish_timeout_s: float = 60.0
     """On a control-plane Shutdown: how long to wait for workers to finish before stopping anyway."""
@@ -62,6 +65,8 @@ def run_server(config: ServerRunConfig) -> int:
     http, metrics_port = serve_metrics(metrics.registry, config.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    if config.audit_log:
+        server.audit = AuditLog(config.audit_log)
     logger.info(
         "model %s: %d parameters in %d chunks; optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), config.core.optimizer.name, config.core.optimizer.kwargs,
@@ -186,6 +191,8 @@ def _resume(server: ParameterServer, config: ServerRunConfig) -> Checkpointer | 
     if point is not None:
         info, state = point
         server.restore_state(state)
+        if server.audit is not None:
+            server.audit.resumed(info.version)
         server.metrics.resumes.inc()
         server.metrics.resumed_version.set(info.version)
         logger.info("resumed from %s at version %d", info.path, info.version)

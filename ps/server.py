@@ -19,6 +19,7 @@ import torch
 
 from ps.metrics import ServerMetrics
 from ps.optim import OptimizerConfig, build_optimizer
+from ps.audit import AuditLog
 from ps.dedup import SequenceTracker
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
@@ -90,6 +91,8 @@ class ParameterServer:
         self._stopping = False
         self._finishing = False
         self.started = time.monotonic()
+        self.audit: AuditLog | None = None
+        """Ledger of applied updates (fault-injection runs only; a write per update under the lock)."""
         self.on_update: Callable[[int], None] | None = None
         """Called with the new version after each applied update, outside the lock (checkpoint trigger)."""
         self.metrics.watch_workers(self._worker_liveness)
@@ -189,6 +192,8 @@ class ParameterServer:
                 self.schedule.step()
             self.version += 1
             version = self.version
+            if self.audit is not None:
+                self.audit.applied(version, slot, seq)
             record.tracker.mark(seq)
             record.last_push = record.last_seen = time.monotonic()
             record.live = True

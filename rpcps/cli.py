@@ -62,6 +62,8 @@ SERVER = [
            metavar="T"),
     Option("--keep-checkpoints", "newest snapshots to keep", 3, positive_int, metavar="K"),
     Option("--resume", "auto (newest valid snapshot), never, or a snapshot directory", "auto", metavar="auto|never|PATH"),
+    Option("--audit-log", "append a ledger of every applied update to this file (fault-injection checks)", None,
+           metavar="PATH"),
     # ---- control plane (ps/control, docs/CONTROL.md) ----
     Option("--control-addr", "address the gRPC control plane (status, checkpoint, pause, resume, shutdown) listens on",
            "0.0.0.0"),
@@ -220,6 +222,7 @@ def server_config(values: dict[str, Any]) -> Any:
             resume=values["resume"],
         ),
         control=control_config(values),
+        audit_log=values["audit_log"],
     )
 
 

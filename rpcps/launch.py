@@ -144,6 +144,19 @@ class Supervisor:
         os.replace(tmp, path)
         return path
 
+    def write_children(self) -> Path:
+        """Writes each child's current pid, restarts and metrics port to children.json (tools read it)."""
+        path = self.run_dir / "children.json"
+        info = {
+            c.name: {"pid": c.process.pid if c.process else None, "restarts": c.restarts, "metrics_port": c.metrics_port}
+            for c in self.children
+        }
+        info["ps"]["control_port"] = self.control_port
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, path)
+        return path
+
     def run(self) -> int:
         started = time.monotonic()
         self.write_scrape_targets()
@@ -155,6 +168,7 @@ class Supervisor:
         self.server.start()
         for w in self.workers:
             w.start()
+        self.write_children()
         failed = False
         last_progress = 0.0
         try:
@@ -201,10 +215,11 @@ class Supervisor:
                     print(f"rpcps local: {child.name} exited with {code} and is out of restarts; see {child.log_path}", file=sys.stderr)
                     return False
                 child.restarts += 1
-                child.next_start = now + min(2.0 ** (child.restarts - 1), 30.0)
+                child.next_start = now + min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
                 print(f"rpcps local: {child.name} exited with {code}; restart {child.restarts}/{self.max_restarts}", flush=True)
             if now >= child.next_start:
                 child.start()
+                self.write_children()
         return True
 
     def _stop_all(self) -> None:
