@@ -68,6 +68,10 @@ class TransportError(RuntimeError):
     """The transport could not start (port in use, server unreachable)."""
 
 
+class JoinFailed(TransportError):
+    """The server's store answered but joining the RPC group failed; a fresh process may succeed."""
+
+
 def _options(config: TransportConfig, device_maps: dict[str, dict] | None = None) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=config.num_worker_threads,
@@ -114,7 +118,7 @@ def start_worker(config: TransportConfig, slot: int) -> str:
     try:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_options(config))
     except (RuntimeError, dist.DistError) as e:
-        raise TransportError(f"could not join the server at {config.address}: {str(e).splitlines()[0]}") from e
+        raise JoinFailed(f"could not join the server at {config.address}: {str(e).splitlines()[0]}") from e
     return name
 
 

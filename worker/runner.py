@@ -68,7 +68,12 @@ def run_worker(config: WorkerRunConfig) -> int:
         signal.signal(sig, on_signal)
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
     try:
-        name = transport.start_worker(config.transport, config.worker.worker_index)
+        try:
+            name = transport.start_worker(config.transport, config.worker.worker_index)
+        except transport.JoinFailed as e:
+            # The server answered but the group join failed half-way (e.g. a member that just left
+            # was still listed). torch's agent is unusable after that, so retry in a fresh process.
+            raise ServerUnreachable(str(e)) from e
         client = ServerClient(config.transport.rpc_timeout_s)
         trainer = Trainer(config.worker, client, name, metrics)
         summary = trainer.run()

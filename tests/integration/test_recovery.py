@@ -1,0 +1,181 @@
+"""Recovery with real processes: kill -9, SIGSTOP, SIGTERM, stray connections, broken disks.
+
+Each test asserts on what survives (ledger, snapshots on disk, metrics, exit codes); none sleeps to
+synchronise: they poll metrics or files with deadlines.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ps.checkpointer import verify_all
+from ps.snapshot_files import list_snapshots
+from rpcps.faults import ChaosPlan, Kill, run_chaos
+from tests.procs import ProcessGroup, free_port, try_scrape, wait_until
+
+pytestmark = pytest.mark.integration
+
+VERSION = "rpcps_server_model_version"
+
+
+def version(port: int) -> float:
+    return try_scrape(port).get(VERSION, -1)
+
+
+@pytest.mark.timeout(420)
+def test_kill_9_of_server_and_worker_mid_training_recovers_with_nothing_applied_twice(tmp_path: Path) -> None:
+    plan = ChaosPlan(workers=2, steps=600, checkpoint_every_updates=100,
+                     kills=(Kill("ps", 300), Kill("worker1", 600), Kill("ps", 900)), timeout_s=300)
+    result = run_chaos(plan, tmp_path / "chaos")
+    assert result.problems(plan) == [], (tmp_path / "chaos" / "local.log").read_text()[-3000:]
+    assert result.ledger.restarts == 3, "the server was started once and restarted after each of its two kills"
+    assert len(result.recovery_s) == 2 and all(r < 10.0 for r in result.recovery_s), result.recovery_s
+    baseline = run_chaos(ChaosPlan(workers=2, steps=600, checkpoint_every_updates=100), tmp_path / "baseline")
+    assert baseline.problems(plan) == [] or baseline.exit_code == 0
+    assert abs(result.summary["final_loss"] - baseline.summary["final_loss"]) < 0.25 * baseline.summary["final_loss"]
+    assert result.summary["restarts"] == {"ps": 2, "worker0": 0, "worker1": 1}
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_writes_a_final_snapshot_of_the_last_version(procs: ProcessGroup, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ps, port, mport = procs.ps("ps", "--checkpoint-dir", str(ckpt), "--checkpoint-every-seconds", "3600",
+                               "--summary-json", str(tmp_path / "ps.json"))
+    procs.worker("w0", port, 0, 1, "--steps", "100000")
+    wait_until(lambda: version(mport) >= 50, 60, "50 updates")
+    ps.send(signal.SIGTERM)
+    assert ps.wait(30) == 0
+    import json
+
+    final = json.loads((tmp_path / "ps.json").read_text())["model_version"]
+    snapshots = list_snapshots(ckpt)
+    assert snapshots and snapshots[0].name == f"step-{final:012d}"
+    assert verify_all(ckpt) == {snapshots[0]: None}
+
+
+@pytest.mark.timeout(150)
+def test_hung_server_is_waited_out_not_treated_as_dead(procs: ProcessGroup) -> None:
+    ps, port, mport = procs.ps("ps")
+    w0, wport = procs.worker("w0", port, 0, 1, "--steps", "600", "--rpc-timeout-s", "1", "--max-retries", "40")
+    wait_until(lambda: version(mport) >= 20, 60, "training to start")
+    ps.freeze()
+    try:
+        wait_until(lambda: try_scrape(wport).get("rpcps_worker_retries_total", 0) >= 2, 30, "the worker to retry")
+        assert w0.alive(), "a hung server must not make the worker exit"
+    finally:
+        ps.thaw()
+    assert w0.wait(120) == 0
+    metrics_after = try_scrape(mport)
+    assert metrics_after[VERSION] == 600, "every step applied exactly once despite the retries"
+    assert "lost the server" not in w0.stderr(), "a hang is not a death: no reconnect"
+
+
+@pytest.mark.timeout(150)
+def test_stray_connections_to_every_port_do_not_take_the_system_down(procs: ProcessGroup, tmp_path: Path) -> None:
+    control_port = free_port()
+    ps, port, mport = procs.ps("ps", "--checkpoint-dir", str(tmp_path / "ckpt"), "--control-port", str(control_port),
+                               "--control-addr", "127.0.0.1")
+    w0, _ = procs.worker("w0", port, 0, 2, "--steps", "1500")
+    wait_until(lambda: version(mport) >= 20, 60, "training to start")
+    for target in (port, mport, control_port):  # store, metrics, control: a scanner and some garbage
+        for payload in (b"", b"GET / HTTP/1.0\r\n\r\n", bytes(range(256)) * 4):
+            with socket.create_connection(("127.0.0.1", target), timeout=5) as s:
+                if payload:
+                    s.sendall(payload)
+    before = version(mport)
+    wait_until(lambda: version(mport) > before + 20, 30, "training to go on after the scan")
+    # TensorPipe's own listener closes on a bare connect; the server notices and restarts itself
+    # from a fresh snapshot (same pid: it re-executes), and workers rejoin.
+    tp_port = _tensorpipe_port(ps.pid, exclude={port, mport, control_port})
+    socket.create_connection(("127.0.0.1", tp_port), timeout=5).close()
+    wait_until(lambda: "restarting this server" in ps.stderr(), 30, "the server to notice its closed listener")
+    w1, _ = procs.worker("w1", port, 1, 2, "--steps", "30")
+    assert w1.wait(90) == 0, "a new worker must still be able to join"
+    assert w0.wait(120) == 0
+    assert ps.alive()
+    assert try_scrape(mport).get("rpcps_server_rpc_listener_lost_total") is not None
+
+
+def _tensorpipe_port(pid: int, exclude: set[int]) -> int:
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ports = {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if f"pid={pid}," in line}
+    (tp,) = ports - exclude
+    return tp
+
+
+@pytest.mark.timeout(120)
+def test_resume_into_a_different_model_is_refused_with_a_clear_message(procs: ProcessGroup, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ps, port, mport = procs.ps("ps", "--checkpoint-dir", str(ckpt))
+    procs.worker("w0", port, 0, 1, "--steps", "100000")
+    wait_until(lambda: version(mport) >= 10, 60, "training to start")
+    ps.send(signal.SIGTERM)
+    assert ps.wait(30) == 0
+    plugin = tmp_path / "plugins"
+    plugin.mkdir()
+    (plugin / "other_model.py").write_text(textwrap.dedent("""
+        import torch
+        def build():
+            return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    """))
+    other, _, _ = procs.ps("ps2", "--checkpoint-dir", str(ckpt), "--model", "other_model:build",
+                           extra_pythonpath=[plugin])
+    assert other.wait(60) == 2
+    err = other.stderr()
+    assert "different model" in err and "'0.weight'" in err and "Traceback" not in err
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs: small enough to fill on purpose. Needs root (CI runs as root)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.timeout(150)
+def test_full_then_read_only_disk_keeps_training_and_previous_snapshots(procs: ProcessGroup, tiny_disk: Path) -> None:
+    ckpt = tiny_disk / "ckpt"
+    ps, port, mport = procs.ps("ps", "--checkpoint-dir", str(ckpt), "--checkpoint-every-seconds", "0.5",
+                               "--keep-checkpoints", "1")
+    procs.worker("w0", port, 0, 1, "--steps", "100000")
+    first = wait_until(lambda: list_snapshots(ckpt), 60, "a first snapshot")[0]
+    failures = "rpcps_checkpoint_failures_total"
+
+    filler = tiny_disk / "filler"
+    with open(filler, "wb") as f:  # fill the disk to the last block
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    wait_until(lambda: try_scrape(mport).get(failures, 0) >= 2, 30, "snapshot writes to fail on a full disk")
+    v = version(mport)
+    wait_until(lambda: version(mport) > v + 20, 30, "training to go on with a full disk")
+    assert all(why is None for why in verify_all(ckpt).values()), "failed writes must not damage what is there"
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp-")], "no half-written snapshot left behind"
+
+    filler.unlink()
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_disk)], check=True)
+    seen = try_scrape(mport).get(failures, 0)
+    wait_until(lambda: try_scrape(mport).get(failures, 0) > seen, 30, "writes to fail on a read-only disk")
+    subprocess.run(["mount", "-o", "remount,rw", str(tiny_disk)], check=True)
+    newest_before = list_snapshots(ckpt)[0]
+    wait_until(lambda: list_snapshots(ckpt)[0] != newest_before, 30, "the next write to succeed once the disk is back")
+    assert ps.alive()
+    assert first != list_snapshots(ckpt)[0]
+    assert all(why is None for why in verify_all(ckpt).values())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up rpcps in ./.venv on a fresh machine (Python 3.11+). With --test, also what the tests need:
+# the test extras and Debian's prometheus package (prometheus + promtool; needs root or sudo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+"$python" -c 'import sys; assert sys.version_info >= (3, 11), "rpcps needs Python 3.11 or newer"'
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: a bare "torch" requirement on an empty environment pulls a multi-GB CUDA
+# build; pyproject.toml keeps a version range so a newer torch still satisfies it.
+.venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==${RPCPS_TORCH_VERSION:-2.13.0}"
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -m pip install -q -e '.[test]'
+  if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus iproute2
+  fi
+else
+  .venv/bin/python -m pip install -q -e .
+fi
+echo "rpcps is set up in $(pwd)/.venv"
