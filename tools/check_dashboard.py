@@ -263,10 +263,10 @@ def _current_value(var: dict[str, Any]) -> str | None:
 
 def _variable_query_expr(text: str) -> str | None:
     """The PromQL inside a Prometheus variable query: label_values(EXPR, label) or query_result(EXPR)."""
-    m = re.fullmatch(r"\s*label_values\((.*),\s*[a-zA-Z_][a-zA-Z0-9_]*\s*\)\s*", text, re.S)
+    m = re.fullmatch(r"\s*label_values\((.*),\s*[a-zA-Z_][a-zA-Z0-9_]*\s*\)\s*", text, re.DOTALL)
     if m:
         return m.group(1)
-    m = re.fullmatch(r"\s*query_result\((.*)\)\s*", text, re.S)
+    m = re.fullmatch(r"\s*query_result\((.*)\)\s*", text, re.DOTALL)
     return m.group(1) if m else None
 
 
@@ -308,7 +308,7 @@ def parse_errors(queries: list[Query], promtool: str) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="check-dashboard-") as tmp:
         path = Path(tmp) / "rules.yml"
         path.write_text(json.dumps(rules, indent=1))  # JSON is YAML
-        result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+        result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False)
     if result.returncode == 0:
         return []
     problems = []
