@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -80,9 +79,8 @@ def checkpoint_flags(run_dir: Path) -> list[str] | None:
     if "--checkpoint-dir" not in out:
         return None
     flags = ["--checkpoint-dir", str(run_dir / "checkpoints")]
-    every = re.search(r"--checkpoint-every[-a-z_]*", out)
-    if every:
-        flags += [every.group(), "1"]
+    if "--checkpoint-every-seconds" in out:
+        flags += ["--checkpoint-every-seconds", "1"]
     return flags
 
 
