@@ -34,7 +34,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import Metric
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DASHBOARD = Path("deploy") / "grafana" / "rpcps-dashboard.json"
@@ -167,8 +170,8 @@ def _matchers(expr: str, i: int) -> tuple[tuple[str, ...], int]:
 # ---- what rpcps defines ---------------------------------------------------------------------------
 
 
-def known_series() -> dict[str, frozenset[str] | None]:
-    """Sample name -> its label names (None: any label, for info metrics), from rpcps's own registries."""
+def rpcps_families() -> list[Metric]:
+    """Every metric family rpcps's processes expose, from the real registries (server, then worker)."""
     sys.path.insert(0, str(REPO))  # tools/ runs from a checkout, not an installed package
     from prometheus_client import CollectorRegistry
 
@@ -182,22 +185,30 @@ def known_series() -> dict[str, frozenset[str] | None]:
     build_info(server.registry, "ps", {})
     worker = WorkerMetrics(CollectorRegistry())
     build_info(worker.registry, "worker", {})
+    return [*server.registry.collect(), *worker.registry.collect()]
 
+
+def exposed_name(family: Metric) -> str:
+    """The name a person queries for a family: counters gain _total and info metrics _info."""
+    return family.name + {"counter": "_total", "info": "_info"}.get(family.type, "")
+
+
+def known_series() -> dict[str, frozenset[str] | None]:
+    """Sample name -> its label names (None: any label, for info metrics)."""
     series: dict[str, frozenset[str] | None] = dict(SCRAPE_SERIES)
-    for registry in (server.registry, worker.registry):
-        for family in registry.collect():
-            suffixes = {
-                "counter": ("_total", "_created"),
-                "histogram": ("_bucket", "_count", "_sum", "_created"),
-                "summary": ("_count", "_sum", "_created", ""),
-                "info": ("_info",),
-            }.get(family.type, ("",))
-            labels: set[str] = set()
-            for sample in family.samples:
-                labels.update(k for k in sample.labels if k != "le")
-            for suffix in suffixes:
-                extra = {"le"} if suffix == "_bucket" else set()
-                series[family.name + suffix] = None if family.type == "info" else frozenset(labels | extra)
+    for family in rpcps_families():
+        suffixes = {
+            "counter": ("_total", "_created"),
+            "histogram": ("_bucket", "_count", "_sum", "_created"),
+            "summary": ("_count", "_sum", "_created", ""),
+            "info": ("_info",),
+        }.get(family.type, ("",))
+        labels: set[str] = set()
+        for sample in family.samples:
+            labels.update(k for k in sample.labels if k != "le")
+        for suffix in suffixes:
+            extra = {"le"} if suffix == "_bucket" else set()
+            series[family.name + suffix] = None if family.type == "info" else frozenset(labels | extra)
     return series
 
 
