@@ -52,6 +52,9 @@ class ServerMetrics:
         self.workers_reaped = Counter(
             "rpcps_server_workers_reaped", "Worker processes found dead and removed from the RPC group.", registry=r
         )
+        self.rpc_listener_lost = Counter(
+            "rpcps_server_rpc_listener_lost", "Times the RPC listener was closed by a stray connection.", registry=r
+        )
         self.resumes = Counter("rpcps_server_resumes", "Times this server resumed from a checkpoint.", registry=r)
         self.resumed_version = Gauge("rpcps_server_resumed_from_version", "Model version of the checkpoint resumed from (-1: none).", registry=r)
         self.resumed_version.set(-1)

@@ -1,9 +1,11 @@
-"""Finds worker processes that died or left and removes them from the RPC group.
+"""Finds worker processes that died, hung or left, and removes them from the RPC group.
 
-Without this, the first worker that dies makes every later join fail (see ``rpcps.rpc_membership``).
-A worker silent for longer than its lease is pinged: a refused or reset connection means the process
-is gone and it is removed; a ping that times out means it is hung, so it is marked not live but kept,
-because it may wake up and carry on.
+Without this, the first worker that dies makes every later join fail (see ``rpcps.rpc_membership``),
+so dead members must go before their replacements arrive. Every sweep (1 s) pings every member in
+parallel: a refused or reset connection means the process is gone, and it is removed at once. A ping
+that times out means the process is hung: it is marked not live, and removed once it has been silent
+for longer than its lease (a hung member would also block every join); if it wakes up later, its
+calls fail and it restarts itself and rejoins.
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ logger = logging.getLogger(__name__)
 
 
 class MembershipReaper:
-    def __init__(self, server: ParameterServer, lease_s: float, token_max_age_s: float, interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        server: ParameterServer,
+        lease_s: float,
+        token_max_age_s: float = 5.0,
+        interval_s: float = 1.0,
+        ping_timeout_s: float = 2.0,
+    ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.server = server
         self.lease_s = lease_s
         self.interval_s = interval_s
+        self.ping_timeout_s = ping_timeout_s
         self._token_watch = rpc_membership.JoinTokenWatch(token_max_age_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="membership-reaper", daemon=True)
@@ -51,19 +61,25 @@ class MembershipReaper:
         self._token_watch.check(time.monotonic())
         for name in self.server.take_retired_rpc_names():
             self._forget(name)
-        silent = self.server.silent_workers(self.lease_s)
-        pings = [rpc.rpc_async(name, rpc_api.ping, timeout=2.0) for _, _, name in silent]
-        for (slot, incarnation, name), ping in zip(silent, pings):
+        members = self.server.member_workers()
+        pings = [rpc.rpc_async(name, rpc_api.ping, timeout=self.ping_timeout_s) for _, _, name, _ in members]
+        now = time.monotonic()
+        for (slot, incarnation, name, last_seen), ping in zip(members, pings):
             try:
                 ping.wait()
+                self.server.mark_alive(slot, incarnation)
+                continue
             except RuntimeError as e:
-                if classify_failure(e) == PEER_DEAD:
-                    logger.warning("worker slot %d (%s) is gone: %s", slot, name, str(e).splitlines()[0])
-                    self.server.mark_dead(slot, incarnation)
-                    self._forget(name)
-                else:
-                    logger.warning("worker slot %d (%s) does not answer (hung?); keeping it", slot, name)
-                    self.server.mark_silent(slot, incarnation)
+                failure = e
+            if classify_failure(failure) == PEER_DEAD:
+                logger.warning("worker slot %d (%s) is gone: %s", slot, name, str(failure).splitlines()[0])
+            elif now - last_seen > self.lease_s:
+                logger.warning("worker slot %d (%s) has been hung for %.0fs; removing it", slot, name, now - last_seen)
+            else:
+                self.server.mark_silent(slot, incarnation)
+                continue
+            self.server.mark_dead(slot, incarnation)
+            self._forget(name)
 
     def _forget(self, name: str) -> None:
         deadline = time.monotonic() + 5.0

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import threading
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from ps import rpc_api
+from ps.audit import AuditLog
+from ps.checkpointer import CheckpointConfig, Checkpointer, find_resume_point
+from ps.control.service import ControlConfig, start_control_server
 from ps.metrics import ServerMetrics
 from ps.reaper import MembershipReaper
 from ps.server import ParameterServer, ServerCoreConfig
 from rpcps import plugins, transport
+from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
+from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
 
 logger = logging.getLogger(__name__)
+
+RESTART_FROM_ENV = "RPCPS_RESTART_FROM"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -31,6 +42,12 @@ class ServerRunConfig:
     """A worker silent for this long is checked and, if its process is gone, removed."""
     progress_s: float = 5.0
     summary_json: str | None = None
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    audit_log: str | None = None
+    """Append a ledger of applied updates here (for fault-injection checks; costs a write per update)."""
+    control: ControlConfig = ControlConfig()
+    finish_timeout_s: float = 60.0
+    """On a control-plane Shutdown: how long to wait for workers to finish before stopping anyway."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -45,38 +62,153 @@ def run_server(config: ServerRunConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     metrics = ServerMetrics()
     build_info(metrics.registry, "ps", _flat_config(config))
-    http, _ = serve_metrics(metrics.registry, config.metrics_addr, config.metrics_port)
+    http, metrics_port = serve_metrics(metrics.registry, config.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    if config.audit_log:
+        server.audit = AuditLog(config.audit_log)
     logger.info(
         "model %s: %d parameters in %d chunks; optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), config.core.optimizer.name, config.core.optimizer.kwargs,
     )
-    transport.start_server(config.transport)
-    rpc_api.publish(server)
-    reaper = MembershipReaper(server, config.lease_s, token_max_age_s=config.transport.rpc_timeout_s + 5.0)
-    reaper.start()
-    logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.transport.address)
+    finish_workers = threading.Event()
+
+    def request_shutdown() -> None:
+        finish_workers.set()
+        stop.set()
+
+    control = start_control_server(server, config.control, checkpoint=None, request_shutdown=request_shutdown)
     try:
-        last_version = server.version
-        while not stop.wait(config.progress_s):
-            s = server.summary()
-            rate = (server.version - last_version) / config.progress_s
-            last_version = server.version
-            logger.info(
-                "version %d, %.1f updates/s, %d live workers, loss %s",
-                server.version, rate, len(server.workers.live()),
-                f"{s['final_loss']:.4f}" if s["final_loss"] is not None else "-",
-            )
+        checkpointer = _resume(server, config)
+        control.attach_checkpointer(checkpointer)
+        transport.start_server(config.transport)
+    except BaseException:
+        control.stop(grace_s=0)
+        http.shutdown()  # type: ignore[attr-defined]
+        raise
+    rpc_api.publish(server)
+    reaper = MembershipReaper(server, config.lease_s)
+    reaper.start()
+    if checkpointer is not None:
+        server.on_update = checkpointer.notify_update
+        checkpointer.start()
+    listener = ListenerWatch(exclude_ports={config.transport.port, metrics_port, control.port})
+    control.set_serving(True)
+    logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.transport.address)
+    restart_from: str | None = None
+    try:
+        progress = _Progress(server, config.progress_s)
+        while not stop.wait(1.0):
+            progress.maybe_log()
+            if listener.lost():
+                restart_from = _on_listener_lost(server, checkpointer, listener)
+                if restart_from is not None:
+                    break
         logger.info("stopping")
+        control.set_serving(False)
+        if finish_workers.is_set():
+            _finish_workers(server, config.finish_timeout_s)
         server.stop()
+        if checkpointer is not None and restart_from is None:
+            checkpointer.stop(final=True)
         write_summary(config.summary_json, server.summary())
     finally:
+        control.stop(grace_s=5)
         reaper.stop()
         rpc_api.withdraw()
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
+    if restart_from is not None:
+        restart_self({RESTART_FROM_ENV: restart_from})
     return 0
+
+
+def _finish_workers(server: ParameterServer, timeout_s: float) -> None:
+    """Tells workers to stop for good and waits (bounded) until none is live."""
+    server.finish()
+    deadline = time.monotonic() + timeout_s
+    while server.workers_live_count() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if server.workers_live_count():
+        logger.warning("%d workers still running after %.0fs; stopping anyway", server.workers_live_count(), timeout_s)
+
+
+class _Progress:
+    def __init__(self, server: ParameterServer, every_s: float) -> None:
+        self.server = server
+        self.every_s = every_s
+        self.last_time = time.monotonic()
+        self.last_version = server.version
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.last_time < self.every_s:
+            return
+        s, version = self.server.summary(), self.server.version
+        rate = (version - self.last_version) / (now - self.last_time)
+        self.last_time, self.last_version = now, version
+        logger.info(
+            "version %d, %.1f updates/s, %d live workers, loss %s",
+            version, rate, len(self.server.workers.live()),
+            f"{s['final_loss']:.4f}" if s["final_loss"] is not None else "-",
+        )
+
+
+def _on_listener_lost(server: ParameterServer, checkpointer: Checkpointer | None, listener: ListenerWatch) -> str | None:
+    """The RPC listener was closed under us (a stray connection to TensorPipe's port).
+
+    Running workers are unaffected, but no new worker could ever join. With checkpoints we take a
+    final snapshot and restart this process from it (workers rejoin by themselves); without, we
+    keep serving the workers we have and say loudly what is wrong. Returns the snapshot to restart from.
+    """
+    server.metrics.rpc_listener_lost.inc()
+    ports = listener.lost()
+    listener.watched.clear()  # report once
+    if checkpointer is None:
+        logger.error(
+            "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); running "
+            "workers carry on but no new worker can join; restart this server (and use --checkpoint-dir so it can "
+            "do that by itself), and keep the RPC ports reachable only from the training network", ports,
+        )
+        return None
+    logger.error(
+        "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); "
+        "taking a snapshot and restarting this server from it so workers can keep joining", ports,
+    )
+    server.stop()
+    checkpointer.stop(final=False)
+    path, _ = checkpointer.checkpoint_now()
+    return path
+
+
+def _resume(server: ParameterServer, config: ServerRunConfig) -> Checkpointer | None:
+    """Restores the server from a snapshot per --resume; returns the checkpointer (None when off)."""
+    checkpoint_config = config.checkpoint
+    restart_from = os.environ.pop(RESTART_FROM_ENV, None)
+    if restart_from:  # this process restarted itself from a snapshot it just wrote
+        checkpoint_config = replace(checkpoint_config, resume=restart_from)
+    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name)
+    if point is not None:
+        info, state = point
+        server.restore_state(state)
+        if server.audit is not None:
+            server.audit.resumed(info.version)
+        server.metrics.resumes.inc()
+        server.metrics.resumed_version.set(info.version)
+        logger.info("resumed from %s at version %d", info.path, info.version)
+    if config.checkpoint.directory is None:
+        return None
+    Path(config.checkpoint.directory).mkdir(parents=True, exist_ok=True)
+    meta = {
+        "signature": server.signature.to_wire(),
+        "signature_digest": server.signature.digest(),
+        "optimizer": config.core.optimizer.name,
+        "config": json.loads(json.dumps(asdict(config), default=str)),
+    }
+    checkpointer = Checkpointer(server, config.checkpoint, meta)
+    if point is not None:
+        checkpointer.adopt(point[0])
+    return checkpointer
 
 
 def _flat_config(config: ServerRunConfig) -> dict[str, Any]:

@@ -58,6 +58,13 @@ class WorkerTable:
         self.records[slot] = record
         return record
 
+    def restore(self, progress: dict[int, SequenceTracker]) -> None:
+        """Recreates slots from a snapshot: progress only; each slot is absent until it registers again."""
+        self.records = {
+            slot: WorkerRecord(slot=slot, rpc_name="", incarnation="", tracker=tracker, live=False, left=True)
+            for slot, tracker in progress.items()
+        }
+
     def get(self, slot: int, incarnation: str) -> WorkerRecord:
         record = self.records.get(slot)
         if record is None:

@@ -1,7 +1,8 @@
 """The command line: parses flags and environment into typed configs and hands off to a role.
 
 Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``local`` (a server plus N
-workers on this machine, supervised). Nothing but ``trainer_entry.py`` calls ``main``.
+workers on this machine, supervised), ``ctl`` (a client of a running server's control plane).
+Nothing but ``trainer_entry.py`` calls ``main``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ SERVER = [
     Option("--lease-s", "a worker silent this long is checked and removed if its process is gone", 10.0, positive_float),
     Option("--chunk-mb", "largest wire chunk in MiB (parameters are packed into chunks)", 16.0, positive_float),
     Option("--progress-s", "seconds between progress log lines", 5.0, positive_float),
+    Option("--checkpoint-dir", "directory for snapshots; unset disables checkpointing", None, metavar="DIR"),
+    Option("--checkpoint-every-updates", "snapshot after this many applied updates", None, positive_int, metavar="N"),
+    Option("--checkpoint-every-seconds", "snapshot at most this often while updates arrive", 60.0, positive_float,
+           metavar="T"),
+    Option("--keep-checkpoints", "newest snapshots to keep", 3, positive_int, metavar="K"),
+    Option("--resume", "auto (newest valid snapshot), never, or a snapshot directory", "auto", metavar="auto|never|PATH"),
+    Option("--audit-log", "append a ledger of every applied update to this file (fault-injection checks)", None,
+           metavar="PATH"),
+    # ---- control plane (ps/control, docs/CONTROL.md) ----
+    Option("--control-addr", "address the gRPC control plane (status, checkpoint, pause, resume, shutdown) listens on",
+           "0.0.0.0"),
+    Option("--control-port", "control-plane port; 0 picks a free one (logged)", 9500, non_negative_int),
+    Option("--control-token-file", "file holding the bearer token every control call must carry (recommended)", None,
+           metavar="PATH"),
+    Option("--tls-cert", "PEM certificate; with --tls-key the control plane speaks TLS only", None, metavar="PATH"),
+    Option("--tls-key", "PEM private key of --tls-cert", None, metavar="PATH"),
+    # ---- end control plane ----
 ]
 WORKER_TRAINING = [
     Option("--steps", "training steps per worker slot, counted across restarts", 300, non_negative_int),
@@ -84,6 +102,10 @@ LOCAL = [
 ]
 
 
+LOCAL_PICKS = ("--listen", "--metrics-port", "--control-addr", "--control-port")
+"""Server options ``local`` sets itself (loopback addresses, free ports)."""
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, list[Option]]]:
     parser = argparse.ArgumentParser(
         prog="rpcps",
@@ -94,7 +116,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, list[Option]]]:
     tables = {
         "ps": COMMON + SERVER,
         "worker": COMMON + WORKER,
-        "local": COMMON + [o for o in SERVER if o.flag not in ("--listen", "--metrics-port")] + WORKER_TRAINING + LOCAL,
+        "local": COMMON + [o for o in SERVER if o.flag not in LOCAL_PICKS] + WORKER_TRAINING + LOCAL,
     }
     helps = {
         "ps": "run a parameter server (one per job)",
@@ -104,6 +126,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, list[Option]]]:
     for role, options in tables.items():
         p = sub.add_parser(role, help=helps[role], description=helps[role])
         add_options(p, options)
+    # ---- ctl: control-plane client (rpcps/ctl.py builds its own options) ----
+    from rpcps import ctl
+
+    ctl.add_parser(sub)
+    # ---- end ctl ----
     return parser, tables
 
 
@@ -111,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, tables = build_parser()
     args = parser.parse_args(argv)
     sub = parser._subparsers._group_actions[0].choices[args.role]  # type: ignore[union-attr]
+    if args.role == "ctl":  # a client: no role logging, no role config
+        from rpcps import ctl
+
+        return ctl.run(args, sub)
     values = resolve(args, tables[args.role], sub)
     _configure_logging(args.role, values)
     log = logging.getLogger("rpcps")
@@ -154,6 +185,7 @@ def transport_config(values: dict[str, Any], host: str, port: int) -> Any:
 
 
 def server_config(values: dict[str, Any]) -> Any:
+    from ps.checkpointer import CheckpointConfig
     from ps.optim import OptimizerConfig
     from ps.runner import ServerRunConfig
     from ps.server import ServerCoreConfig
@@ -182,6 +214,28 @@ def server_config(values: dict[str, Any]) -> Any:
         lease_s=values["lease_s"],
         progress_s=values["progress_s"],
         summary_json=values["summary_json"],
+        checkpoint=CheckpointConfig(
+            directory=values["checkpoint_dir"],
+            every_updates=values["checkpoint_every_updates"],
+            every_seconds=values["checkpoint_every_seconds"],
+            keep=values["keep_checkpoints"],
+            resume=values["resume"],
+        ),
+        control=control_config(values),
+        audit_log=values["audit_log"],
+    )
+
+
+def control_config(values: dict[str, Any]) -> Any:
+    """The ps role's control-plane settings (for ServerRunConfig; see docs/CONTROL.md)."""
+    from ps.control.service import ControlConfig
+
+    return ControlConfig(
+        addr=values["control_addr"],
+        port=values["control_port"],
+        token_file=values["control_token_file"],
+        tls_cert=values["tls_cert"],
+        tls_key=values["tls_key"],
     )
 
 

@@ -98,10 +98,14 @@ class Supervisor:
         self.interrupted = False
         base = [sys.executable, entry]
         common = [o.dest for o in cli.COMMON if o.dest != "summary_json"]
-        server_only = [o.dest for o in cli.SERVER if o.dest not in ("listen", "metrics_port")]
+        server_only = [o.dest for o in cli.SERVER if o.flag not in cli.LOCAL_PICKS]
+        self.control_port = free_port()
         training = [o.dest for o in cli.WORKER_TRAINING]
         self.server = self._child(
-            "ps", base + ["ps", "--listen", f"127.0.0.1:{self.port}"] + _flags(values, common + server_only)
+            "ps",
+            base
+            + ["ps", "--listen", f"127.0.0.1:{self.port}", "--control-addr", "127.0.0.1", "--control-port", str(self.control_port)]
+            + _flags(values, common + server_only),
         )
         self.workers = [
             self._child(
@@ -140,13 +144,31 @@ class Supervisor:
         os.replace(tmp, path)
         return path
 
+    def write_children(self) -> Path:
+        """Writes each child's current pid, restarts and metrics port to children.json (tools read it)."""
+        path = self.run_dir / "children.json"
+        info = {
+            c.name: {"pid": c.process.pid if c.process else None, "restarts": c.restarts, "metrics_port": c.metrics_port}
+            for c in self.children
+        }
+        info["ps"]["control_port"] = self.control_port
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, path)
+        return path
+
     def run(self) -> int:
         started = time.monotonic()
         self.write_scrape_targets()
-        print(f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}", flush=True)
+        print(
+            f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}; "
+            f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}",
+            flush=True,
+        )
         self.server.start()
         for w in self.workers:
             w.start()
+        self.write_children()
         failed = False
         last_progress = 0.0
         try:
@@ -193,10 +215,11 @@ class Supervisor:
                     print(f"rpcps local: {child.name} exited with {code} and is out of restarts; see {child.log_path}", file=sys.stderr)
                     return False
                 child.restarts += 1
-                child.next_start = now + min(2.0 ** (child.restarts - 1), 30.0)
+                child.next_start = now + min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
                 print(f"rpcps local: {child.name} exited with {code}; restart {child.restarts}/{self.max_restarts}", flush=True)
             if now >= child.next_start:
                 child.start()
+                self.write_children()
         return True
 
     def _stop_all(self) -> None:

@@ -67,26 +67,26 @@ class ModelSignature:
             h.update(f"{p.name}|{p.shape}|{p.dtype};".encode())
         return h.hexdigest()[:16]
 
-    def first_difference(self, other: ModelSignature) -> str | None:
-        """Describes the first parameter where two signatures differ, or None when they are equal."""
-        mine = {p.name: p for p in self.params}
-        theirs = {p.name: p for p in other.params}
+    def first_difference(self, other: ModelSignature, ours: str = "the server", theirs: str = "the worker") -> str | None:
+        """Describes the first parameter where ``other`` differs from this signature, or None."""
+        mine = {p.name for p in self.params}
+        their_names = {p.name for p in other.params}
         for i, (a, b) in enumerate(zip(self.params, other.params)):
             if a == b:
                 continue
             if a.name != b.name:
                 if b.name not in mine:
-                    return f"parameter #{i} is {b.name!r}, which the server's model does not have (server has {a.name!r} there)"
-                if a.name not in theirs:
-                    return f"parameter #{i} {a.name!r} is missing from the worker's model"
-                return f"parameter #{i} is {b.name!r} on the worker but {a.name!r} on the server (different order)"
+                    return f"parameter #{i} is {b.name!r} in {theirs}, which {ours} does not have ({ours} has {a.name!r} there)"
+                if a.name not in their_names:
+                    return f"parameter #{i} {a.name!r} of {ours} is missing from {theirs}"
+                return f"parameter #{i} is {b.name!r} in {theirs} but {a.name!r} in {ours} (different order)"
             if a.shape != b.shape:
-                return f"parameter {a.name!r} has shape {list(b.shape)} on the worker but {list(a.shape)} on the server"
-            return f"parameter {a.name!r} has dtype {b.dtype} on the worker but {a.dtype} on the server"
+                return f"parameter {a.name!r} has shape {list(b.shape)} in {theirs} but {list(a.shape)} in {ours}"
+            return f"parameter {a.name!r} has dtype {b.dtype} in {theirs} but {a.dtype} in {ours}"
         if len(self.params) > len(other.params):
-            return f"parameter {self.params[len(other.params)].name!r} is missing from the worker's model"
+            return f"parameter {self.params[len(other.params)].name!r} of {ours} is missing from {theirs}"
         if len(other.params) > len(self.params):
-            return f"parameter {other.params[len(self.params)].name!r} is not in the server's model"
+            return f"parameter {other.params[len(self.params)].name!r} of {theirs} is not in {ours}"
         return None
 
 

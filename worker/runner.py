@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
 from rpcps import plugins, transport
 from rpcps.errors import ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.metrics_http import build_info, serve_metrics
+from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
 from worker.client import ServerClient, ServerTimeout, ServerUnreachable
 from worker.metrics import WorkerMetrics
@@ -87,10 +87,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         logger.warning("lost the server (%s); restarting this worker to rejoin (reconnect %d)", e, reconnects + 1)
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
-        os.environ[RECONNECTS_ENV] = str(reconnects + 1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+        restart_self({RECONNECTS_ENV: str(reconnects + 1)})
     except (SignatureMismatch, UnknownWorker) as e:
         logger.error("%s", e)
         return EXIT_REFUSED

@@ -1,0 +1,410 @@
+"""Serves the Control API and the standard gRPC Health service for one parameter server.
+
+What lives here: the servicer that turns Control calls into calls on the ``ParameterServer``, the
+checkpoint hook and the shutdown callback; the gRPC server around it (port, TLS, token); health
+states. What must not: checkpoint writing (``CheckpointHook``), the shutdown sequence itself (the
+runner, through ``request_shutdown``), anything on the training data path.
+
+Health: overall ("") and ``rpcps.control.v1.Control`` start NOT_SERVING, turn SERVING when the runner
+calls ``set_serving(True)`` (model loaded, resume done), and go back to NOT_SERVING for good once a
+shutdown is requested or the server stops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from ps.control import control_pb2, control_pb2_grpc
+from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
+from ps.control.hooks import CheckpointHook
+
+if TYPE_CHECKING:
+    from ps.server import ParameterServer
+
+logger = logging.getLogger(__name__)
+
+CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+METHODS = tuple(m.name for m in control_pb2.DESCRIPTOR.services_by_name["Control"].methods)
+MODE = "async"
+"""The server applies every push as it arrives; the only mode so far."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ControlConfig:
+    addr: str = "0.0.0.0"
+    """Address the control plane listens on."""
+    port: int = 9500
+    """Port of the control plane; 0 picks a free one (logged, and on the handle)."""
+    token_file: str | None = None
+    """File holding the bearer token every Control call must carry; None: no token required."""
+    tls_cert: str | None = None
+    """PEM certificate chain; with tls_key, the control plane speaks TLS only."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    threads: int = 4
+    """Threads answering control calls; a slow checkpoint holds one of them."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"control port must be in [0, 65535], got {self.port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: pass both for TLS, or neither for plaintext")
+        if not 1 <= self.threads <= 64:
+            raise ValueError(f"control threads must be in [1, 64], got {self.threads}")
+        if not self.addr:
+            raise ValueError("control addr must not be empty (use 0.0.0.0 for all interfaces)")
+
+
+class ControlMetrics:
+    """Counts control calls by method and outcome, so refusals and failures show on /metrics."""
+
+    CODES = tuple(c.name for c in grpc.StatusCode)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "rpcps_control_requests", "Control-plane calls by method and gRPC status code.", ["method", "code"], registry=registry
+        )
+        self.checkpoint_unreadable = Counter(
+            "rpcps_control_checkpoint_unreadable", "Status calls that could not read the newest checkpoint.", registry=registry
+        )
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry) -> ControlMetrics:
+        """The control series of ``registry``, registered on first use (a restarted control plane
+        keeps counting where it left off instead of failing on duplicate series)."""
+        with _METRICS_LOCK:
+            metrics = _METRICS.get(registry)
+            if metrics is None:
+                metrics = _METRICS[registry] = cls(registry)
+            return metrics
+
+    def count(self, method: str, code: grpc.StatusCode) -> None:
+        # Method names come from the wire on refused calls; anything unknown is folded into one
+        # label value so a scanner cannot create unbounded series.
+        self.requests.labels(method if method in METHODS else "unknown", code.name).inc()
+
+
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, ControlMetrics] = weakref.WeakKeyDictionary()
+_METRICS_LOCK = threading.Lock()
+
+
+class _Refused(Exception):
+    """A control call that cannot be honoured, with the status code and message the client sees."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_Handler = TypeVar("_Handler", bound=Callable[..., Any])
+
+
+def _control_call(method: _Handler) -> _Handler:
+    """Counts each call, maps _Refused to its status code and anything unexpected to INTERNAL."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: ControlServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            reply = method(self, request, context)
+        except _Refused as e:
+            logger.warning("control %s refused (%s): %s", name, e.code.name, e.message)
+            self.metrics.count(name, e.code)
+            context.abort(e.code, e.message)
+        except Exception as e:  # the client gets a clean line; the traceback stays in the server log
+            logger.exception("control %s failed", name)
+            self.metrics.count(name, grpc.StatusCode.INTERNAL)
+            context.abort(grpc.StatusCode.INTERNAL, f"{name} failed on the server: {type(e).__name__}: {e} (see the server log)")
+        self.metrics.count(name, grpc.StatusCode.OK)
+        return reply
+
+    return wrapper  # type: ignore[return-value]
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(
+        self,
+        server: ParameterServer,
+        checkpoint: CheckpointHook | None,
+        request_shutdown: Callable[[], None],
+        metrics: ControlMetrics,
+        health_servicer: health.HealthServicer,
+    ) -> None:
+        self.server = server
+        self.checkpoint = checkpoint
+        self.metrics = metrics
+        self.health = health_servicer
+        self._request_shutdown = request_shutdown
+        # Guards pause/resume/shutdown and health together, so a late set_serving(True) cannot
+        # undo the NOT_SERVING a concurrent Shutdown just set.
+        self._lock = threading.Lock()
+        # One control-plane checkpoint at a time: a second request waits for the first instead of
+        # racing it for the same directory.
+        self._checkpoint_lock = threading.Lock()
+        self.shutdown_requested = False
+        self.set_serving(False)
+
+    def set_serving(self, serving: bool) -> bool:
+        """Sets overall and Control health; returns False (and changes nothing) when asked to serve
+        after a shutdown was requested."""
+        with self._lock:
+            if serving and self.shutdown_requested:
+                return False
+            _set_health(self.health, serving)
+            return True
+
+    @_control_call
+    def GetStatus(self, request: control_pb2.GetStatusRequest, context: grpc.ServicerContext) -> control_pb2.GetStatusResponse:
+        s = self.server
+        now = time.monotonic()
+        # dict.copy() runs in C under the GIL, so it is a consistent snapshot even while an RPC
+        # thread registers a worker; iterating the live dict could raise "changed size".
+        records = sorted(s.workers.records.copy().values(), key=lambda r: r.slot)
+        workers = [
+            control_pb2.WorkerStatus(
+                slot=r.slot, last_push_age_seconds=None if r.last_push is None else max(0.0, now - r.last_push)
+            )
+            for r in records
+            if r.live and not r.left
+        ]
+        reply = control_pb2.GetStatusResponse(
+            model_version=s.version,
+            mode=MODE,
+            optimizer=s.config.optimizer.name,
+            paused=s.paused,
+            uptime_seconds=max(0.0, now - s.started),
+            workers=workers,
+            checkpointing_enabled=self.checkpoint is not None,
+            shutting_down=self.shutdown_requested,
+            server_id=s.server_id,
+        )
+        if self.checkpoint is not None:
+            # Status must answer even when the checkpoint directory is unreadable: that is exactly
+            # when an operator needs it, so the failure is reported in a field, not as an error.
+            try:
+                newest = self.checkpoint.newest()
+            except (OSError, RuntimeError) as e:
+                logger.warning("cannot read the newest checkpoint for status: %s", e)
+                self.metrics.checkpoint_unreadable.inc()
+                reply.checkpoint_error = str(e)
+                newest = None
+            if newest is not None:
+                path, version, committed = newest
+                reply.newest_checkpoint.CopyFrom(
+                    control_pb2.CheckpointInfo(path=path, version=version, age_seconds=max(0.0, time.time() - committed))
+                )
+        return reply
+
+    @_control_call
+    def Checkpoint(self, request: control_pb2.CheckpointRequest, context: grpc.ServicerContext) -> control_pb2.CheckpointResponse:
+        if self.checkpoint is None:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "checkpointing is not configured on this server; restart it with --checkpoint-dir DIR",
+            )
+        if self.shutdown_requested:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION, "the server is shutting down and writes its final checkpoint itself"
+            )
+        with self._checkpoint_lock:
+            started = time.monotonic()
+            try:
+                path, version = self.checkpoint.checkpoint_now()
+            except OSError as e:
+                raise _Refused(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"checkpoint failed: {e}; check free space and permissions of the checkpoint directory, then retry",
+                ) from e
+            except RuntimeError as e:
+                raise _Refused(grpc.StatusCode.INTERNAL, f"checkpoint failed: {e}") from e
+        logger.info("checkpoint on request: %s (version %d, %.2f s)", path, version, time.monotonic() - started)
+        return control_pb2.CheckpointResponse(path=path, version=version)
+
+    @_control_call
+    def Pause(self, request: control_pb2.PauseRequest, context: grpc.ServicerContext) -> control_pb2.PauseResponse:
+        with self._lock:
+            if self.shutdown_requested:
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "the server is shutting down; pausing would stall it")
+            changed = not self.server.paused
+            self.server.pause()
+        if changed:
+            logger.info("paused on request at version %d: pushes are held until resume", self.server.version)
+        return control_pb2.PauseResponse(changed=changed, model_version=self.server.version)
+
+    @_control_call
+    def Resume(self, request: control_pb2.ResumeRequest, context: grpc.ServicerContext) -> control_pb2.ResumeResponse:
+        with self._lock:
+            changed = self.server.paused
+            self.server.resume()
+        if changed:
+            logger.info("resumed on request at version %d", self.server.version)
+        return control_pb2.ResumeResponse(changed=changed, model_version=self.server.version)
+
+    @_control_call
+    def Shutdown(self, request: control_pb2.ShutdownRequest, context: grpc.ServicerContext) -> control_pb2.ShutdownResponse:
+        with self._lock:
+            if self.shutdown_requested:
+                return control_pb2.ShutdownResponse(changed=False)
+            self.shutdown_requested = True
+            _set_health(self.health, False)
+        logger.info("shutdown requested over the control plane; health is NOT_SERVING")
+        self._request_shutdown()
+        return control_pb2.ShutdownResponse(changed=True)
+
+
+class ControlServer:
+    """Handle on a running control plane, returned by ``start_control_server``."""
+
+    def __init__(self, grpc_server: grpc.Server, servicer: ControlServicer, host: str, port: int) -> None:
+        self._grpc_server = grpc_server
+        self._servicer = servicer
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.host = host
+        self.port = port
+        """The bound port (the chosen one when the config asked for 0)."""
+
+    @property
+    def address(self) -> str:
+        return f"{_bracket(self.host)}:{self.port}"
+
+    @property
+    def shutdown_requested(self) -> bool:
+        return self._servicer.shutdown_requested
+
+    def attach_checkpointer(self, checkpoint: CheckpointHook | None) -> None:
+        """Connects the checkpointer once resume is done (the control plane starts before it)."""
+        self._servicer.checkpoint = checkpoint
+
+    def set_serving(self, serving: bool) -> None:
+        """SERVING once the model is loaded and any resume is done; NOT_SERVING when shutting down.
+
+        Once a shutdown was requested or the server stopped, health stays NOT_SERVING.
+        """
+        if self._servicer.set_serving(serving):
+            logger.info("control plane health: %s", "SERVING" if serving else "NOT_SERVING")
+        else:
+            logger.info("control plane health stays NOT_SERVING: shutting down")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stops serving; calls in flight get ``grace_s`` seconds to finish. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        # Permanently NOT_SERVING: later set() calls are ignored by the health servicer.
+        self._servicer.health.enter_graceful_shutdown()
+        self._grpc_server.stop(grace_s).wait(grace_s + 5.0)
+        logger.info("control plane on %s stopped", self.address)
+
+
+def start_control_server(
+    server: ParameterServer,
+    config: ControlConfig,
+    *,
+    checkpoint: CheckpointHook | None,
+    request_shutdown: Callable[[], None],
+    registry: CollectorRegistry | None = None,
+) -> ControlServer:
+    """Starts the control plane and Health service in background threads; health is NOT_SERVING.
+
+    Args:
+        server: the parameter server to report on and pause/resume.
+        config: where to listen and how to secure it.
+        checkpoint: the checkpointer, or None when the server runs without --checkpoint-dir.
+        request_shutdown: starts the graceful shutdown (finish workers, final checkpoint, exit);
+            must return quickly, it runs on a control thread.
+        registry: where the control-call counter is registered; default: the server's registry.
+
+    Raises:
+        OSError: the port cannot be bound, or a token/TLS file cannot be read.
+        ValueError: the token file is empty or malformed.
+    """
+    token = read_token(config.token_file) if config.token_file else None
+    if config.token_file:
+        warn_if_readable_by_others(config.token_file)
+    credentials = _server_credentials(config)
+    metrics = ControlMetrics.of(registry if registry is not None else server.metrics.registry)
+
+    interceptors = []
+    if token is not None:
+        interceptors.append(
+            TokenInterceptor(
+                token,
+                f"/{CONTROL_SERVICE}/",
+                on_refused=lambda method: metrics.count(method.rsplit("/", 1)[-1], grpc.StatusCode.UNAUTHENTICATED),
+            )
+        )
+    grpc_server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="control"),
+        interceptors=interceptors,
+        # Without this, gRPC sets SO_REUSEPORT and a second server on the same port starts "fine"
+        # and steals half the calls; we want a clear bind error instead.
+        options=[("grpc.so_reuseport", 0)],
+    )
+    health_servicer = health.HealthServicer()  # starts SERVING; the servicer sets NOT_SERVING at once
+    servicer = ControlServicer(server, checkpoint, request_shutdown, metrics, health_servicer)
+    control_pb2_grpc.add_ControlServicer_to_server(servicer, grpc_server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+
+    target = f"{_bracket(config.addr)}:{config.port}"
+    try:
+        port = (
+            grpc_server.add_secure_port(target, credentials) if credentials else grpc_server.add_insecure_port(target)
+        )
+    except RuntimeError as e:  # newer grpcio raises; older ones return 0 (below)
+        raise OSError(f"cannot serve the control plane on {target}: {e}; choose another --control-port (0 picks a free one)") from e
+    if port == 0:
+        raise OSError(f"cannot serve the control plane on {target}; choose another --control-port (0 picks a free one)")
+    grpc_server.start()
+    handle = ControlServer(grpc_server, servicer, config.addr, port)
+    logger.info(
+        "control plane on %s (%s, %s)", handle.address, "TLS" if credentials else "plaintext",
+        "token required" if token else "no token",
+    )
+    if token is None and config.addr not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning(
+            "control plane on %s needs no token: anyone who can reach it can pause or stop training; "
+            "pass --control-token-file", handle.address,
+        )
+    return handle
+
+
+def _set_health(servicer: health.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in (health.OVERALL_HEALTH, CONTROL_SERVICE):
+        servicer.set(service, status)
+
+
+def _server_credentials(config: ControlConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    return grpc.ssl_server_credentials([(_read_pem(config.tls_key, "--tls-key"), _read_pem(config.tls_cert, "--tls-cert"))])
+
+
+def _read_pem(path: str, flag: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise OSError(f"cannot read {flag} {path}: {e.strerror or e}") from e
+    if b"-----BEGIN" not in data:
+        raise ValueError(f"{flag} {path} is not a PEM file (no '-----BEGIN' line)")
+    return data
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

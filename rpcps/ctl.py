@@ -1,0 +1,227 @@
+"""``rpcps ctl``: the command-line client of a parameter server's control plane.
+
+    python trainer_entry.py ctl status|checkpoint|pause|resume|shutdown --addr HOST:PORT
+        [--token-file F] [--tls-ca F] [--json] [--timeout-s S]
+
+Prints a human-readable answer (or one JSON object with ``--json``) on stdout. Any failure, be it an
+unreachable server, a refused token or a failed checkpoint, is one line on stderr and a non-zero
+exit status: 1 for a failed call, 2 for bad local input (a token or CA file that cannot be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from rpcps.options import Option, add_options, host_port, positive_float, resolve
+
+ACTIONS = ("status", "checkpoint", "pause", "resume", "shutdown")
+OPTIONS = [
+    Option("--addr", "HOST:PORT of the server's control plane (its --control-addr/--control-port)", ("127.0.0.1", 9500),
+           host_port, metavar="HOST:PORT"),
+    Option("--token-file", "file holding the token the server requires (its --control-token-file)", None, metavar="PATH"),
+    Option("--tls-ca", "PEM certificate that signed the server's --tls-cert; turns TLS on", None, metavar="PATH"),
+    Option("--timeout-s", "deadline of the call", 30.0, positive_float),
+]
+EXIT_CALL_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Adds the ``ctl`` subcommand to the top-level subparsers."""
+    help_ = "talk to a running server's control plane: status, checkpoint, pause, resume, shutdown"
+    p = sub.add_parser("ctl", help=help_, description=help_)
+    p.add_argument("action", choices=ACTIONS, help="what to ask the server")
+    add_options(p, OPTIONS)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    values = resolve(args, OPTIONS, parser)
+    # gRPC's C core logs connection failures to stderr on its own; the one line below says it better.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    import grpc
+
+    host, port = values["addr"]
+    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    prefix = f"rpcps ctl {args.action}"
+    try:
+        metadata = _metadata(values["token_file"])
+        channel = _channel(addr, values["tls_ca"])
+    except (OSError, ValueError) as e:
+        print(f"{prefix}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        with channel:
+            result = call(args.action, channel, metadata, values["timeout_s"])
+    except grpc.RpcError as e:
+        message = describe_error(addr, e.code(), e.details(), values["timeout_s"], tls=values["tls_ca"] is not None)  # type: ignore[attr-defined]
+        print(f"{prefix}: {message}", file=sys.stderr)
+        return EXIT_CALL_FAILED
+    result = {"address": addr, **result}
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else format_result(args.action, result))
+    return 0
+
+
+def call(action: str, channel: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> dict[str, Any]:
+    """Makes one control call and returns its answer as plain data (what --json prints)."""
+    from ps.control import control_pb2 as pb
+    from ps.control.control_pb2_grpc import ControlStub
+
+    stub = ControlStub(channel)
+    kw = {"metadata": metadata, "timeout": timeout_s}
+    if action == "status":
+        return {**status_dict(stub.GetStatus(pb.GetStatusRequest(), **kw)), "health": _health(channel, timeout_s)}
+    if action == "checkpoint":
+        r = stub.Checkpoint(pb.CheckpointRequest(), **kw)
+        return {"path": r.path, "version": r.version}
+    if action == "pause":
+        r = stub.Pause(pb.PauseRequest(), **kw)
+        return {"changed": r.changed, "model_version": r.model_version}
+    if action == "resume":
+        r = stub.Resume(pb.ResumeRequest(), **kw)
+        return {"changed": r.changed, "model_version": r.model_version}
+    if action == "shutdown":
+        return {"changed": stub.Shutdown(pb.ShutdownRequest(), **kw).changed}
+    raise ValueError(f"unknown action {action!r}; choose one of {list(ACTIONS)}")
+
+
+def status_dict(r: Any) -> dict[str, Any]:
+    """A GetStatusResponse as plain data; absent optional fields become None."""
+    newest = None
+    if r.HasField("newest_checkpoint"):
+        c = r.newest_checkpoint
+        newest = {"path": c.path, "version": c.version, "age_seconds": c.age_seconds}
+    return {
+        "model_version": r.model_version,
+        "mode": r.mode,
+        "optimizer": r.optimizer,
+        "paused": r.paused,
+        "shutting_down": r.shutting_down,
+        "uptime_seconds": r.uptime_seconds,
+        "server_id": r.server_id,
+        "workers": [
+            {"slot": w.slot, "last_push_age_seconds": w.last_push_age_seconds if w.HasField("last_push_age_seconds") else None}
+            for w in r.workers
+        ],
+        "checkpointing_enabled": r.checkpointing_enabled,
+        "newest_checkpoint": newest,
+        "checkpoint_error": r.checkpoint_error or None,
+    }
+
+
+def format_result(action: str, d: dict[str, Any]) -> str:
+    """The human-readable answer to one action."""
+    if action == "status":
+        return format_status(d)
+    if action == "checkpoint":
+        return f"checkpoint written: {d['path']} (version {d['version']})"
+    if action == "pause":
+        verb = "paused" if d["changed"] else "already paused"
+        return f"{verb} at version {d['model_version']}: pushes are held until resume"
+    if action == "resume":
+        verb = "resumed" if d["changed"] else "was not paused; running"
+        return f"{verb} at version {d['model_version']}"
+    if action == "shutdown":
+        if not d["changed"]:
+            return "shutdown already requested"
+        return "shutdown requested: the server tells its workers to finish, writes a final checkpoint and exits"
+    raise ValueError(f"unknown action {action!r}")
+
+
+def format_status(d: dict[str, Any]) -> str:
+    state = "shutting down" if d["shutting_down"] else "paused" if d["paused"] else "running"
+    if not d["checkpointing_enabled"]:
+        checkpoint = "not configured (--checkpoint-dir)"
+    elif d["checkpoint_error"]:
+        checkpoint = f"unreadable: {d['checkpoint_error']}"
+    elif d["newest_checkpoint"] is None:
+        checkpoint = "none yet"
+    else:
+        c = d["newest_checkpoint"]
+        checkpoint = f"{c['path']} (version {c['version']}, {format_age(c['age_seconds'])} ago)"
+    lines = [
+        f"server        {d.get('address', '?')} (id {d['server_id']})",
+        f"health        {d.get('health', '?')}",
+        f"state         {state}",
+        f"model version {d['model_version']}",
+        f"mode          {d['mode']}",
+        f"optimizer     {d['optimizer']}",
+        f"uptime        {format_age(d['uptime_seconds'])}",
+        f"checkpoint    {checkpoint}",
+        f"live workers  {len(d['workers'])}",
+    ]
+    for w in d["workers"]:
+        age = w["last_push_age_seconds"]
+        lines.append(f"  slot {w['slot']:<5} last push {'never' if age is None else format_age(age) + ' ago'}")
+    return "\n".join(lines)
+
+
+def format_age(seconds: float) -> str:
+    """A duration for people: 0.4s, 42s, 3m05s, 2h03m, 1d04h."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def describe_error(addr: str, code: Any, details: str | None, timeout_s: float, tls: bool = False) -> str:
+    """One line saying what went wrong with a call to ``addr`` and what to do about it."""
+    details = (details or "").strip() or "(no details)"
+    name = getattr(code, "name", str(code))
+    if name == "UNAUTHENTICATED":
+        return f"{addr} refused the call: {details} (check --token-file against the server's --control-token-file)"
+    if name == "DEADLINE_EXCEEDED":
+        return f"no answer from {addr} within {timeout_s:g} s (is it the control port? raise --timeout-s for slow checkpoints)"
+    if name == "UNAVAILABLE":
+        # A TLS/plaintext mismatch shows up as a bare "Socket closed" or a handshake error.
+        hint = ""
+        if not tls and "Socket closed" in details:
+            hint = " (if the server uses TLS, pass --tls-ca)"
+        elif tls and "andshake" in details:
+            hint = " (TLS failed: is the server plaintext? does --tls-ca match its certificate and name this host?)"
+        return f"{addr} is unavailable: {details}{hint}"
+    return f"{addr} answered {name}: {details}"
+
+
+def _metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
+    if token_file is None:
+        return ()
+    from ps.control.auth import bearer_metadata, read_token
+
+    return bearer_metadata(read_token(token_file))
+
+
+def _channel(addr: str, tls_ca: str | None) -> Any:
+    import grpc
+
+    if tls_ca is None:
+        return grpc.insecure_channel(addr)
+    try:
+        with open(tls_ca, "rb") as f:
+            ca = f.read()
+    except OSError as e:
+        raise OSError(f"cannot read --tls-ca {tls_ca}: {e.strerror or e}") from e
+    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=ca))
+
+
+def _health(channel: Any, timeout_s: float) -> str:
+    """Overall health of the server, or 'unknown' when it cannot be read (status still prints)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.RpcError:
+        return "unknown"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

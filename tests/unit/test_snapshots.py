@@ -1,0 +1,185 @@
+"""Snapshot files, checkpointer and resume, on real files in tmp_path (no processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ps.checkpointer import CheckpointConfig, Checkpointer, ResumeRefused, find_resume_point, verify_all
+from ps.optim import OptimizerConfig
+from ps.server import ParameterServer, ServerCoreConfig
+from ps.snapshot_files import InvalidSnapshot, list_snapshots, load_snapshot, read_manifest
+from rpcps.tasks import teacher_student_model
+
+
+def make_server(optimizer: str = "adam") -> ParameterServer:
+    return ParameterServer(teacher_student_model(), ServerCoreConfig(optimizer=OptimizerConfig(name=optimizer, kwargs={"lr": 0.01})))
+
+
+def gradient(server: ParameterServer, slot: int, seq: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(slot * 100_003 + seq)
+    return [torch.randn(n, generator=g) for n in server.layout.chunk_numels]
+
+
+def train(server: ParameterServer, steps: int, slot: int = 0, start: int = 0, rpc_name: str = "worker0_r1") -> None:
+    reg = server.register(slot, rpc_name, server.signature.to_wire())
+    for seq in range(start, start + steps):
+        assert server.push(slot, reg.incarnation, seq, server.version, gradient(server, slot, seq)).status == "applied"
+
+
+def checkpointer(server: ParameterServer, directory: Path, **kw: object) -> Checkpointer:
+    meta = {"signature": server.signature.to_wire(), "optimizer": server.config.optimizer.name}
+    return Checkpointer(server, CheckpointConfig(directory=str(directory), every_seconds=None, **kw), meta)  # type: ignore[arg-type]
+
+
+def test_snapshot_round_trip_continues_exactly(tmp_path: Path) -> None:
+    a = make_server()
+    train(a, 5)
+    path, version = checkpointer(a, tmp_path).checkpoint_now()
+    assert version == 5 and Path(path).name == "step-000000000005"
+
+    b = make_server()
+    point = find_resume_point(CheckpointConfig(directory=str(tmp_path)), b.signature, "adam")
+    assert point is not None
+    b.restore_state(point[1])
+    assert b.version == 5
+    assert b.register(0, "worker0_r2", b.signature.to_wire()).next_step == 5, "the slot's progress must survive"
+    # Both continue with the same gradients: the optimizer state came back exactly.
+    train(a, 3, start=5)
+    train(b, 3, start=5, rpc_name="worker0_r3")
+    for name, tensor in a.master_tensors().items():
+        assert torch.equal(tensor, b.master_tensors()[name]), name
+
+
+def corrupt(path: Path, how: str) -> None:
+    state = path / "state.pt"
+    if how == "truncated":
+        data = state.read_bytes()
+        state.write_bytes(data[: len(data) // 2])
+    elif how == "bitflip":
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        state.write_bytes(bytes(data))
+    elif how == "no-manifest":
+        (path / "manifest.json").unlink()
+    elif how == "bad-manifest":
+        (path / "manifest.json").write_text("{not json")
+
+
+@pytest.mark.parametrize("how", ["truncated", "bitflip", "no-manifest", "bad-manifest"])
+def test_resume_auto_skips_a_broken_newest_snapshot(tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    server = make_server()
+    cp = checkpointer(server, tmp_path, keep=5)
+    train(server, 3)
+    good, _ = cp.checkpoint_now()
+    train(server, 2, start=3)
+    bad, _ = cp.checkpoint_now()
+    corrupt(Path(bad), how)
+    with pytest.raises(InvalidSnapshot):
+        read_manifest(Path(bad)) if how != "bitflip" and how != "truncated" else load_snapshot(Path(bad))
+
+    fresh = make_server()
+    point = find_resume_point(CheckpointConfig(directory=str(tmp_path)), fresh.signature, "adam")
+    assert point is not None and str(point[0].path) == good and point[0].version == 3
+    assert "skipping snapshot" in caplog.text and Path(bad).name in caplog.text
+    # The broken one is moved aside (kept for inspection), so it never shadows later versions.
+    assert not Path(bad).exists()
+    assert any(p.name.startswith(".invalid-step-000000000005") for p in tmp_path.iterdir())
+
+
+def test_explicit_resume_path_that_is_broken_is_refused(tmp_path: Path) -> None:
+    server = make_server()
+    train(server, 2)
+    path, _ = checkpointer(server, tmp_path).checkpoint_now()
+    corrupt(Path(path), "bitflip")
+    with pytest.raises(ResumeRefused, match="checksum"):
+        find_resume_point(CheckpointConfig(directory=str(tmp_path), resume=path), server.signature, "adam")
+
+
+def test_resume_into_a_different_model_is_refused_naming_the_parameter(tmp_path: Path) -> None:
+    server = make_server()
+    train(server, 1)
+    checkpointer(server, tmp_path).checkpoint_now()
+    other = ParameterServer(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), ServerCoreConfig())
+    with pytest.raises(ResumeRefused, match=r"different model: parameter '0.weight' has shape \[128, 32\]"):
+        find_resume_point(CheckpointConfig(directory=str(tmp_path)), other.signature, "adam")
+
+
+def test_resume_into_a_different_optimizer_is_refused(tmp_path: Path) -> None:
+    server = make_server("adam")
+    train(server, 1)
+    checkpointer(server, tmp_path).checkpoint_now()
+    with pytest.raises(ResumeRefused, match="'adam' optimizer state but this server runs 'sgd'"):
+        find_resume_point(CheckpointConfig(directory=str(tmp_path)), server.signature, "sgd")
+
+
+def test_resume_never_refuses_a_directory_with_snapshots(tmp_path: Path) -> None:
+    server = make_server()
+    train(server, 1)
+    checkpointer(server, tmp_path).checkpoint_now()
+    with pytest.raises(ResumeRefused, match="already holds snapshots"):
+        find_resume_point(CheckpointConfig(directory=str(tmp_path), resume="never"), server.signature, "adam")
+
+
+def test_purge_keeps_the_newest_k_and_removes_dead_writers_leftovers(tmp_path: Path) -> None:
+    server = make_server()
+    cp = checkpointer(server, tmp_path, keep=2)
+    leftover = tmp_path / ".tmp-step-000000000001-999999999-1"  # a writer pid that cannot exist
+    leftover.mkdir()
+    for i in range(4):
+        train(server, 1, start=i)
+        cp.checkpoint_now()
+    assert [p.name for p in list_snapshots(tmp_path)] == ["step-000000000004", "step-000000000003"]
+    assert not leftover.exists()
+    assert all(why is None for why in verify_all(tmp_path).values())
+
+
+def test_a_failed_write_leaves_earlier_snapshots_intact_and_is_counted(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    server = make_server()
+    cp = checkpointer(server, directory)
+    train(server, 1)
+    first, _ = cp.checkpoint_now()
+    train(server, 1, start=1)
+    os.chmod(directory, 0o500)
+    renamed = tmp_path / "gone"
+    directory.rename(renamed)  # the directory vanishes (root ignores chmod, so remove it instead)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        cp.checkpoint_now()
+    assert server.metrics.registry.get_sample_value("rpcps_checkpoint_failures_total") == 1
+    renamed.rename(directory)
+    os.chmod(directory, 0o700)
+    assert verify_all(directory) == {Path(first): None}
+    path, version = cp.checkpoint_now()  # the next attempt works again
+    assert version == 2 and Path(path).exists()
+
+
+def test_manifest_records_config_signature_and_checksums(tmp_path: Path) -> None:
+    server = make_server()
+    train(server, 1)
+    path, _ = checkpointer(server, tmp_path).checkpoint_now()
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    assert manifest["version"] == 1
+    assert manifest["optimizer"] == "adam"
+    assert manifest["signature"][0][0] == "0.weight"
+    assert len(manifest["files"]["state.pt"]["sha256"]) == 64
+
+
+def test_snapshot_files_load_without_executing_code(tmp_path: Path) -> None:
+    """A state.pt holding a pickled callable is refused (weights_only), even with a valid manifest."""
+    server = make_server()
+    train(server, 1)
+    path = Path(checkpointer(server, tmp_path).checkpoint_now()[0])
+    torch.save({"evil": os.system}, path / "state.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    from ps.snapshot_files import _sha256
+
+    manifest["files"]["state.pt"] = {"size": (path / "state.pt").stat().st_size, "sha256": _sha256(path / "state.pt")}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InvalidSnapshot, match="cannot be loaded"):
+        load_snapshot(path)
