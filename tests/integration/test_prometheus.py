@@ -159,6 +159,6 @@ def test_server_down_alert_goes_pending_when_the_run_stops(monitored: Monitored)
         ]
 
     wait_for(lambda: scalar(monitored, 'up{job="rpcps-ps"}'), lambda v: v == 0, 30, 'up{job="rpcps-ps"} == 0')
-    # Pending, not firing: the rule holds for 1m before it fires, longer than this test waits.
-    wait_for(server_down, lambda s: s == ["pending"], 30, "RpcpsServerDown pending")
+    # Normally "pending": the rule holds for 1m before it fires; "firing" only on a very slow machine.
+    wait_for(server_down, lambda s: s in (["pending"], ["firing"]), 30, "RpcpsServerDown pending or firing")
 
