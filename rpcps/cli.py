@@ -86,6 +86,7 @@ WORKER_TRAINING = [
     Option("--heartbeat-s", "heartbeat interval of an idle worker", 2.0, positive_float),
     Option("--max-retries", "timeouts in a row on one call before a worker gives up on a hung server", 30, non_negative_int),
     Option("--max-reconnects", "times a worker restarts itself to reach a replaced server", 20, non_negative_int),
+    Option("--max-consecutive-rejects", "rejected pushes in a row before a worker stops (exit 4)", 10, positive_int),
 ]
 WORKER = [
     Option("--ps", "HOST:PORT of the server (its --listen)", None, host_port, metavar="HOST:PORT"),
@@ -264,6 +265,7 @@ def worker_config(values: dict[str, Any], parser: argparse.ArgumentParser) -> An
             loss=values["loss"],
             heartbeat_s=values["heartbeat_s"],
             max_retries=values["max_retries"],
+            max_consecutive_rejects=values["max_consecutive_rejects"],
         ),
         metrics_addr=values["metrics_addr"],
         metrics_port=metrics_port,

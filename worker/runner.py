@@ -57,15 +57,18 @@ def run_worker(config: WorkerRunConfig) -> int:
     build_info(metrics.registry, "worker", {"ps": config.transport.address, "slot": str(config.worker.worker_index)})
     http, _ = serve_metrics(metrics.registry, config.metrics_addr, config.metrics_port)
     trainer: Trainer | None = None
+    stopping = False
 
     def on_signal(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
         if trainer is not None:
-            trainer.stop()
-        else:
-            raise KeyboardInterrupt
+            trainer.stop()  # finish in-flight pushes, leave, write the summary
 
+    # Until the trainer exists the worker may sit inside torch's C++ connect/join for a long time,
+    # where a Python handler would not run: the default action ends it at once, with nothing to save.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, signal.SIG_DFL)
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
     try:
         try:
@@ -76,6 +79,8 @@ def run_worker(config: WorkerRunConfig) -> int:
             raise ServerUnreachable(str(e)) from e
         client = ServerClient(config.transport.rpc_timeout_s)
         trainer = Trainer(config.worker, client, name, metrics)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
         summary = trainer.run()
         summary["reconnects"] = reconnects
         try:
@@ -86,6 +91,9 @@ def run_worker(config: WorkerRunConfig) -> int:
         logger.info("done: %d steps, final loss %s", summary["steps"], summary["final_loss"])
         return EXIT_OK
     except (ServerUnreachable, ServerStopping, ServerTimeout) as e:
+        if stopping:
+            logger.info("stopped by signal while the server went away (%s)", e)
+            return EXIT_OK
         if reconnects >= config.max_reconnects:
             logger.error("lost the server (%s) and gave up after %d reconnects", e, reconnects)
             return EXIT_SERVER_LOST
@@ -99,8 +107,6 @@ def run_worker(config: WorkerRunConfig) -> int:
     except TooManyRejects as e:
         logger.error("%s", e)
         return EXIT_BAD_GRADIENTS
-    except KeyboardInterrupt:
-        return 130
     finally:
         transport.shutdown()
     raise AssertionError("unreachable")
