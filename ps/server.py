@@ -296,6 +296,11 @@ class ParameterServer:
                 if not r.left and r.last_seen < cutoff
             ]
 
+    def rpc_names(self) -> set[str]:
+        """RPC names of every slot's current registration (the reaper pings members not among them)."""
+        with self._lock:
+            return {r.rpc_name for r in self.workers.records.values()}
+
     def mark_dead(self, slot: int, incarnation: str) -> None:
         with self._lock:
             record = self.workers.records.get(slot)

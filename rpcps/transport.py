@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -116,6 +117,32 @@ def start_worker(config: TransportConfig, slot: int) -> str:
     except (RuntimeError, dist.DistError) as e:
         raise TransportError(f"could not join the server at {config.address}: {str(e).splitlines()[0]}") from e
     return name
+
+
+def leave_group(name: str, timeout_s: float = 5.0) -> bool:
+    """Asks the server to drop this process from the group's member list before it exits.
+
+    A process that exits while still listed makes every join in the meantime fail (and then hold
+    the group token for the store's timeout), until the server's reaper notices it is gone. Returns
+    True when the server confirmed; False (logged at debug) when it could not be asked in time.
+    """
+    from rpcps import rpc_membership
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            answer = rpc.rpc_sync(
+                SERVER_NAME, rpc_membership.forget_me, args=(name,), timeout=max(deadline - time.monotonic(), 0.5)
+            )
+        except RuntimeError as e:
+            logger.debug("could not leave the RPC group: %s", str(e).splitlines()[0])
+            return False
+        if answer != "busy":
+            return True
+        if time.monotonic() > deadline:
+            logger.debug("could not leave the RPC group: a join held the group token for %.0fs", timeout_s)
+            return False
+        time.sleep(0.05)  # a join holds the token for milliseconds
 
 
 def shutdown() -> None:

@@ -67,6 +67,7 @@ def run_worker(config: WorkerRunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
+    name: str | None = None
     try:
         name = transport.start_worker(config.transport, config.worker.worker_index)
         client = ServerClient(config.transport.rpc_timeout_s)
@@ -100,5 +101,7 @@ def run_worker(config: WorkerRunConfig) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        if name is not None:
+            transport.leave_group(name)  # bounded: fails fast (or in 5 s) when the server is gone
         transport.shutdown()
     raise AssertionError("unreachable")
