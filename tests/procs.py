@@ -1,0 +1,327 @@
+"""Starting, watching, signalling and always reaping real rpcps processes in tests.
+
+Used by the integration tests and by fault-injection tests: start a named ``trainer_entry.py``
+process, wait for a condition with a deadline, kill or stop a named process on purpose, scrape its
+/metrics. Every process is started in its own session, and ``ProcessGroup.reap`` ends it and every
+process it started (``local`` starts its children in sessions of their own), so a failing test never
+leaves a server holding a port behind it.
+
+Nothing here sleeps to synchronise: callers poll a predicate with ``wait_until``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY = REPO / "trainer_entry.py"
+LOG_TAIL_LINES = 40
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the kernel may hand it out again; use it soon)."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: all sockets stay bound until every port is chosen."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Polls ``predicate`` until it returns something truthy, and returns that.
+
+    Raises:
+        AssertionError: naming ``what`` when ``timeout`` seconds pass first. An exception raised by
+            the predicate propagates at once (a predicate that may fail transiently should catch it).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def scrape_metrics(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> dict[str, float]:
+    """Reads a /metrics endpoint into {sample: value}.
+
+    Unlabelled samples are keyed by their name (``rpcps_server_updates_applied_total``), labelled ones
+    by name and sorted labels (``rpcps_server_pushes_rejected_total{reason="shape"}``).
+
+    Raises:
+        OSError: the endpoint did not answer.
+    """
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if sample.labels:
+                key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}"
+            values[key] = sample.value
+    return values
+
+
+def try_scrape(port: int) -> dict[str, float]:
+    """scrape_metrics, or {} while the endpoint is not up yet (for ``wait_until`` predicates)."""
+    try:
+        return scrape_metrics(port)
+    except OSError:
+        return {}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (read from /proc, children before grandchildren)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name is in parentheses and may hold spaces; ppid is the 2nd field after it.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def child_env(extra_pythonpath: Iterable[Path | str] = (), **overrides: str) -> dict[str, str]:
+    """The environment of a child: this repo (and ``extra_pythonpath``) importable, one intra-op thread.
+
+    One thread per process because the test machine has two cores shared by a server and several
+    workers; oversubscribed OpenMP threads slow every process down several times. Inherited
+    ``RPCPS_*`` variables are dropped so the developer's shell cannot change what a test runs.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPCPS_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *map(str, extra_pythonpath)])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(overrides)
+    return env
+
+
+@dataclass
+class Proc:
+    """One started process, its logs, and ways to hurt it."""
+
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen
+    stdout_path: Path
+    stderr_path: Path
+    _files: list[IO[bytes]] = field(default_factory=list, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        parts = []
+        for label, path in (("stdout", self.stdout_path), ("stderr", self.stderr_path)):
+            text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+            parts.append(f"--- {self.name} {label} (last {len(text)} lines) ---\n" + "\n".join(text))
+        return "\n".join(parts)
+
+    def wait(self, timeout: float) -> int:
+        """Waits for the process to exit and returns its exit code.
+
+        Raises:
+            AssertionError: with the log tail, when it is still running after ``timeout`` seconds.
+        """
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} (pid {self.pid}) still running after {timeout:g}s\n{self.tail()}") from None
+
+    def send(self, sig: int) -> None:
+        """Sends ``sig`` to the process itself (not its group), if it is still running."""
+        if self.alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, without cleanup (a crash)."""
+        self.send(signal.SIGKILL)
+
+    def freeze(self) -> None:
+        """SIGSTOP: the process hangs; its sockets stay open (a hung peer)."""
+        self.send(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.send(signal.SIGCONT)
+
+
+class ProcessGroup:
+    """The processes one test started. ``reap`` ends them all; the ``procs`` fixture calls it."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, Proc] = {}
+
+    def __getitem__(self, name: str) -> Proc:
+        return self.procs[name]
+
+    def start(
+        self,
+        name: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        extra_pythonpath: Iterable[Path | str] = (),
+        script: Path | str | None = ENTRY,
+    ) -> Proc:
+        """Starts ``python script args...`` (``python args...`` when ``script`` is None) in the repo root.
+
+        stdout and stderr go to ``<name>.out`` and ``<name>.err`` in the log folder.
+        """
+        if name in self.procs and self.procs[name].alive():
+            raise ValueError(f"a process named {name!r} is still running in this test")
+        argv = [sys.executable, *([str(script)] if script is not None else []), *map(str, args)]
+        out = open(self.log_dir / f"{name}.out", "ab")  # noqa: SIM115 - closed by reap
+        err = open(self.log_dir / f"{name}.err", "ab")  # noqa: SIM115 - closed by reap
+        popen = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=dict(env) if env is not None else child_env(extra_pythonpath),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
+        proc = Proc(name, argv, popen, Path(out.name), Path(err.name), [out, err])
+        self.procs[name] = proc
+        return proc
+
+    def ps(self, name: str = "ps", *args: str, port: int | None = None, **kwargs: object) -> tuple[Proc, int, int]:
+        """Starts a server on 127.0.0.1 with free ports. Returns (process, rpc port, metrics port)."""
+        if port is None:
+            port, metrics_port = free_ports(2)
+        else:
+            metrics_port = free_port()
+        proc = self.start(
+            name,
+            ["ps", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args],
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return proc, port, metrics_port
+
+    def worker(self, name: str, port: int, index: int, num_workers: int, *args: str, **kwargs: object) -> tuple[Proc, int]:
+        """Starts a worker against the server on ``port``. Returns (process, metrics port)."""
+        metrics_port = free_port()
+        proc = self.start(
+            name,
+            [
+                "worker", "--ps", f"127.0.0.1:{port}", "--worker-index", str(index), "--num-workers", str(num_workers),
+                "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args,
+            ],
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return proc, metrics_port
+
+    def tails(self) -> str:
+        return "\n".join(p.tail() for p in self.procs.values())
+
+    def reap(self, grace_s: float = 15.0) -> list[str]:
+        """Ends every process (and its descendants): SIGTERM, then SIGKILL after ``grace_s``.
+
+        Stopped processes are continued so they can act on SIGTERM. Returns the names of the
+        processes that had to be killed. Never raises for a process that is already gone.
+        """
+        targets: dict[int, str] = {}
+        for proc in self.procs.values():
+            if proc.alive():
+                targets[proc.pid] = proc.name
+            for pid in descendants(proc.pid):
+                targets.setdefault(pid, f"{proc.name}/child {pid}")
+        for pid in targets:
+            _signal(pid, signal.SIGTERM)
+            _signal(pid, signal.SIGCONT)
+        deadline = time.monotonic() + grace_s
+        own = {p.pid: p for p in self.procs.values()}
+        while time.monotonic() < deadline and any(_running(pid, own) for pid in targets):
+            time.sleep(0.05)
+        killed = [name for pid, name in targets.items() if _running(pid, own)]
+        for pid in targets:
+            if _running(pid, own):
+                _signal(pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # unkillable (D state); say so rather than hang teardown
+                killed.append(f"{proc.name} (would not die)")
+            for f in proc._files:
+                f.close()
+        return killed
+
+
+def _running(pid: int, own: Mapping[int, Proc]) -> bool:
+    # Our own children must be waited for (poll) or they linger as zombies; others are reaped by init.
+    if pid in own:
+        return own[pid].alive()
+    return pid_alive(pid)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
