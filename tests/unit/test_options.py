@@ -131,3 +131,19 @@ def test_converters_accept_good_and_name_bad_values() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             fn(text)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["worker", "--steps", "-1"], "rpcps worker: error: argument --steps: -1 is not >= 0 (see `rpcps worker --help`)"),
+        (["worker", "--steps", "ten"], "rpcps worker: error: argument --steps: 'ten' is not an integer (see `rpcps worker --help`)"),
+        (["ps", "--listen", "nohost"], "rpcps ps: error: argument --listen: 'nohost' is not HOST:PORT (see `rpcps ps --help`)"),
+    ],
+)
+def test_bad_flag_is_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], line: str) -> None:
+    parser, _ = cli.build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]
