@@ -1,11 +1,17 @@
 """Finds worker processes that died, hung or left, and removes them from the RPC group.
 
 Without this, the first worker that dies makes every later join fail (see ``rpcps.rpc_membership``),
-so dead members must go before their replacements arrive. Every sweep (1 s) pings every member in
-parallel: a refused or reset connection means the process is gone, and it is removed at once. A ping
-that times out means the process is hung: it is marked not live, and removed once it has been silent
-for longer than its lease (a hung member would also block every join); if it wakes up later, its
-calls fail and it restarts itself and rejoins.
+so dead members must go before their replacements arrive. Every sweep (1 s) pings every group
+member in parallel, registered or not (a worker refused for its model, or killed while starting):
+
+- a refused or reset connection means the process is gone: it is removed at once;
+- a ping that times out means the process is hung: it is marked not live, and removed once it has
+  been silent for longer than its lease (a hung member would block every join); if it wakes up
+  later, its calls fail and it restarts itself and rejoins.
+
+Joins that failed half-way are dropped from the member list, and a join token left behind by a
+dead joiner is released. A removal that finds a join in progress is retried on the next sweep,
+never dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.distributed.rpc as rpc
 from ps import rpc_api
 from ps.server import ParameterServer
 from rpcps import rpc_membership
-from rpcps.transport import PEER_DEAD, classify_failure
+from rpcps.transport import PEER_DEAD, classify_failure, is_server_name
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,10 @@ class MembershipReaper:
         self.interval_s = interval_s
         self.ping_timeout_s = ping_timeout_s
         self._token_watch = rpc_membership.JoinTokenWatch(token_max_age_s)
+        self._to_forget: set[str] = set()
+        """Members to remove from the group; kept until a removal succeeds."""
+        self._first_silent: dict[str, float] = {}
+        """Unregistered members that stopped answering pings, and since when."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="membership-reaper", daemon=True)
 
@@ -59,37 +69,46 @@ class MembershipReaper:
 
     def sweep(self) -> None:
         self._token_watch.check(time.monotonic())
-        for name in self.server.take_retired_rpc_names():
-            self._forget(name)
-        members = self.server.member_workers()
-        pings = [rpc.rpc_async(name, rpc_api.ping, timeout=self.ping_timeout_s) for _, _, name, _ in members]
+        self._to_forget.update(self.server.take_retired_rpc_names())
+        registered = {name: (slot, incarnation, last_seen) for slot, incarnation, name, last_seen in self.server.member_workers()}
+        names = [n for n in rpc_membership.member_names() if not is_server_name(n) and n not in self._to_forget]
+        pings = [rpc.rpc_async(name, rpc_api.ping, timeout=self.ping_timeout_s) for name in names]
         now = time.monotonic()
-        for (slot, incarnation, name, last_seen), ping in zip(members, pings):
+        for name, ping in zip(names, pings):
+            owner = registered.get(name)
             try:
                 ping.wait()
-                self.server.mark_alive(slot, incarnation)
-                continue
             except RuntimeError as e:
-                failure = e
-            if classify_failure(failure) == PEER_DEAD:
-                logger.warning("worker slot %d (%s) is gone: %s", slot, name, str(failure).splitlines()[0])
-            elif now - last_seen > self.lease_s:
-                logger.warning("worker slot %d (%s) has been hung for %.0fs; removing it", slot, name, now - last_seen)
-            else:
-                self.server.mark_silent(slot, incarnation)
+                self._on_failed_ping(name, owner, e, now)
                 continue
-            self.server.mark_dead(slot, incarnation)
-            self._forget(name)
+            self._first_silent.pop(name, None)
+            if owner is not None:
+                self.server.mark_alive(owner[0], owner[1])
+        self._forget_pending()
 
-    def _forget(self, name: str) -> None:
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
+    def _on_failed_ping(self, name: str, owner: tuple[int, str, float] | None, error: RuntimeError, now: float) -> None:
+        if classify_failure(error) == PEER_DEAD:
+            logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
+        else:
+            silent_since = owner[2] if owner is not None else self._first_silent.setdefault(name, now)
+            if now - silent_since <= self.lease_s:
+                if owner is not None:
+                    self.server.mark_silent(owner[0], owner[1])
+                return
+            logger.warning("%s has not answered for %.0fs (hung); removing it", name, now - silent_since)
+        if owner is not None:
+            self.server.mark_dead(owner[0], owner[1])
+        self._first_silent.pop(name, None)
+        self._to_forget.add(name)
+
+    def _forget_pending(self) -> None:
+        try:
+            for name in sorted(self._to_forget):
                 if rpc_membership.forget_member(name):
                     self.server.metrics.workers_reaped.inc()
-                return
-            except RuntimeError as e:
-                if time.monotonic() > deadline:
-                    logger.error("could not remove %s from the RPC group: %s", name, e)
-                    return
-                time.sleep(0.1)
+                self._to_forget.discard(name)
+            for name in rpc_membership.forget_failed_joins():
+                logger.warning("removed %s, whose join failed, from the RPC group", name)
+                self.server.metrics.workers_reaped.inc()
+        except rpc_membership.TokenBusy:
+            logger.debug("a join is in progress; removing %s on the next sweep", sorted(self._to_forget))

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from rpcps.options import (
     Option,
@@ -107,8 +107,15 @@ LOCAL_PICKS = ("--listen", "--metrics-port", "--control-addr", "--control-port")
 """Server options ``local`` sets itself (loopback addresses, free ports)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags get one line on stderr that says where help is, not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, list[Option]]]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rpcps",
         description="rpcps: a fault-tolerant parameter server for PyTorch on torch.distributed.rpc. "
         "Precedence of settings: flag > RPCPS_* environment variable > torchrun's variables > default.",

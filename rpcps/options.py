@@ -69,35 +69,47 @@ def resolve(args: argparse.Namespace, options: Sequence[Option], parser: argpars
     return values
 
 
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A value a converter refuses. argparse prints an ArgumentTypeError's message as it is (a plain
+    ValueError becomes "invalid positive_int value"), and ``resolve`` catches it as a ValueError."""
+
+
 def host_port(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host:
-        raise ValueError(f"{text!r} is not HOST:PORT")
-    number = int(port)
+        raise BadValue(f"{text!r} is not HOST:PORT")
+    number = _number(int, port)
     if not 0 <= number <= 65535:
-        raise ValueError(f"port {number} is out of range")
+        raise BadValue(f"port {number} is out of range")
     return host.strip("[]"), number
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _number(int, text)
     if value < 1:
-        raise ValueError(f"{value} is not >= 1")
+        raise BadValue(f"{value} is not >= 1")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _number(int, text)
     if value < 0:
-        raise ValueError(f"{value} is not >= 0")
+        raise BadValue(f"{value} is not >= 0")
     return value
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
+    value = _number(float, text)
     if not value > 0:
-        raise ValueError(f"{value} is not > 0")
+        raise BadValue(f"{value} is not > 0")
     return value
+
+
+def _number(kind: type[int] | type[float], text: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise BadValue(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
 def csv(text: str) -> tuple[str, ...]:
@@ -107,7 +119,10 @@ def csv(text: str) -> tuple[str, ...]:
 def json_object(text: str) -> dict[str, Any]:
     import json
 
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise BadValue(f"{text!r} is not valid JSON ({e})") from None
     if not isinstance(value, dict):
-        raise ValueError("expected a JSON object like '{\"lr\": 0.1}'")
+        raise BadValue("expected a JSON object like '{\"lr\": 0.1}'")
     return value

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
+import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -64,6 +66,10 @@ class TransportConfig:
         return f"{self.host}:{self.port}"
 
 
+def is_server_name(name: str) -> bool:
+    return name == SERVER_NAME
+
+
 class TransportError(RuntimeError):
     """The transport could not start (port in use, server unreachable)."""
 
@@ -98,19 +104,23 @@ def start_server(config: TransportConfig) -> None:
 
 def start_worker(config: TransportConfig, slot: int) -> str:
     """Waits for the server's store, takes a fresh rank and joins the group. Returns the RPC name."""
+    unreachable = TransportError(
+        f"no parameter server answered at {config.address} within {config.connect_timeout_s:g}s; "
+        "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
+    )
+    deadline = time.monotonic() + config.connect_timeout_s
+    if not _wait_for_listener(config.host, config.port, deadline):
+        raise unreachable
     try:
         store = dist.TCPStore(
             config.host,
             config.port,
             is_master=False,
-            timeout=datetime.timedelta(seconds=config.connect_timeout_s),
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
         )
         rank = int(store.add(_RANK_COUNTER_KEY, 1))
     except (RuntimeError, dist.DistError) as e:
-        raise TransportError(
-            f"no parameter server answered at {config.address} within {config.connect_timeout_s:g}s; "
-            "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
-        ) from e
+        raise unreachable from e
     if rank > _MAX_RANK:
         raise TransportError(f"the server at {config.address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
@@ -120,6 +130,50 @@ def start_worker(config: TransportConfig, slot: int) -> str:
     except (RuntimeError, dist.DistError) as e:
         raise JoinFailed(f"could not join the server at {config.address}: {str(e).splitlines()[0]}") from e
     return name
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> bool:
+    """Polls with plain TCP connects until something listens on the server's store port.
+
+    c10d's store client prints a C++ stack trace to stderr for every failed connect; waiting here
+    first keeps a worker started before its server (or pointed at the wrong port) quiet, with one
+    clear error at the deadline. This probes the store's port only: a bare connect to TensorPipe's
+    own listening port can wedge that agent (shared/research/torch-rpc-facts.md).
+    """
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.1)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+def leave_group(name: str, timeout_s: float = 5.0) -> bool:
+    """Asks the server to drop this process from the group's member list before it exits.
+
+    A process that exits while still listed makes every join in the meantime fail (and then hold
+    the group token for the store's timeout), until the server's reaper notices it is gone. Returns
+    True when the server confirmed; False (logged at debug) when it could not be asked in time.
+    """
+    from rpcps import rpc_membership
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            answer = rpc.rpc_sync(
+                SERVER_NAME, rpc_membership.forget_me, args=(name,), timeout=max(deadline - time.monotonic(), 0.5)
+            )
+        except RuntimeError as e:
+            logger.debug("could not leave the RPC group: %s", str(e).splitlines()[0])
+            return False
+        if answer != "busy":
+            return True
+        if time.monotonic() > deadline:
+            logger.debug("could not leave the RPC group: a join held the group token for %.0fs", timeout_s)
+            return False
+        time.sleep(0.05)  # a join holds the token for milliseconds
 
 
 def shutdown() -> None:

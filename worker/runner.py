@@ -70,6 +70,7 @@ def run_worker(config: WorkerRunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
+    name: str | None = None
     try:
         try:
             name = transport.start_worker(config.transport, config.worker.worker_index)
@@ -108,5 +109,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         logger.error("%s", e)
         return EXIT_BAD_GRADIENTS
     finally:
+        if name is not None:
+            transport.leave_group(name)  # bounded: fails fast (or in 5 s) when the server is gone
         transport.shutdown()
     raise AssertionError("unreachable")

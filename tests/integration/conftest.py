@@ -1,0 +1,31 @@
+"""Helpers shared by the integration tests (real processes on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.procs import Proc, try_scrape, wait_until
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def wait_for_updates(metrics_port: int, at_least: int, timeout: float = 60.0, proc: Proc | None = None) -> dict[str, float]:
+    """Polls a server's /metrics until it has applied ``at_least`` updates; fails early if ``proc`` died."""
+
+    def ready() -> dict[str, float] | None:
+        if proc is not None:
+            assert proc.alive(), f"{proc.name} exited with {proc.returncode} while we waited for updates\n{proc.tail()}"
+        metrics = try_scrape(metrics_port)
+        return metrics if metrics.get("rpcps_server_updates_applied_total", 0) >= at_least else None
+
+    return wait_until(ready, timeout, f"{at_least} updates on the server's /metrics (port {metrics_port})")
+
+
+def assert_learned(summary: dict[str, Any], factor: float = 0.75) -> None:
+    first, last = summary["initial_loss"], summary["final_loss"]
+    assert first is not None and last is not None, summary
+    assert last < factor * first, f"loss went {first:.4f} -> {last:.4f}; expected below {factor} x the initial loss"

@@ -1,0 +1,72 @@
+"""Bad settings and an unreachable server: one clear line on stderr, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from tests.procs import ProcessGroup, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _assert_one_clear_error(stderr: str, role: str, message: str) -> None:
+    errors = [line for line in stderr.splitlines() if re.match(rf"rpcps {role}: error: ", line)]
+    assert len(errors) == 1, stderr
+    assert message in errors[0], stderr
+    for noise in ("Traceback", "frame #", "Exception raised from"):
+        assert noise not in stderr, f"stderr holds {noise!r}:\n{stderr}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "argument --steps: -1 is not >= 0"),
+        (["ps", "--optimizer", "nope"], 2, "argument --optimizer: invalid choice: 'nope'"),
+        (["ps", "--metrics-port", "0", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'], 2,
+         "optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', 'momentum'"),
+        (["ps", "--metrics-port", "0", "--model", "no_such_module:model"], 2,
+         "--model 'no_such_module:model': cannot import 'no_such_module'"),
+        (["worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"], 2,
+         "worker_index must be in [0, 2) for 2 workers, got 2"),
+    ],
+    ids=["negative-steps", "unknown-optimizer", "unknown-optimizer-setting", "unimportable-model", "worker-index"],
+)
+@pytest.mark.timeout(60)
+def test_bad_settings_fail_with_one_line(procs: ProcessGroup, argv: list[str], code: int, message: str) -> None:
+    proc = procs.start("cli", argv)
+    assert proc.wait(45) == code
+    _assert_one_clear_error(proc.stderr(), argv[0], message)
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_server_fails_with_one_line(procs: ProcessGroup) -> None:
+    port = free_port()  # nothing listens there
+    worker, _ = procs.worker("worker0", port, 0, 1, "--connect-timeout-s", "2")
+    assert worker.wait(45) == 1
+    _assert_one_clear_error(worker.stderr(), "worker", f"no parameter server answered at 127.0.0.1:{port} within 2s")
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_server_on_a_port_in_use_says_so(procs: ProcessGroup, busy_port: int) -> None:
+    ps, _, _ = procs.ps(port=busy_port)
+    assert ps.wait(45) == 1
+    _assert_one_clear_error(ps.stderr(), "ps", f"port {busy_port} on 127.0.0.1 is already in use")
+
+
+@pytest.mark.timeout(60)
+def test_metrics_port_in_use_says_so(procs: ProcessGroup, busy_port: int) -> None:
+    ps = procs.start("ps", ["ps", "--listen", f"127.0.0.1:{free_port()}", "--metrics-port", str(busy_port)])
+    assert ps.wait(45) == 1
+    _assert_one_clear_error(ps.stderr(), "ps", f"cannot serve metrics on 0.0.0.0:{busy_port}: Address already in use")

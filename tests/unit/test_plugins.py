@@ -1,0 +1,81 @@
+"""Loading model/data/loss plug-ins from 'package.module:name' specs; every failure names the spec."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rpcps import plugins
+from rpcps.plugins import PluginError
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "my_plugin_mod.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            NOT_CALLABLE = 3
+
+            def model():
+                return torch.nn.Linear(2, 2)
+
+            def not_a_model():
+                return "linear"
+
+            def data(worker_index, num_workers):
+                return [(torch.zeros(1, 2), torch.zeros(1, 2))] * (worker_index + num_workers)
+
+            def loss(out, target):
+                return (out - target).abs().mean()
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_plugin_error_is_a_value_error() -> None:
+    # cli.main turns ValueError into "error: ..." and exit code 2; plug-in errors must take that path.
+    assert issubclass(PluginError, ValueError)
+
+
+@pytest.mark.parametrize("spec", ["no_colon", ":model", "module:", ""])
+def test_malformed_spec_shows_the_expected_form(spec: str) -> None:
+    with pytest.raises(PluginError, match=f"--model '{spec}' must look like 'package.module:name'"):
+        plugins.load_model(spec)
+
+
+def test_unimportable_module_suggests_pythonpath() -> None:
+    with pytest.raises(PluginError, match=r"--model 'no_such_mod_xyz:m': cannot import 'no_such_mod_xyz' .*is it on PYTHONPATH\?"):
+        plugins.load_model("no_such_mod_xyz:m")
+
+
+def test_missing_attribute_is_named(plugin_dir: Path) -> None:
+    with pytest.raises(PluginError, match="--data 'my_plugin_mod:nope': module 'my_plugin_mod' has no attribute 'nope'"):
+        plugins.load_data("my_plugin_mod:nope", 0, 1)
+
+
+def test_factory_returning_a_non_module_is_refused(plugin_dir: Path) -> None:
+    with pytest.raises(PluginError, match="--model 'my_plugin_mod:not_a_model' returned str, expected a torch.nn.Module"):
+        plugins.load_model("my_plugin_mod:not_a_model")
+
+
+def test_good_specs_load(plugin_dir: Path) -> None:
+    assert isinstance(plugins.load_model("my_plugin_mod:model"), torch.nn.Linear)
+    assert len(plugins.load_data("my_plugin_mod:data", 2, 3)) == 5
+    loss = plugins.load_loss("my_plugin_mod:loss")
+    assert float(loss(torch.ones(2), torch.zeros(2))) == 1.0
+    assert plugins.load_loss("mse") is F.mse_loss
+
+
+def test_bad_loss_specs_are_explained(plugin_dir: Path) -> None:
+    with pytest.raises(PluginError, match=r"--loss 'l1': use one of \['cross_entropy', 'mse'\] or 'package.module:function'"):
+        plugins.load_loss("l1")
+    with pytest.raises(PluginError, match="--loss 'my_plugin_mod:NOT_CALLABLE' is not callable"):
+        plugins.load_loss("my_plugin_mod:NOT_CALLABLE")

@@ -1,0 +1,67 @@
+"""The test machinery itself: polling, scraping, and reaping process trees even when they resist."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from tests.procs import ProcessGroup, descendants, free_ports, pid_alive, scrape_metrics, wait_until
+
+
+def test_wait_until_returns_the_truthy_value_and_names_what_timed_out() -> None:
+    calls = iter([0, None, "ready"])
+    assert wait_until(lambda: next(calls), timeout=5, what="x", interval=0) == "ready"
+    with pytest.raises(AssertionError, match="timed out after 0.2s waiting for the moon"):
+        wait_until(lambda: False, timeout=0.2, what="the moon")
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5
+
+
+def test_scrape_metrics_keys_labelled_and_unlabelled_samples() -> None:
+    registry = CollectorRegistry()
+    Counter("demo_things", "d", ["kind"], registry=registry).labels("b").inc(2)
+    Gauge("demo_level", "d", registry=registry).set(1.5)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        values = scrape_metrics(server.server_address[1])
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+    assert values['demo_things_total{kind="b"}'] == 2
+    assert values["demo_level"] == 1.5
+
+
+# A parent that ignores SIGTERM and starts a child in a session of its own (as `rpcps local` does).
+_STUBBORN = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    print(child.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_reap_ends_a_stubborn_tree_and_a_stopped_process(tmp_path: Path) -> None:
+    script = tmp_path / "stubborn.py"
+    script.write_text(_STUBBORN)
+    group = ProcessGroup(tmp_path / "logs")
+    parent = group.start("parent", [], script=script)
+    sleeper = group.start("sleeper", ["-c", "import time; time.sleep(600)"], script=None)
+    child_pid = int(wait_until(lambda: parent.stdout().strip(), timeout=20, what="the child's pid"))
+    assert child_pid in descendants(parent.pid)
+    sleeper.freeze()
+    killed = group.reap(grace_s=1.0)
+    assert "parent" in killed  # it ignored SIGTERM
+    assert not parent.alive() and not sleeper.alive()
+    assert sleeper.returncode == -signal.SIGTERM  # continued, then ended by SIGTERM
+    wait_until(lambda: not pid_alive(child_pid), timeout=10, what="the grandchild to die")
