@@ -16,7 +16,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,6 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint every_seconds must be > 0, got {self.every_seconds}")
         if self.keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep}")
-        if self.directory is None and self.resume not in ("auto", "never"):
-            raise ValueError("--resume PATH needs --checkpoint-dir for the snapshots that follow")
 
 
 class CheckpointUnavailable(RuntimeError):
@@ -207,8 +205,33 @@ class ResumeRefused(ValueError):
     """The chosen snapshot cannot be resumed into this server (different model or optimizer)."""
 
 
+def shard_checkpoint_config(config: CheckpointConfig, shard_index: int, shard_count: int) -> CheckpointConfig:
+    """Where shard ``shard_index`` of ``shard_count`` keeps its snapshots.
+
+    One server writes into --checkpoint-dir itself; shards write into ``shard-K-of-S`` below it.
+    A directory laid out for another shard count is refused: resuming S shards from snapshots of a
+    different partition would silently start from scratch or mix parameters.
+    """
+    if config.directory is None:
+        return config
+    root = Path(config.directory)
+    layouts = {p.name for p in root.glob("shard-*-of-*") if p.is_dir() and list_snapshots(p)}
+    if list_snapshots(root):
+        layouts.add("unsharded")
+    mine = "unsharded" if shard_count == 1 else f"shard-{shard_index}-of-{shard_count}"
+    others = sorted(name for name in layouts if not (name == mine or name.endswith(f"-of-{shard_count}")))
+    if others and config.resume != "never":
+        raise ResumeRefused(
+            f"{root} holds snapshots of a different number of shards ({', '.join(others)}), but this server is {mine}; "
+            "resume with the same --shards, or point --checkpoint-dir at an empty directory"
+        )
+    if shard_count == 1:
+        return config
+    return replace(config, directory=str(root / mine))
+
+
 def find_resume_point(
-    config: CheckpointConfig, signature: ModelSignature, optimizer: str
+    config: CheckpointConfig, signature: ModelSignature, optimizer: str, partition: str | None = None
 ) -> tuple[SnapshotInfo, dict[str, Any]] | None:
     """Picks the snapshot to resume from per ``config.resume``; None to start fresh.
 
@@ -244,6 +267,11 @@ def find_resume_point(
             _quarantine(path)
             continue
         _check_compatible(path, manifest, signature, optimizer)
+        if partition is not None and manifest.get("partition_digest", partition) != partition:
+            raise ResumeRefused(
+                f"snapshot {path} belongs to a different partition of the model (other --shards); resume with the "
+                "same --shards or start a fresh --checkpoint-dir"
+            )
         info = SnapshotInfo(path, int(manifest["version"]), float(manifest["created_unix"]),
                             sum(f["size"] for f in manifest["files"].values()))
         return info, state
@@ -253,7 +281,7 @@ def find_resume_point(
 
 def _check_compatible(path: Path, manifest: dict[str, Any], signature: ModelSignature, optimizer: str) -> None:
     theirs = ModelSignature.from_wire(manifest.get("signature", []))
-    diff = signature.first_difference(theirs, ours="this server's model", theirs="the snapshot")
+    diff = signature.first_difference(theirs, ours="server", theirs="snapshot")
     if diff is not None:
         raise ResumeRefused(
             f"snapshot {path} was written for a different model: {diff}; "

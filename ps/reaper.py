@@ -12,6 +12,11 @@ member in parallel, registered or not (a worker refused for its model, or killed
 Joins that failed half-way are dropped from the member list, and a join token left behind by a
 dead joiner is released. A removal that finds a join in progress is retried on the next sweep,
 never dropped.
+
+Only shard 0, which hosts the group's store, changes the member list (``owns_group``). Other
+shards only mark their workers dead or alive (so sync rounds stop waiting for the dead), and watch
+shard 0: when it is gone the whole group is gone, and ``store_host_lost`` tells the runner to
+snapshot and rejoin the group of shard 0's successor.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch.distributed.rpc as rpc
 from ps import rpc_api
 from ps.server import ParameterServer
 from rpcps import rpc_membership
-from rpcps.transport import PEER_DEAD, classify_failure, is_server_name
+from rpcps.transport import PEER_DEAD, SERVER_NAME, classify_failure
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ class MembershipReaper:
         token_max_age_s: float = 5.0,
         interval_s: float = 1.0,
         ping_timeout_s: float = 2.0,
+        owns_group: bool = True,
     ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
@@ -45,6 +51,8 @@ class MembershipReaper:
         self.lease_s = lease_s
         self.interval_s = interval_s
         self.ping_timeout_s = ping_timeout_s
+        self.owns_group = owns_group
+        self.store_host_lost = False
         self._token_watch = rpc_membership.JoinTokenWatch(token_max_age_s)
         self._to_forget: set[str] = set()
         """Members to remove from the group; kept until a removal succeeds."""
@@ -68,10 +76,16 @@ class MembershipReaper:
                 logger.exception("membership sweep failed; trying again in %.1fs", self.interval_s)
 
     def sweep(self) -> None:
-        self._token_watch.check(time.monotonic())
-        self._to_forget.update(self.server.take_retired_rpc_names())
+        retired = self.server.take_retired_rpc_names()
+        if self.owns_group:
+            self._token_watch.check(time.monotonic())
+            self._to_forget.update(retired)
         registered = {name: (slot, incarnation, last_seen) for slot, incarnation, name, last_seen in self.server.member_workers()}
-        names = [n for n in rpc_membership.member_names() if not is_server_name(n) and n not in self._to_forget]
+        me = rpc_membership.my_name()
+        if self.owns_group:
+            names = [n for n in rpc_membership.member_names() if n != me and n not in self._to_forget]
+        else:
+            names = [*registered, SERVER_NAME]
         pings = [rpc.rpc_async(name, rpc_api.ping, timeout=self.ping_timeout_s) for name in names]
         now = time.monotonic()
         for name, ping in zip(names, pings):
@@ -87,6 +101,10 @@ class MembershipReaper:
         self._forget_pending()
 
     def _on_failed_ping(self, name: str, owner: tuple[int, str, float] | None, error: RuntimeError, now: float) -> None:
+        if name == SERVER_NAME and not self.owns_group:
+            if classify_failure(error) == PEER_DEAD:
+                self.store_host_lost = True
+            return
         if classify_failure(error) == PEER_DEAD:
             logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
         else:
@@ -102,6 +120,9 @@ class MembershipReaper:
         self._to_forget.add(name)
 
     def _forget_pending(self) -> None:
+        if not self.owns_group:
+            self._to_forget.clear()
+            return
         try:
             for name in sorted(self._to_forget):
                 if rpc_membership.forget_member(name):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed.rpc as rpc
+from torch.futures import Future
 
 from ps.server import ParameterServer
 from rpcps.errors import ERROR_TYPES, RpcpsError
@@ -41,6 +42,17 @@ def call(rref: rpc.RRef, method: str, *args: Any) -> Any:
         return getattr(rref.local_value(), method)(*args)
     except RpcpsError as e:
         return ErrorReply(_public_name(e), str(e))
+
+
+@rpc.functions.async_execution
+def call_async(rref: rpc.RRef, method: str, *args: Any) -> Future:
+    """Like ``call`` for methods that return a torch Future (a sync round completes it later)."""
+    try:
+        return getattr(rref.local_value(), method)(*args)
+    except RpcpsError as e:
+        future: Future = Future()
+        future.set_result(ErrorReply(_public_name(e), str(e)))
+        return future
 
 
 def ping() -> bool:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -14,7 +15,7 @@ from typing import Any
 
 from ps import rpc_api
 from ps.audit import AuditLog
-from ps.checkpointer import CheckpointConfig, Checkpointer, find_resume_point
+from ps.checkpointer import CheckpointConfig, Checkpointer, find_resume_point, shard_checkpoint_config
 from ps.control.service import ControlConfig, start_control_server
 from ps.metrics import ServerMetrics
 from ps.reaper import MembershipReaper
@@ -28,6 +29,7 @@ from rpcps.summary import write_summary
 logger = logging.getLogger(__name__)
 
 RESTART_FROM_ENV = "RPCPS_RESTART_FROM"
+JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -81,13 +83,13 @@ def run_server(config: ServerRunConfig) -> int:
     try:
         checkpointer = _resume(server, config)
         control.attach_checkpointer(checkpointer)
-        transport.start_server(config.transport)
+        _join_group(config)
     except BaseException:
         control.stop(grace_s=0)
         http.shutdown()  # type: ignore[attr-defined]
         raise
     rpc_api.publish(server)
-    reaper = MembershipReaper(server, config.lease_s)
+    reaper = MembershipReaper(server, config.lease_s, owns_group=config.core.shard_index == 0)
     reaper.start()
     if checkpointer is not None:
         server.on_update = checkpointer.notify_update
@@ -101,9 +103,13 @@ def run_server(config: ServerRunConfig) -> int:
         while not stop.wait(1.0):
             progress.maybe_log()
             if listener.lost():
-                restart_from = _on_listener_lost(server, checkpointer, listener)
+                restart_from = _on_listener_lost(server, checkpointer, listener, config)
                 if restart_from is not None:
                     break
+            if reaper.store_host_lost:
+                logger.error("shard 0 (the group's store host) is gone; snapshotting and rejoining its successor")
+                restart_from = _snapshot_for_restart(server, checkpointer, config)
+                break
         logger.info("stopping")
         control.set_serving(False)
         if finish_workers.is_set():
@@ -154,7 +160,9 @@ class _Progress:
         )
 
 
-def _on_listener_lost(server: ParameterServer, checkpointer: Checkpointer | None, listener: ListenerWatch) -> str | None:
+def _on_listener_lost(
+    server: ParameterServer, checkpointer: Checkpointer | None, listener: ListenerWatch, config: ServerRunConfig
+) -> str | None:
     """The RPC listener was closed under us (a stray connection to TensorPipe's port).
 
     Running workers are unaffected, but no new worker could ever join. With checkpoints we take a
@@ -164,30 +172,36 @@ def _on_listener_lost(server: ParameterServer, checkpointer: Checkpointer | None
     server.metrics.rpc_listener_lost.inc()
     ports = listener.lost()
     listener.watched.clear()  # report once
-    if checkpointer is None:
-        logger.error(
-            "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); running "
-            "workers carry on but no new worker can join; restart this server (and use --checkpoint-dir so it can "
-            "do that by itself), and keep the RPC ports reachable only from the training network", ports,
-        )
-        return None
     logger.error(
         "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); "
-        "taking a snapshot and restarting this server from it so workers can keep joining", ports,
+        "taking a snapshot and restarting this server from it so workers can keep joining; keep the RPC ports "
+        "reachable only from the training network", ports,
     )
+    return _snapshot_for_restart(server, checkpointer, config)
+
+
+def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | None, config: ServerRunConfig) -> str:
+    """Stops updates and writes the exact current state for this process to restart from.
+
+    Without --checkpoint-dir the snapshot goes to a private temporary directory: nothing is lost.
+    """
     server.stop()
-    checkpointer.stop(final=False)
+    if checkpointer is None:
+        directory = tempfile.mkdtemp(prefix=f"rpcps-restart-shard{config.core.shard_index}-")
+        checkpointer = Checkpointer(server, CheckpointConfig(directory=directory, every_seconds=None), _meta(server, config))
+    else:
+        checkpointer.stop(final=False)
     path, _ = checkpointer.checkpoint_now()
     return path
 
 
 def _resume(server: ParameterServer, config: ServerRunConfig) -> Checkpointer | None:
     """Restores the server from a snapshot per --resume; returns the checkpointer (None when off)."""
-    checkpoint_config = config.checkpoint
+    checkpoint_config = shard_checkpoint_config(config.checkpoint, config.core.shard_index, config.core.shard_count)
     restart_from = os.environ.pop(RESTART_FROM_ENV, None)
     if restart_from:  # this process restarted itself from a snapshot it just wrote
         checkpoint_config = replace(checkpoint_config, resume=restart_from)
-    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name)
+    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest)
     if point is not None:
         info, state = point
         server.restore_state(state)
@@ -196,19 +210,46 @@ def _resume(server: ParameterServer, config: ServerRunConfig) -> Checkpointer | 
         server.metrics.resumes.inc()
         server.metrics.resumed_version.set(info.version)
         logger.info("resumed from %s at version %d", info.path, info.version)
-    if config.checkpoint.directory is None:
+    if checkpoint_config.directory is None:
         return None
-    Path(config.checkpoint.directory).mkdir(parents=True, exist_ok=True)
-    meta = {
-        "signature": server.signature.to_wire(),
-        "signature_digest": server.signature.digest(),
-        "optimizer": config.core.optimizer.name,
-        "config": json.loads(json.dumps(asdict(config), default=str)),
-    }
-    checkpointer = Checkpointer(server, config.checkpoint, meta)
+    Path(checkpoint_config.directory).mkdir(parents=True, exist_ok=True)
+    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config))
     if point is not None:
         checkpointer.adopt(point[0])
     return checkpointer
+
+
+def _meta(server: ParameterServer, config: ServerRunConfig) -> dict[str, Any]:
+    """What every snapshot's manifest records besides the files (checked at resume)."""
+    return {
+        "signature": server.signature.to_wire(),
+        "model_signature": server.model_signature.to_wire(),
+        "signature_digest": server.model_signature.digest(),
+        "optimizer": config.core.optimizer.name,
+        "shard_index": config.core.shard_index,
+        "shard_count": config.core.shard_count,
+        "partition_digest": server.partition_digest,
+        "config": json.loads(json.dumps(asdict(config), default=str)),
+    }
+
+
+def _join_group(config: ServerRunConfig) -> None:
+    """Shard 0 hosts the group's store; other shards join it under their fixed names."""
+    if config.core.shard_index == 0:
+        transport.start_server(config.transport)
+        return
+    attempts = int(os.environ.get(JOIN_ATTEMPTS_ENV, "0"))
+    try:
+        transport.start_shard(config.transport, config.core.shard_index)
+    except transport.JoinFailed as e:
+        # Usually our previous incarnation is still listed; shard 0's reaper removes it within
+        # seconds. torch's agent is unusable after a failed join, so retry in a fresh process.
+        if attempts >= 30:
+            raise
+        logger.warning("%s; retrying in a fresh process (attempt %d)", e, attempts + 1)
+        time.sleep(1.0)
+        restart_self({JOIN_ATTEMPTS_ENV: str(attempts + 1)})
+    os.environ.pop(JOIN_ATTEMPTS_ENV, None)
 
 
 def _flat_config(config: ServerRunConfig) -> dict[str, Any]:

@@ -16,14 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.futures import Future
 
 from ps.metrics import ServerMetrics
+from ps.sync_rounds import Contribution, RoundKeeper
 from ps.optim import OptimizerConfig, build_optimizer
 from ps.audit import AuditLog
 from ps.dedup import SequenceTracker
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
-from rpcps.messages import PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, PullReply, PushReply, Registration
+from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import DEFAULT_CHUNK_BYTES, WIRE_DTYPE, FlatLayout, ModelSignature
 
 logger = logging.getLogger(__name__)
@@ -40,10 +43,33 @@ class ServerCoreConfig:
     """Largest wire chunk; parameters are packed into chunks of at most this size."""
     max_workers: int = 256
     """Worker slots are 0..max_workers-1; bounds the per-slot metric series."""
+    mode: str = "async"
+    """'async': apply every valid push as it arrives; 'bounded': refuse pushes more than
+    max_staleness updates old (the worker recomputes them); 'sync': one step per round from the
+    averaged gradients of the live workers."""
     max_staleness: int | None = None
-    """Refuse pushes computed more than this many updates ago (None: accept any)."""
+    """With mode 'bounded': the largest staleness an applied gradient may have."""
+    round_timeout_s: float = 30.0
+    """With mode 'sync': a round closes this long after it opened with whoever contributed."""
+    min_workers: int = 1
+    """With mode 'sync': a round waits (up to round_timeout_s) for this many workers."""
+    shard_index: int = 0
+    shard_count: int = 1
+    """This server owns partition(signature, shard_count)[shard_index] (rpcps/partition.py)."""
 
     def __post_init__(self) -> None:
+        if self.mode not in ("async", "bounded", "sync"):
+            raise ValueError(f"mode must be async, bounded or sync, got {self.mode!r}")
+        if self.mode == "bounded" and self.max_staleness is None:
+            raise ValueError("mode 'bounded' needs max_staleness (--max-staleness K)")
+        if self.mode != "bounded" and self.max_staleness is not None:
+            raise ValueError("max_staleness applies to mode 'bounded' only (--mode bounded --max-staleness K)")
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
+        if self.round_timeout_s <= 0:
+            raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
+        if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
+            raise ValueError(f"shard_index must be in [0, shard_count), got {self.shard_index} of {self.shard_count}")
         if self.on_nonfinite not in ("reject", "skip"):
             raise ValueError(f"on_nonfinite must be 'reject' or 'skip', got {self.on_nonfinite!r}")
         if self.chunk_bytes < 1024:
@@ -61,6 +87,8 @@ class ServerStats:
     pushes_rejected: int = 0
     pushes_skipped: int = 0
     pushes_duplicate: int = 0
+    pushes_stale: int = 0
+    rounds: int = 0
     staleness_sum: int = 0
     max_staleness: int = 0
 
@@ -70,7 +98,11 @@ class ParameterServer:
         self, model: torch.nn.Module, config: ServerCoreConfig, metrics: ServerMetrics | None = None
     ) -> None:
         self.config = config
-        self.signature = ModelSignature.of_module(model)
+        self.model_signature = ModelSignature.of_module(model)
+        """The whole model's signature (what workers register with)."""
+        self.signature = shard_signature(self.model_signature, config.shard_count, config.shard_index)
+        """The parameters this server owns."""
+        self.partition_digest = partition_digest(self.model_signature, config.shard_count)
         self.layout = FlatLayout(self.signature, config.chunk_bytes)
         self.server_id = uuid.uuid4().hex[:12]
         self.metrics = metrics or ServerMetrics()
@@ -91,17 +123,24 @@ class ParameterServer:
         self._stopping = False
         self._finishing = False
         self.started = time.monotonic()
+        self._pending_after_apply: tuple[int, float, list[int], list[torch.Tensor]] | None = None
         self.audit: AuditLog | None = None
         """Ledger of applied updates (fault-injection runs only; a write per update under the lock)."""
         self.on_update: Callable[[int], None] | None = None
         """Called with the new version after each applied update, outside the lock (checkpoint trigger)."""
         self.metrics.watch_workers(self._worker_liveness)
+        self._rounds = RoundKeeper(self.layout.chunk_numels, config.round_timeout_s, config.min_workers) if config.mode == "sync" else None
+        if self._rounds is not None:
+            threading.Thread(target=self._round_timer, name="sync-round-timer", daemon=True).start()
 
     # ---- worker-facing calls -------------------------------------------------------------------
 
+    def shard_count(self) -> int:
+        return self.config.shard_count
+
     def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
         theirs = ModelSignature.from_wire(signature)
-        diff = self.signature.first_difference(theirs)
+        diff = self.model_signature.first_difference(theirs)
         if diff is not None:
             raise SignatureMismatch(f"worker {slot} ({rpc_name}) has a different model than the server: {diff}")
         with self._lock:
@@ -113,7 +152,9 @@ class ParameterServer:
         self.metrics.registrations.inc()
         logger.info("worker slot %d registered as %s, resuming at step %d", slot, rpc_name, next_step)
         return Registration(
-            record.incarnation, next_step, version, self.server_id, self.config.chunk_bytes, self.layout.chunk_numels
+            record.incarnation, next_step, version, self.server_id, self.config.chunk_bytes, self.layout.chunk_numels,
+            mode=self.config.mode, shard_index=self.config.shard_index, shard_count=self.config.shard_count,
+            partition_digest=self.partition_digest,
         )
 
     def push(
@@ -138,6 +179,49 @@ class ParameterServer:
     def _push(
         self, slot: int, incarnation: str, seq: int, base_version: int, chunks: list[torch.Tensor], loss: float | None
     ) -> PushReply:
+        admitted = self._admit(slot, incarnation, seq, chunks)
+        if isinstance(admitted, PushReply):
+            return admitted
+        record = admitted
+        with self._lock:
+            early = self._early_reply(record, seq, base_version)
+            if early is not None:
+                return early
+            staleness = self.version - base_version
+            version, step_seconds = self._apply_locked(chunks, [(record, seq, loss, staleness)])
+        self._after_apply(version, step_seconds, [staleness], chunks)
+        return PushReply("applied", version, staleness)
+
+    def submit(
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: list[torch.Tensor],
+        loss: float | None = None,
+    ) -> Future:
+        """``push`` as a future: completed at once, or in 'sync' mode when the round closes."""
+        if self._rounds is None:
+            return _done(self.push(slot, incarnation, seq, base_version, chunks, loss))
+        self.metrics.pushes.inc()
+        admitted = self._admit(slot, incarnation, seq, chunks)
+        if isinstance(admitted, PushReply):
+            return _done(admitted)
+        reply: Future = Future()
+        with self._lock:
+            early = self._early_reply(admitted, seq, base_version, exact=True)
+            if early is not None:
+                return _done(early)
+            live = {r.slot for r in self.workers.live()}
+            self._rounds.add(live, Contribution(slot, seq, loss, 0, reply, admitted), chunks)
+            admitted.last_seen = time.monotonic()
+            closed = self._close_round_locked(time.monotonic())
+        self._resolve(closed)
+        return reply
+
+    def _admit(self, slot: int, incarnation: str, seq: int, chunks: list[torch.Tensor]) -> WorkerRecord | PushReply:
+        """Counts, deduplicates and validates a push; the record when it may be applied, else the reply."""
         with self._lock:
             self.stats.pushes_received += 1
             try:
@@ -156,61 +240,127 @@ class ParameterServer:
         except PushRejected as e:
             self._reject(record, seq, e)
             raise
-        if nonfinite is not None:
-            where = self.layout.param_at(*nonfinite)
-            if self.config.on_nonfinite == "reject":
-                e = PushRejected(f"push {seq} from worker {slot} holds NaN/Inf in parameter {where!r}; parameters unchanged")
-                self._reject(record, seq, e, reason="nonfinite")
-                raise e
-            with self._lock:
-                record.tracker.mark(seq)
-                self.stats.pushes_skipped += 1
-            self.metrics.skipped.inc()
-            logger.warning("skipped push %d from worker %d: NaN/Inf in %r", seq, slot, where)
-            return PushReply("skipped", self.version, 0)
-
+        if nonfinite is None:
+            return record
+        where = self.layout.param_at(*nonfinite)
+        if self.config.on_nonfinite == "reject":
+            e = PushRejected(f"push {seq} from worker {slot} holds NaN/Inf in parameter {where!r}; parameters unchanged")
+            self._reject(record, seq, e, reason="nonfinite")
+            raise e
         with self._lock:
-            if self._stopping:
-                raise ServerStopping("the server is shutting down; the push was not applied")
-            if not self._running.is_set():
-                return PushReply("paused", self.version, 0)
-            if record.tracker.seen(seq):  # a concurrent retry of the same push got here first
-                self.stats.pushes_duplicate += 1
-                self.metrics.duplicates.inc()
-                return PushReply("duplicate", self.version, 0)
-            staleness = self.version - base_version
-            if self.config.max_staleness is not None and staleness > self.config.max_staleness:
-                self.metrics.rejected.labels("stale").inc()
-                return PushReply("stale", self.version, staleness)
-            step_started = time.perf_counter()
-            for master, grad in zip(self._masters, chunks):
-                master.grad = grad
-            self.optimizer.step()
-            for master in self._masters:
-                master.grad = None
-            if self.schedule is not None:
-                self.schedule.step()
-            self.version += 1
-            version = self.version
-            if self.audit is not None:
-                self.audit.applied(version, slot, seq)
             record.tracker.mark(seq)
-            record.last_push = record.last_seen = time.monotonic()
+            self.stats.pushes_skipped += 1
+        self.metrics.skipped.inc()
+        logger.warning("skipped push %d from worker %d: NaN/Inf in %r", seq, slot, where)
+        return PushReply("skipped", self.version, 0)
+
+    def _early_reply(self, record: WorkerRecord, seq: int, base_version: int, exact: bool = False) -> PushReply | None:
+        """Under the lock: the reply for a push that must not be applied now, or None."""
+        if self._stopping:
+            raise ServerStopping("the server is shutting down; the push was not applied")
+        if not self._running.is_set():
+            return PushReply("paused", self.version, 0)
+        if record.tracker.seen(seq):  # a concurrent retry of the same push got here first
+            self.stats.pushes_duplicate += 1
+            self.metrics.duplicates.inc()
+            return PushReply("duplicate", self.version, 0)
+        staleness = self.version - base_version
+        limit = 0 if exact else self.config.max_staleness
+        if limit is not None and staleness > limit:
+            # Not recorded as processed: the worker recomputes this step on fresh parameters.
+            self.stats.pushes_stale += 1
+            self.metrics.rejected.labels("stale").inc()
+            return PushReply("stale", self.version, staleness)
+        return None
+
+    def _apply_locked(
+        self, grads: list[torch.Tensor], contributions: list[tuple[WorkerRecord, int, float | None, int]]
+    ) -> tuple[int, float]:
+        """One optimizer step from ``grads``; records every contribution. Returns (version, step seconds)."""
+        step_started = time.perf_counter()
+        for master, grad in zip(self._masters, grads):
+            master.grad = grad
+        self.optimizer.step()
+        for master in self._masters:
+            master.grad = None
+        if self.schedule is not None:
+            self.schedule.step()
+        self.version += 1
+        now = time.monotonic()
+        for record, seq, loss, staleness in contributions:
+            if self.audit is not None:
+                self.audit.applied(self.version, record.slot, seq)
+            record.tracker.mark(seq)
+            record.last_push = record.last_seen = now
             record.live = True
             record.note_loss(loss)
-            self.stats.updates_applied += 1
             self.stats.staleness_sum += staleness
             self.stats.max_staleness = max(self.stats.max_staleness, staleness)
-            step_seconds = time.perf_counter() - step_started
+        self.stats.updates_applied += 1
+        return self.version, time.perf_counter() - step_started
+
+    def _after_apply(self, version: int, step_seconds: float, staleness: list[int], grads: list[torch.Tensor]) -> None:
         if self.on_update is not None:
             self.on_update(version)
         m = self.metrics
         m.step_seconds.observe(step_seconds)
         m.updates.inc()
         m.version.set(version)
-        m.staleness.observe(staleness)
-        m.grad_bytes.inc(sum(c.numel() * c.element_size() for c in chunks))
-        return PushReply("applied", version, staleness)
+        for s in staleness:
+            m.staleness.observe(s)
+        m.grad_bytes.inc(len(staleness) * sum(c.numel() * c.element_size() for c in grads))
+
+    # ---- sync rounds ---------------------------------------------------------------------------
+
+    def _close_round_locked(self, now: float) -> list[tuple[Future, PushReply]]:
+        """Under the lock: if the open round is complete (or timed out), applies it."""
+        assert self._rounds is not None
+        if not self._rounds.ready(now):
+            return []
+        round_, waiting = self._rounds.take()
+        n = len(round_.contributions)
+        for total in round_.sums:
+            total.div_(n)
+        contributions = [(c.record, c.seq, c.loss, c.staleness) for c in round_.contributions.values()]
+        version, step_seconds = self._apply_locked(round_.sums, contributions)
+        self.stats.rounds += 1
+        if round_.missing():
+            logger.warning("sync round %d closed after %.1fs without slots %s", version, now - round_.opened, sorted(round_.missing()))
+        self._pending_after_apply = (version, step_seconds, [0] * n, round_.sums)
+        done = [(c.reply, PushReply("applied", version, 0)) for c in round_.contributions.values()]
+        return done + [(f, PushReply("stale", version, 1)) for f in waiting]
+
+    def _resolve(self, closed: list[tuple[Future, PushReply | ErrorReply]]) -> None:
+        """Outside the lock: answers futures (which sends RPC replies)."""
+        if not closed:
+            return
+        pending, self._pending_after_apply = self._pending_after_apply, None
+        if pending is not None:
+            self._after_apply(*pending)
+        for future, reply in closed:
+            future.set_result(reply)
+
+    def _round_timer(self) -> None:
+        while True:
+            time.sleep(0.05)
+            with self._lock:
+                if self._stopping:
+                    closed = self._fail_round_locked()
+                else:
+                    closed = self._close_round_locked(time.monotonic())
+            self._resolve(closed)
+            if self._stopping:
+                return
+
+    def _fail_round_locked(self) -> list[tuple[Future, PushReply | ErrorReply]]:
+        """At stop: every waiting push is answered ServerStopping (not applied)."""
+        assert self._rounds is not None
+        futures = list(self._rounds.waiting)
+        if self._rounds.current is not None:
+            futures += [c.reply for c in self._rounds.current.contributions.values()]
+        self._rounds.current, self._rounds.waiting = None, []
+        stopping = ErrorReply("ServerStopping", "the server is shutting down; the push was not applied")
+        return [(f, stopping) for f in futures]
 
     def push_named(
         self,
@@ -287,7 +437,13 @@ class ParameterServer:
         with self._lock:
             record = self._checked_record(slot, incarnation)
             record.left = True
+            if self._rounds is not None:
+                self._rounds.drop(slot)
+                closed = self._close_round_locked(time.monotonic())
+            else:
+                closed = []
             self.workers.retired_rpc_names.append(record.rpc_name)
+        self._resolve(closed)
         logger.info("worker slot %d (%s) left", slot, record.rpc_name)
 
     # ---- snapshots ----------------------------------------------------------------------------
@@ -353,6 +509,8 @@ class ParameterServer:
             if record is not None and record.incarnation == incarnation:
                 record.live = False
                 record.left = True
+                if self._rounds is not None:
+                    self._rounds.drop(slot)
 
     def mark_silent(self, slot: int, incarnation: str) -> None:
         with self._lock:
@@ -406,6 +564,10 @@ class ParameterServer:
                 "pushes_rejected": s.pushes_rejected,
                 "pushes_skipped": s.pushes_skipped,
                 "pushes_duplicate": s.pushes_duplicate,
+                "pushes_stale": s.pushes_stale,
+                "rounds": s.rounds,
+                "mode": self.config.mode,
+                "shard": f"{self.config.shard_index}/{self.config.shard_count}",
                 "mean_staleness": s.staleness_sum / s.updates_applied if s.updates_applied else 0.0,
                 "max_staleness": s.max_staleness,
                 "updates_per_second": s.updates_applied / wall if wall > 0 else 0.0,
@@ -458,6 +620,12 @@ class _Dtype(PushRejected):
 
 class _Names(PushRejected):
     pass
+
+
+def _done(reply: PushReply) -> Future:
+    future: Future = Future()
+    future.set_result(reply)
+    return future
 
 
 def _clone_tensors(tree: Any) -> Any:

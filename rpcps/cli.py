@@ -50,6 +50,18 @@ SERVER = [
            choices=["step", "cosine", "exponential", "linear"]),
     Option("--lr-schedule-args", "schedule keyword arguments as JSON, e.g. '{\"T_max\":1000}'", None, json_object,
            metavar="JSON"),
+    Option("--mode", "async: apply every push; bounded: refuse pushes staler than --max-staleness (recomputed); "
+           "sync: one step per round from the averaged gradients of the live workers", "async",
+           choices=["async", "bounded", "sync"]),
+    Option("--max-staleness", "with --mode bounded: largest staleness (updates) an applied gradient may have", None,
+           non_negative_int, metavar="K"),
+    Option("--round-timeout-s", "with --mode sync: close a round this long after it opened with whoever contributed",
+           30.0, positive_float),
+    Option("--min-workers", "with --mode sync: rounds wait (up to --round-timeout-s) for this many workers; "
+           "local sets it to --workers", 1, positive_int),
+    Option("--shards", "number of server shards the parameters are split over", 1, positive_int),
+    Option("--shard-index", "this server's shard (0 hosts the group's store at --listen)", 0, non_negative_int),
+    Option("--store", "HOST:PORT of shard 0's --listen (shards > 0 only)", None, host_port, metavar="HOST:PORT"),
     Option("--on-nonfinite", "NaN/Inf gradients: reject (error on the worker) or skip (drop and count)", "reject",
            choices=["reject", "skip"]),
     Option("--max-workers", "worker slots 0..N-1 this server accepts", 256, positive_int),
@@ -103,7 +115,7 @@ LOCAL = [
 ]
 
 
-LOCAL_PICKS = ("--listen", "--metrics-port", "--control-addr", "--control-port")
+LOCAL_PICKS = ("--listen", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--store")
 """Server options ``local`` sets itself (loopback addresses, free ports)."""
 
 
@@ -208,6 +220,10 @@ def server_config(values: dict[str, Any]) -> Any:
         schedule_kwargs=values["lr_schedule_args"] or {},
     )
     host, port = values["listen"]
+    if values["shard_index"] > 0:
+        if values["store"] is None:
+            raise ValueError("--shard-index > 0 needs --store HOST:PORT (shard 0's --listen address)")
+        host, port = values["store"]
     return ServerRunConfig(
         transport=transport_config(values, host, port),
         core=ServerCoreConfig(
@@ -215,6 +231,12 @@ def server_config(values: dict[str, Any]) -> Any:
             on_nonfinite=values["on_nonfinite"],
             chunk_bytes=int(values["chunk_mb"] * 1024 * 1024),
             max_workers=values["max_workers"],
+            mode=values["mode"],
+            max_staleness=values["max_staleness"],
+            round_timeout_s=values["round_timeout_s"],
+            min_workers=values["min_workers"],
+            shard_index=values["shard_index"],
+            shard_count=values["shards"],
         ),
         model=values["model"],
         metrics_addr=values["metrics_addr"],

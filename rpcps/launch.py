@@ -101,12 +101,20 @@ class Supervisor:
         server_only = [o.dest for o in cli.SERVER if o.flag not in cli.LOCAL_PICKS]
         self.control_port = free_port()
         training = [o.dest for o in cli.WORKER_TRAINING]
-        self.server = self._child(
-            "ps",
-            base
-            + ["ps", "--listen", f"127.0.0.1:{self.port}", "--control-addr", "127.0.0.1", "--control-port", str(self.control_port)]
-            + _flags(values, common + server_only),
-        )
+        shards = values["shards"]
+        if values.get("mode") == "sync" and values.get("min_workers", 1) == 1:
+            values = {**values, "min_workers": values["workers"]}  # sync rounds start with everyone
+        self.servers = [
+            self._child(
+                "ps" if k == 0 else f"ps{k}",
+                base
+                + ["ps", "--listen", f"127.0.0.1:{self.port}", "--shard-index", str(k), "--store", f"127.0.0.1:{self.port}"]
+                + ["--control-addr", "127.0.0.1", "--control-port", str(self.control_port if k == 0 else free_port())]
+                + _flags(values, common + server_only),
+            )
+            for k in range(shards)
+        ]
+        self.server = self.servers[0]
         self.workers = [
             self._child(
                 f"worker{i}",
@@ -130,13 +138,13 @@ class Supervisor:
 
     @property
     def children(self) -> list[Child]:
-        return [self.server, *self.workers]
+        return [*self.servers, *self.workers]
 
     def write_scrape_targets(self) -> Path:
         """Writes the children's /metrics addresses as a Prometheus file_sd targets file."""
         path = self.run_dir / "prometheus_targets.json"
         groups = [
-            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": "ps" if c is self.server else "worker", "child": c.name}}
+            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": "ps" if c in self.servers else "worker", "child": c.name}}
             for c in self.children
         ]
         tmp = path.with_suffix(".tmp")
@@ -165,7 +173,8 @@ class Supervisor:
             f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}",
             flush=True,
         )
-        self.server.start()
+        for server in self.servers:
+            server.start()
         for w in self.workers:
             w.start()
         self.write_children()
@@ -208,7 +217,7 @@ class Supervisor:
             if child.process is not None:
                 code = child.process.returncode
                 child.process = None
-                if child is not self.server and code == 0:
+                if child not in self.servers and code == 0:
                     child.done = True
                     continue
                 if child.restarts >= self.max_restarts:
@@ -223,7 +232,9 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> None:
-        for group in (self.workers, [self.server]):
+        # Workers first (their final pushes land), then shards > 0, then shard 0: it hosts the
+        # group's store, and the others would take its loss for a crash and restart themselves.
+        for group in (self.workers, self.servers[1:], [self.server]):
             for c in group:
                 c.signal(signal.SIGTERM)
             deadline = time.monotonic() + _STOP_GRACE_S
@@ -241,7 +252,8 @@ class Supervisor:
                 c.log_file.close()
 
     def _print_progress(self, started: float) -> None:
-        server = scrape(self.server.metrics_port)
+        shards = [scrape(s.metrics_port) for s in self.servers]
+        server = shards[0]
         steps = losses = 0.0
         n = 0
         for w in self.workers:
@@ -251,7 +263,7 @@ class Supervisor:
                 losses += m.get("rpcps_worker_loss", 0.0)
                 n += 1
         elapsed = time.monotonic() - started
-        updates = server.get("rpcps_server_updates_applied_total", 0.0)
+        updates = server.get("rpcps_server_updates_applied_total", 0.0)  # shard 0's: every shard steps alike
         print(
             f"[{elapsed:6.1f}s] steps {int(steps)}, updates {int(updates)} ({updates / elapsed:.1f}/s), "
             f"loss {losses / n if n else float('nan'):.4f}, live workers {int(server.get('rpcps_server_live_workers', 0))}",
@@ -273,11 +285,12 @@ class Supervisor:
             "updates_applied": updates,
             "pushes_rejected": server.get("pushes_rejected", 0),
             "mean_staleness": server.get("mean_staleness", 0.0),
-            "max_staleness": server.get("max_staleness", 0),
+            "max_staleness": max((_read_json(s.summary_path).get("max_staleness", 0) for s in self.servers), default=0),
             "updates_per_second": updates / wall if wall > 0 else 0.0,
             "wall_seconds": wall,
             "restarts": {c.name: c.restarts for c in self.children},
             "server": server,
+            "shards": [_read_json(s.summary_path) for s in self.servers],
             "workers": workers,
             "run_dir": str(self.run_dir),
         }

@@ -18,6 +18,10 @@ class Registration:
     chunk_bytes: int
     """The server's wire chunk limit; the worker builds the same layout from it."""
     chunk_numels: tuple[int, ...]
+    mode: str = "async"
+    shard_index: int = 0
+    shard_count: int = 1
+    partition_digest: str = ""
 
 
 @dataclass(frozen=True)

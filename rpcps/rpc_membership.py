@@ -150,5 +150,9 @@ class JoinTokenWatch:
         return None
 
 
+def my_name() -> str:
+    return api._get_current_rpc_agent().get_worker_info().name
+
+
 def member_names() -> list[str]:
     return [w.name for w in api._get_current_rpc_agent().get_worker_infos()]

@@ -67,8 +67,8 @@ class ModelSignature:
             h.update(f"{p.name}|{p.shape}|{p.dtype};".encode())
         return h.hexdigest()[:16]
 
-    def first_difference(self, other: ModelSignature, ours: str = "the server", theirs: str = "the worker") -> str | None:
-        """Describes the first parameter where ``other`` differs from this signature, or None."""
+    def first_difference(self, other: ModelSignature, ours: str = "server", theirs: str = "worker") -> str | None:
+        """Describes the first parameter where ``other`` (the ``theirs`` side) differs, or None."""
         mine = {p.name for p in self.params}
         their_names = {p.name for p in other.params}
         for i, (a, b) in enumerate(zip(self.params, other.params)):
@@ -76,17 +76,17 @@ class ModelSignature:
                 continue
             if a.name != b.name:
                 if b.name not in mine:
-                    return f"parameter #{i} is {b.name!r} in {theirs}, which {ours} does not have ({ours} has {a.name!r} there)"
+                    return f"parameter #{i} is {b.name!r}, which the {ours}'s model does not have ({ours} has {a.name!r} there)"
                 if a.name not in their_names:
-                    return f"parameter #{i} {a.name!r} of {ours} is missing from {theirs}"
-                return f"parameter #{i} is {b.name!r} in {theirs} but {a.name!r} in {ours} (different order)"
+                    return f"parameter #{i} {a.name!r} is missing from the {theirs}'s model"
+                return f"parameter #{i} is {b.name!r} on the {theirs} but {a.name!r} on the {ours} (different order)"
             if a.shape != b.shape:
-                return f"parameter {a.name!r} has shape {list(b.shape)} in {theirs} but {list(a.shape)} in {ours}"
-            return f"parameter {a.name!r} has dtype {b.dtype} in {theirs} but {a.dtype} in {ours}"
+                return f"parameter {a.name!r} has shape {list(b.shape)} on the {theirs} but {list(a.shape)} on the {ours}"
+            return f"parameter {a.name!r} has dtype {b.dtype} on the {theirs} but {a.dtype} on the {ours}"
         if len(self.params) > len(other.params):
-            return f"parameter {self.params[len(other.params)].name!r} of {ours} is missing from {theirs}"
+            return f"parameter {self.params[len(other.params)].name!r} is missing from the {theirs}'s model"
         if len(other.params) > len(self.params):
-            return f"parameter {other.params[len(self.params)].name!r} of {theirs} is not in {ours}"
+            return f"parameter {other.params[len(self.params)].name!r} is not in the {ours}'s model"
         return None
 
 

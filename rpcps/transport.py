@@ -21,7 +21,8 @@ import torch.distributed.rpc as rpc
 
 logger = logging.getLogger(__name__)
 
-SERVER_NAME = "ps"
+SERVER_NAME = "ps0"
+"""Shard 0, which also hosts the group's rendezvous store."""
 _RANK_COUNTER_KEY = "rpcps/next_rank"
 _MAX_RANK = 32767  # TensorPipe ranks are int16
 
@@ -66,8 +67,8 @@ class TransportConfig:
         return f"{self.host}:{self.port}"
 
 
-def is_server_name(name: str) -> bool:
-    return name == SERVER_NAME
+def server_name(shard: int) -> str:
+    return f"ps{shard}"
 
 
 class TransportError(RuntimeError):
@@ -104,6 +105,15 @@ def start_server(config: TransportConfig) -> None:
 
 def start_worker(config: TransportConfig, slot: int) -> str:
     """Waits for the server's store, takes a fresh rank and joins the group. Returns the RPC name."""
+    return _join(config, f"worker{slot}")
+
+
+def start_shard(config: TransportConfig, shard: int) -> str:
+    """Joins shard 0's group as server shard ``shard`` (> 0) under its fixed name ``ps<shard>``."""
+    return _join(config, server_name(shard), fixed_name=True)
+
+
+def _join(config: TransportConfig, base_name: str, fixed_name: bool = False) -> str:
     unreachable = TransportError(
         f"no parameter server answered at {config.address} within {config.connect_timeout_s:g}s; "
         "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
@@ -124,7 +134,8 @@ def start_worker(config: TransportConfig, slot: int) -> str:
     if rank > _MAX_RANK:
         raise TransportError(f"the server at {config.address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
-    name = f"worker{slot}_r{rank}"
+    # Workers get a fresh name per process; a server shard keeps its name (workers look it up).
+    name = base_name if fixed_name else f"{base_name}_r{rank}"
     try:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_options(config))
     except (RuntimeError, dist.DistError) as e:

@@ -7,6 +7,7 @@ is hung or slow: back off and retry), never raw torch RPC errors.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.futures import Future
 from ps import rpc_api
 from rpcps.errors import ERROR_TYPES, RpcpsError
 from rpcps.messages import ErrorReply, PullReply, PushReply, Registration
-from rpcps.transport import PEER_DEAD, SERVER_NAME, TIMEOUT, classify_failure
+from rpcps.transport import PEER_DEAD, TIMEOUT, classify_failure, server_name
 
 
 class ServerUnreachable(RuntimeError):
@@ -54,12 +55,22 @@ def result(future: Future) -> Any:
 
 
 class ServerClient:
-    def __init__(self, timeout_s: float) -> None:
+    """Calls on one server shard (``ps<shard>``)."""
+
+    def __init__(self, timeout_s: float, shard: int = 0, wait_s: float = 0.0) -> None:
+        """Fetches the shard's RRef; waits up to ``wait_s`` for a shard that has not joined yet."""
         self.timeout_s = timeout_s
-        try:
-            self._rref = rpc.rpc_sync(SERVER_NAME, rpc_api.server_rref, timeout=timeout_s)
-        except RuntimeError as e:
-            raise translate(e) from e
+        self.shard = shard
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._rref = rpc.rpc_sync(server_name(shard), rpc_api.server_rref, timeout=timeout_s)
+                break
+            except RuntimeError as e:
+                starting = "unknown destination" in str(e).lower() or "still starting" in str(e)
+                if not starting or time.monotonic() > deadline:
+                    raise translate(e) from e
+                time.sleep(0.2)
         self._owner = self._rref.owner()
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Future:
@@ -70,6 +81,10 @@ class ServerClient:
         except RuntimeError as e:
             raise translate(e) from e
 
+    def register_probe(self) -> int:
+        """How many shards the server has (asked of shard 0 before registering anywhere)."""
+        return int(result(self._call("shard_count")))
+
     def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
         return result(self._call("register", slot, rpc_name, signature))
 
@@ -77,7 +92,16 @@ class ServerClient:
         self, slot: int, incarnation: str, seq: int, base_version: int, chunks: list[torch.Tensor], loss: float | None
     ) -> Future:
         """Starts a push; ``result(future)`` gives a PushReply."""
-        return self._call("push", slot, incarnation, seq, base_version, chunks, loss)
+        try:
+            return rpc.rpc_async(
+                self._owner,
+                rpc_api.call_async,
+                args=(self._rref, "submit", slot, incarnation, seq, base_version, chunks, loss),
+                # A sync round may wait for the slowest worker; never time out before the round does.
+                timeout=self.timeout_s,
+            )
+        except RuntimeError as e:
+            raise translate(e) from e
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None

@@ -78,16 +78,22 @@ def run_worker(config: WorkerRunConfig) -> int:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.
             raise ServerUnreachable(str(e)) from e
-        client = ServerClient(config.transport.rpc_timeout_s)
-        trainer = Trainer(config.worker, client, name, metrics)
+        first = ServerClient(config.transport.rpc_timeout_s, shard=0, wait_s=config.transport.connect_timeout_s)
+        shard_count = first.register_probe()
+        clients = [first] + [
+            ServerClient(config.transport.rpc_timeout_s, shard=k, wait_s=config.transport.connect_timeout_s)
+            for k in range(1, shard_count)
+        ]
+        trainer = Trainer(config.worker, clients, name, metrics)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
         summary = trainer.run()
         summary["reconnects"] = reconnects
-        try:
-            client.leave(config.worker.worker_index, trainer.registration.incarnation)
-        except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the reaper covers us
-            logger.debug("leave failed: %s", e)
+        for link in trainer.shards:
+            try:
+                link.client.leave(config.worker.worker_index, link.registration.incarnation)
+            except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the reaper covers us
+                logger.debug("leave failed: %s", e)
         write_summary(config.summary_json, summary)
         logger.info("done: %d steps, final loss %s", summary["steps"], summary["final_loss"])
         return EXIT_OK

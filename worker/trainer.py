@@ -3,6 +3,12 @@
 Pushes are fire-and-forget within a bounded window: step t+1 computes while step t's gradient is on
 the wire. A window slot (and its gradient buffers) is reused only after its reply arrives, so a
 buffer is never overwritten while TensorPipe may still be reading it.
+
+With several server shards each step sends one push per shard (its own parameters' gradients), in
+parallel, and pulls from every shard. A push a shard refuses as too stale ('bounded' and 'sync'
+modes) is recomputed on that shard's fresh parameters from the same batch, with the same step
+number, and sent to that shard alone. In 'sync' mode the window is one step: the reply arrives when
+the round closes, and the next step computes on the round's result.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 from rpcps import plugins
 from rpcps.errors import PushRejected
 from rpcps.messages import PushReply, Registration
+from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from worker.client import ServerClient, ServerTimeout, result
 from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
@@ -76,13 +83,32 @@ class TooManyRejects(RuntimeError):
 
 @dataclass
 class _InFlight:
+    """One push: a step's gradients for one shard."""
+
     seq: int
+    shard: int
     base_version: int
     buffers: list[torch.Tensor]
     loss: float
-    future: Any
-    sent: float
+    batch: tuple[torch.Tensor, torch.Tensor]
+    """Kept so a push refused as stale can be recomputed from the same data."""
+    future: Any = None
+    sent: float = 0.0
     attempts: int = 1
+
+
+@dataclass
+class ShardLink:
+    """What the worker keeps per server shard."""
+
+    index: int
+    client: ServerClient
+    registration: Registration
+    layout: FlatLayout
+    params: list[torch.nn.Parameter]
+    stager: GradientStager
+    free: list[list[torch.Tensor]]
+    version: int = -1
 
 
 @dataclass
@@ -113,36 +139,54 @@ class WorkerStats:
 
 
 class Trainer:
-    def __init__(self, config: WorkerConfig, client: ServerClient, rpc_name: str, metrics: WorkerMetrics) -> None:
+    def __init__(self, config: WorkerConfig, clients: list[ServerClient], rpc_name: str, metrics: WorkerMetrics) -> None:
         self.config = config
-        self.client = client
         self.metrics = metrics
         self.device = pick_device(config.device)
         self.model = plugins.load_model(config.model).to(self.device)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = plugins.load_loss(config.loss)
         self.signature = ModelSignature.of_module(self.model)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.registration: Registration = client.register(config.worker_index, rpc_name, self.signature.to_wire())
-        self.layout = FlatLayout(self.signature, self.registration.chunk_bytes)
-        if self.layout.chunk_numels != tuple(self.registration.chunk_numels):
-            raise RuntimeError("the server packs parameters differently from this worker; are both running the same rpcps version?")
-        self.stager = GradientStager(self.layout, self.params, self.device)
-        self.version = -1
-        self.step = self.registration.next_step
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = params
+        registrations = [c.register(config.worker_index, rpc_name, self.signature.to_wire()) for c in clients]
+        first = registrations[0]
+        if first.shard_count != len(clients) or any(r.shard_index != i for i, r in enumerate(registrations)):
+            raise RuntimeError(f"the servers report {first.shard_count} shards but this worker reached {len(clients)}")
+        if first.partition_digest != partition_digest(self.signature, first.shard_count):
+            raise RuntimeError("the servers partition the model differently from this worker; same rpcps version on both?")
+        self.mode = first.mode
+        owned = partition(self.signature, first.shard_count)
+        self.shards: list[ShardLink] = []
+        window = 1 if self.mode == "sync" else config.max_in_flight
+        for client, reg, indices in zip(clients, registrations, owned):
+            layout = FlatLayout(ModelSignature(tuple(self.signature.params[i] for i in indices)), reg.chunk_bytes)
+            if layout.chunk_numels != tuple(reg.chunk_numels):
+                raise RuntimeError(f"shard {reg.shard_index} packs parameters differently from this worker")
+            shard_params = [params[i] for i in indices]
+            stager = GradientStager(layout, shard_params, self.device)
+            free = [stager.new_buffers() for _ in range(window)]
+            self.shards.append(ShardLink(reg.shard_index, client, reg, layout, shard_params, stager, free))
+        # A shard restored from an older snapshot has processed fewer steps: start at the earliest;
+        # shards that already have a step answer 'duplicate'.
+        self.step = min(r.next_step for r in registrations)
+        self.pull_every = 1 if self.mode == "sync" else config.pull_every
         self.stats = WorkerStats()
-        self._free: list[list[torch.Tensor]] = [self.stager.new_buffers() for _ in range(config.max_in_flight)]
         self._in_flight: deque[_InFlight] = deque()
+        self._redo: deque[_InFlight] = deque()
         self._rejects_in_a_row = 0
         self._stop = threading.Event()
         logger.info(
-            "slot %d registered (incarnation %s) on %s; %d parameters in %d chunks; resuming at step %d of %d",
-            config.worker_index, self.registration.incarnation, self.device, self.signature.numel, len(self.layout),
-            self.step, config.steps,
+            "slot %d registered with %d shard(s), mode %s, on %s; %d parameters; resuming at step %d of %d",
+            config.worker_index, len(self.shards), self.mode, self.device, self.signature.numel, self.step, config.steps,
         )
 
     @property
     def slot(self) -> int:
         return self.config.worker_index
+
+    @property
+    def registration(self) -> Registration:
+        return self.shards[0].registration
 
     def run(self) -> dict[str, Any]:
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -150,29 +194,29 @@ class Trainer:
         try:
             batches = self._batches()
             first = True
-            while self.step < self.config.steps and not self._stop.is_set():
+            while not self._stop.is_set():
                 step_started = time.perf_counter()
                 comm = 0.0
-                if first or self.step % self.config.pull_every == 0:
-                    comm += self._refresh()
+                if self._redo:
+                    item = self._redo.popleft()
+                    comm += self._refresh([self.shards[item.shard]])
+                    comm += self._compute_and_send(item.seq, item.batch, [self.shards[item.shard]], count=False)
+                    self.metrics.step_seconds.observe(time.perf_counter() - step_started)
+                    continue
+                if self.step >= self.config.steps:
+                    if not self._in_flight:
+                        break
+                    self._complete_oldest()
+                    continue
+                if first or self.step % self.pull_every == 0:
+                    comm += self._refresh(self.shards)
                     first = False
                     if self._stop.is_set():
                         break
                 inputs, targets = next(batches)
-                inputs = inputs.to(self.device, non_blocking=True)
-                targets = targets.to(self.device, non_blocking=True)
-                for p in self.params:
-                    p.grad = None
-                loss = self.loss_fn(self.model(inputs), targets)
-                loss.backward()
-                comm += self._wait_for_free_slot()
-                buffers = self._free.pop()
-                self.stager.stage(buffers)
-                self.stager.wait()
-                loss_value = float(loss.detach())
-                self._send(_InFlight(self.step, self.version, buffers, loss_value, None, 0.0))
+                batch = (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
+                comm += self._compute_and_send(self.step, batch, self.shards, count=True, started=step_started)
                 self.step += 1
-                self._account(step_started, comm, loss_value, len(inputs))
             self._drain()
         finally:
             self._stop.set()
@@ -183,6 +227,34 @@ class Trainer:
 
     # ---- helpers -------------------------------------------------------------------------------
 
+    def _compute_and_send(
+        self,
+        seq: int,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        shards: list[ShardLink],
+        count: bool,
+        started: float | None = None,
+    ) -> float:
+        """Forward, backward, and one push per shard in ``shards``. Returns time blocked on the network."""
+        inputs, targets = batch
+        for p in self.params:
+            p.grad = None
+        loss = self.loss_fn(self.model(inputs), targets)
+        loss.backward()
+        loss_value = float(loss.detach())
+        comm = 0.0
+        for link in shards:
+            comm += self._wait_for_free_slot(link)
+            buffers = link.free.pop()
+            link.stager.stage(buffers)
+            link.stager.wait()
+            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch))
+        if self.mode == "sync":
+            comm += self._drain_timed()
+        if count and started is not None:
+            self._account(started, comm, loss_value, len(inputs))
+        return comm
+
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         data = plugins.load_data(self.config.data, self.slot, self.config.num_workers)
         if hasattr(data, "seek"):
@@ -191,20 +263,24 @@ class Trainer:
         # No seek: skip to the recorded position by reading (and discarding) what came before.
         return itertools.islice(iter(data), self.step, None)
 
-    def _refresh(self) -> float:
-        """Pulls parameters if they changed; waits while the server is paused. Returns blocked time."""
+    def _refresh(self, shards: list[ShardLink]) -> float:
+        """Pulls changed parameters from ``shards`` in parallel; waits while paused. Returns blocked time."""
         started = time.perf_counter()
         while True:
-            reply = self._with_retries(lambda: result(self.client.pull(self.slot, self.registration.incarnation, self.version)))
-            if reply.stop:
-                logger.info("the server is shutting down for good; stopping after in-flight pushes")
-                self._stop.set()
-                break
-            if reply.chunks is not None:
-                load_parameters(self.layout, self.params, reply.chunks)
-                self.version = reply.version
-                self.metrics.model_version.set(reply.version)
-            if not reply.paused or self._stop.is_set():
+            replies = self._with_retries(
+                lambda: [result(f) for f in [s.client.pull(self.slot, s.registration.incarnation, s.version) for s in shards]]
+            )
+            paused = False
+            for link, reply in zip(shards, replies):
+                if reply.stop:
+                    logger.info("the server is shutting down for good; stopping after in-flight pushes")
+                    self._stop.set()
+                if reply.chunks is not None:
+                    load_parameters(link.layout, link.params, reply.chunks)
+                    link.version = reply.version
+                paused = paused or reply.paused
+            self.metrics.model_version.set(sum(s.version for s in self.shards))
+            if not paused or self._stop.is_set():
                 break
             self._stop.wait(self.config.pause_poll_s)
         elapsed = time.perf_counter() - started
@@ -225,14 +301,15 @@ class Trainer:
         raise AssertionError("unreachable")
 
     def _send(self, item: _InFlight) -> None:
+        link = self.shards[item.shard]
         item.sent = time.perf_counter()
-        item.future = self.client.push(self.slot, self.registration.incarnation, item.seq, item.base_version, item.buffers, item.loss)
+        item.future = link.client.push(self.slot, link.registration.incarnation, item.seq, item.base_version, item.buffers, item.loss)
         self._in_flight.append(item)
         self.metrics.in_flight.set(len(self._in_flight))
 
-    def _wait_for_free_slot(self) -> float:
+    def _wait_for_free_slot(self, link: ShardLink) -> float:
         started = time.perf_counter()
-        while not self._free:
+        while not link.free:
             self._complete_oldest()
         # Harvest replies that already arrived so errors surface promptly.
         while self._in_flight and self._in_flight[0].future.done():
@@ -240,11 +317,24 @@ class Trainer:
         return time.perf_counter() - started
 
     def _drain(self) -> None:
+        while self._in_flight or self._redo:
+            if self._in_flight:
+                self._complete_oldest()
+            else:
+                item = self._redo.popleft()
+                self._refresh([self.shards[item.shard]])
+                self._compute_and_send(item.seq, item.batch, [self.shards[item.shard]], count=False)
+
+    def _drain_timed(self) -> float:
+        started = time.perf_counter()
         while self._in_flight:
             self._complete_oldest()
+        return time.perf_counter() - started
 
     def _complete_oldest(self) -> None:
-        item = self._in_flight[0]
+        item = self._in_flight.popleft()
+        self.metrics.in_flight.set(len(self._in_flight))
+        link = self.shards[item.shard]
         try:
             reply: PushReply = result(item.future)
         except ServerTimeout:
@@ -252,14 +342,12 @@ class Trainer:
                 raise
             # The server may or may not have applied it; it deduplicates by (slot, seq), so resend.
             self.metrics.retries.inc()
-            self._in_flight.popleft()
             time.sleep(min(0.2 * 2 ** (item.attempts - 1), 5.0))
             item.attempts += 1
             self._send(item)
             return
         except PushRejected as e:
-            self._in_flight.popleft()
-            self._free.append(item.buffers)
+            link.free.append(item.buffers)
             self.stats.rejected += 1
             self.metrics.pushes.labels("rejected").inc()
             self._rejects_in_a_row += 1
@@ -267,15 +355,16 @@ class Trainer:
             if self._rejects_in_a_row >= self.config.max_consecutive_rejects:
                 raise TooManyRejects(f"{self._rejects_in_a_row} pushes in a row were rejected; last: {e}") from e
             return
-        self._in_flight.popleft()
-        self.metrics.in_flight.set(len(self._in_flight))
         self.metrics.push_seconds.observe(time.perf_counter() - item.sent)
         if reply.status == "paused":  # not applied and not recorded: send it again once resumed
             self._stop.wait(self.config.pause_poll_s)
             self._send(item)
             return
-        self._free.append(item.buffers)
+        link.free.append(item.buffers)
         self.metrics.pushes.labels(reply.status).inc()
+        if reply.status == "stale":  # not recorded: recompute this step on fresh parameters
+            self._redo.append(item)
+            return
         self._rejects_in_a_row = 0
         if reply.status == "applied":
             self.stats.applied += 1
@@ -298,7 +387,8 @@ class Trainer:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):
-            try:
-                self.client.heartbeat(self.slot, self.registration.incarnation)
-            except Exception as e:  # noqa: BLE001 - the training loop reports real failures
-                logger.debug("heartbeat failed: %s", e)
+            for link in self.shards:
+                try:
+                    link.client.heartbeat(self.slot, link.registration.incarnation)
+                except Exception as e:  # noqa: BLE001 - the training loop reports real failures
+                    logger.debug("heartbeat to shard %d failed: %s", link.index, e)

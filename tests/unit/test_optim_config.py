@@ -60,7 +60,10 @@ def test_valid_config_builds_the_named_optimizer_and_schedule() -> None:
         ({"on_nonfinite": "ignore"}, "on_nonfinite must be 'reject' or 'skip', got 'ignore'"),
         ({"chunk_bytes": 100}, "chunk_bytes must be >= 1024, got 100"),
         ({"max_workers": 0}, r"max_workers must be in \[1, 32000\], got 0"),
-        ({"max_staleness": -1}, "max_staleness must be >= 0, got -1"),
+        ({"mode": "bounded", "max_staleness": -1}, "max_staleness must be >= 0, got -1"),
+        ({"mode": "bounded"}, "needs max_staleness"),
+        ({"max_staleness": 3}, "applies to mode .bounded. only"),
+        ({"mode": "lockstep"}, "mode must be async, bounded or sync"),
     ],
 )
 def test_server_core_config_names_the_bad_field(kwargs: dict, message: str) -> None:

@@ -264,7 +264,7 @@ def test_sequence_progress_survives_re_registration(server: ParameterServer) -> 
 
 
 def test_staleness_is_measured_and_bounded_when_configured() -> None:
-    server = make_server(SGD, max_staleness=1)[0]
+    server = make_server(SGD, mode="bounded", max_staleness=1)[0]
     incarnation = _register(server)
     for seq in range(3):
         server.push(0, incarnation, seq, server.version, _good_chunks(server))
