@@ -68,7 +68,8 @@ def run_server(config: ServerRunConfig) -> int:
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
     if config.audit_log:
-        server.audit = AuditLog(config.audit_log)
+        suffix = f".shard{config.core.shard_index}" if config.core.shard_count > 1 else ""
+        server.audit = AuditLog(config.audit_log + suffix)
     logger.info(
         "model %s: %d parameters in %d chunks; optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), config.core.optimizer.name, config.core.optimizer.kwargs,

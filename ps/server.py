@@ -214,7 +214,7 @@ class ParameterServer:
             if early is not None:
                 return _done(early)
             live = {r.slot for r in self.workers.live()}
-            self._rounds.add(live, Contribution(slot, seq, loss, 0, reply, admitted), chunks)
+            self._rounds.add(live, Contribution(slot, seq, loss, 0, reply, admitted), chunks, len(self.workers.records))
             admitted.last_seen = time.monotonic()
             closed = self._close_round_locked(time.monotonic())
         self._resolve(closed)
@@ -510,7 +510,7 @@ class ParameterServer:
                 record.live = False
                 record.left = True
                 if self._rounds is not None:
-                    self._rounds.drop(slot)
+                    self._rounds.drop(slot)  # the round timer closes it if it was waiting only for this slot
 
     def mark_silent(self, slot: int, incarnation: str) -> None:
         with self._lock:

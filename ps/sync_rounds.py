@@ -31,6 +31,8 @@ class Contribution:
 class SyncRound:
     expected: set[int]
     sums: list[torch.Tensor]
+    needed: int = 1
+    """Contributions required before the timeout: min_workers, lowered when expected workers die."""
     opened: float = field(default_factory=time.monotonic)
     contributions: dict[int, Contribution] = field(default_factory=dict)
 
@@ -53,10 +55,15 @@ class RoundKeeper:
         self.waiting: list[Any] = []
         """Futures of workers that arrived mid-round; answered when it closes (they recompute)."""
 
-    def add(self, live_slots: set[int], contribution: Contribution, chunks: list[torch.Tensor]) -> bool:
-        """Adds a gradient to the open round (opening one if none). False: the slot waits for the next."""
+    def add(self, live_slots: set[int], contribution: Contribution, chunks: list[torch.Tensor], known_slots: int = 0) -> bool:
+        """Adds a gradient to the open round (opening one if none). False: the slot waits for the next.
+
+        ``known_slots`` counts the slots that ever registered: min_workers holds only until that many
+        have shown up (start-up); after that a round needs just the live ones.
+        """
         if self.current is None:
-            self.current = SyncRound(set(live_slots) | {contribution.slot}, [torch.zeros(n) for n in self.chunk_numels])
+            needed = self.min_workers if known_slots < self.min_workers else 1
+            self.current = SyncRound(set(live_slots) | {contribution.slot}, [torch.zeros(n) for n in self.chunk_numels], needed)
         round_ = self.current
         if contribution.slot not in round_.expected and len(round_.expected) < self.min_workers:
             round_.expected.add(contribution.slot)
@@ -72,6 +79,7 @@ class RoundKeeper:
         """A worker left or died: the open round stops waiting for it."""
         if self.current is not None and slot not in self.current.contributions:
             self.current.expected.discard(slot)
+            self.current.needed = min(self.current.needed, max(len(self.current.expected), 1))
 
     def ready(self, now: float) -> bool:
         r = self.current
@@ -79,7 +87,7 @@ class RoundKeeper:
             return False
         if now - r.opened >= self.timeout_s:
             return True
-        return not r.missing() and len(r.contributions) >= self.min_workers
+        return not r.missing() and len(r.contributions) >= r.needed
 
     def take(self) -> tuple[SyncRound, list[Any]]:
         """Closes the open round: (the round, futures that waited for the next one)."""

@@ -36,6 +36,7 @@ class Kill:
 class ChaosPlan:
     workers: int = 2
     steps: int = 600
+    shards: int = 1
     kills: tuple[Kill, ...] = ()
     checkpoint_every_updates: int = 100
     extra_args: tuple[str, ...] = ()
@@ -55,22 +56,26 @@ class ChaosResult:
     exit_code: int
     summary: dict[str, Any]
     ledger: LedgerReport
+    """Shard 0's ledger (the only one when unsharded)."""
     invalid_snapshots: dict[str, str]
+    shard_ledgers: list[LedgerReport] = field(default_factory=list)
     kill_times: list[tuple[Kill, float]] = field(default_factory=list)
     recovery_s: list[float] = field(default_factory=list)
     """Per server kill: seconds from the kill to the next applied update."""
 
     def problems(self, plan: ChaosPlan) -> list[str]:
-        found = list(self.ledger.problems)
+        found = []
         if self.exit_code != 0:
             found.append(f"local exited with {self.exit_code}")
         expected = plan.workers * plan.steps
-        if self.ledger.final_version != expected:
-            found.append(f"final version {self.ledger.final_version}, expected {expected} (one per worker step)")
+        for k, ledger in enumerate(self.shard_ledgers or [self.ledger]):
+            found += [f"shard {k}: {p}" for p in ledger.problems]
+            if ledger.final_version != expected:
+                found.append(f"shard {k}: final version {ledger.final_version}, expected {expected} (one per worker step)")
         for path, why in self.invalid_snapshots.items():
             found.append(f"invalid snapshot on disk: {path}: {why}")
         bound = plan.checkpoint_every_updates + 2 * plan.workers * 4  # interval + pushes in flight
-        for lost in self.ledger.updates_lost:
+        for lost in (n for ledger in self.shard_ledgers or [self.ledger] for n in ledger.updates_lost):
             if lost > bound:
                 found.append(f"a crash lost {lost} updates, more than one interval ({plan.checkpoint_every_updates}) + in-flight")
         if len(self.kill_times) != len(plan.kills):
@@ -82,7 +87,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     run_dir.mkdir(parents=True, exist_ok=True)
     ledger = run_dir / "audit.log"
     argv = [
-        sys.executable, entry, "local", "--workers", str(plan.workers), "--steps", str(plan.steps),
+        sys.executable, entry, "local", "--workers", str(plan.workers), "--steps", str(plan.steps), "--shards", str(plan.shards),
         "--run-dir", str(run_dir), "--checkpoint-dir", str(run_dir / "checkpoints"),
         "--checkpoint-every-updates", str(plan.checkpoint_every_updates), "--audit-log", str(ledger),
         "--max-restarts", str(len(plan.kills) + 3), "--summary-json", str(run_dir / "summary.json"),
@@ -112,13 +117,15 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
                 except subprocess.TimeoutExpired:
                     os.killpg(local.pid, signal.SIGKILL)
                     local.wait()
-    report = check_ledger(ledger)
+    ledgers = [check_ledger(f"{ledger}.shard{k}") for k in range(plan.shards)] if plan.shards > 1 else []
+    report = ledgers[0] if ledgers else check_ledger(ledger)
     recovery = [
         t - when for kill, when in kill_times if kill.target == "ps" and (t := first_apply_after(report, when)) is not None
     ]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    invalid = {str(p): why for p, why in verify_all(run_dir / "checkpoints").items() if why is not None}
-    return ChaosResult(local.returncode, summary, report, invalid, kill_times, recovery)
+    roots = [run_dir / "checkpoints"] + sorted((run_dir / "checkpoints").glob("shard-*"))
+    invalid = {str(p): why for root in roots for p, why in verify_all(root).items() if why is not None}
+    return ChaosResult(local.returncode, summary, report, invalid, ledgers, kill_times, recovery)
 
 
 def _children(run_dir: Path) -> dict[str, Any]:

@@ -259,7 +259,10 @@ class ProcessGroup:
             metrics_port = free_port()
         proc = self.start(
             name,
-            ["ps", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args],
+            [
+                "ps", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1",
+                *(() if "--control-port" in args else ("--control-port", "0", "--control-addr", "127.0.0.1")), *args,
+            ],
             **kwargs,  # type: ignore[arg-type]
         )
         return proc, port, metrics_port

@@ -153,3 +153,15 @@ def test_shard_layouts_cover_the_model_once() -> None:
         server = ParameterServer(model, ServerCoreConfig(shard_index=k, shard_count=3))
         names += [s.spec.name for s in FlatLayout(server.signature).slots]
     assert sorted(names) == sorted(p.name for p in sig.params)
+
+
+def test_after_a_death_new_sync_rounds_need_only_the_live_workers() -> None:
+    server = _sync_server(teacher_student_model(), min_workers=2)
+    r0, r1 = (server.register(s, f"w{s}", server.model_signature.to_wire()).incarnation for s in (0, 1))
+    zeros = [torch.zeros(n) for n in server.layout.chunk_numels]
+    first = [server.submit(0, r0, 0, 0, zeros), server.submit(1, r1, 0, 0, zeros)]
+    assert all(f.wait().status == "applied" for f in first)
+    server.mark_dead(1, r1)
+    started = time.monotonic()
+    assert server.submit(0, r0, 1, 1, zeros).wait().status == "applied"
+    assert time.monotonic() - started < 5, "a round must not wait the 30 s timeout for min_workers after a death"

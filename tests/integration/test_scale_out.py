@@ -1,0 +1,91 @@
+"""Sharded servers, consistency modes and elastic workers with real processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rpcps.faults import ChaosPlan, Kill, run_chaos
+from tests.procs import ProcessGroup, try_scrape, wait_until
+
+pytestmark = pytest.mark.integration
+
+VERSION = "rpcps_server_model_version"
+
+
+def version(port: int) -> float:
+    return try_scrape(port).get(VERSION, -1)
+
+
+@pytest.mark.timeout(240)
+def test_a_shard_killed_and_restarted_resumes_without_disturbing_the_other(tmp_path: Path) -> None:
+    plan = ChaosPlan(workers=2, steps=400, shards=2, checkpoint_every_updates=100, kills=(Kill("ps1", 300),), timeout_s=200)
+    result = run_chaos(plan, tmp_path / "run")
+    assert result.problems(plan) == [], (tmp_path / "run" / "local.log").read_text()[-3000:]
+    shard0, shard1 = result.shard_ledgers
+    assert shard0.restarts == 1 and shard0.updates_lost == [], "shard 0 never restarted or rolled back"
+    assert shard1.restarts == 2 and len(shard1.updates_lost) == 1, "shard 1 resumed once from its own snapshot"
+    assert result.summary["restarts"]["ps1"] == 1
+
+
+@pytest.mark.timeout(180)
+def test_sync_round_does_not_hang_when_a_worker_dies_mid_round(procs: ProcessGroup) -> None:
+    ps, port, mport = procs.ps("ps", "--mode", "sync", "--min-workers", "2", "--round-timeout-s", "20",
+                               "--optimizer", "sgd", "--lr", "0.1")
+    w0, _ = procs.worker("w0", port, 0, 2, "--steps", "400")
+    w1, _ = procs.worker("w1", port, 1, 2, "--steps", "100000")
+    wait_until(lambda: version(mport) >= 20, 90, "20 sync rounds with both workers")
+    w1.kill()
+    v = version(mport)
+    # The reaper sees the dead process within about a second and the round closes without it,
+    # well before the 20 s round timeout.
+    wait_until(lambda: version(mport) >= v + 20, 15, "rounds to go on with the surviving worker")
+    assert w0.wait(120) == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_joining_mid_run_is_counted_and_contributes(procs: ProcessGroup, tmp_path: Path) -> None:
+    ps, port, mport = procs.ps("ps")
+    procs.worker("w0", port, 0, 2, "--steps", "1500")
+    wait_until(lambda: version(mport) >= 50, 90, "training with one worker")
+    assert try_scrape(mport).get("rpcps_server_live_workers") == 1
+    late, _ = procs.worker("w1", port, 1, 2, "--steps", "100", "--summary-json", str(tmp_path / "w1.json"))
+    wait_until(lambda: try_scrape(mport).get("rpcps_server_live_workers") == 2, 60, "the late worker to be counted")
+    assert late.wait(120) == 0
+    assert json.loads((tmp_path / "w1.json").read_text())["updates_applied"] == 100
+
+
+@pytest.mark.timeout(300)
+def test_eight_workers_on_one_server(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.procs import ENTRY, REPO, child_env
+
+    summary = tmp_path / "summary.json"
+    done = subprocess.run(
+        [sys.executable, str(ENTRY), "local", "--workers", "8", "--steps", "60", "--run-dir", str(tmp_path / "run"),
+         "--summary-json", str(summary), "--progress-s", "30"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(summary.read_text())
+    assert result["updates_applied"] == 8 * 60
+    assert all(w.get("updates_applied") == 60 for w in result["workers"])
+    assert result["restarts"] == {name: 0 for name in result["restarts"]}
+
+
+@pytest.mark.timeout(240)
+def test_bounded_and_sync_modes_hold_their_promise_end_to_end(tmp_path: Path) -> None:
+    bounded = run_chaos(ChaosPlan(workers=2, steps=200, shards=2, extra_args=("--mode", "bounded", "--max-staleness", "1")),
+                        tmp_path / "bounded")
+    assert bounded.exit_code == 0
+    shards = bounded.summary["shards"]
+    assert all(s["max_staleness"] <= 1 for s in shards), shards
+    assert all(s["model_version"] == 400 for s in shards), "every step applied once, stale ones recomputed"
+    sync = run_chaos(ChaosPlan(workers=2, steps=100, extra_args=("--mode", "sync", "--optimizer", "sgd")), tmp_path / "sync")
+    assert sync.exit_code == 0
+    assert sync.summary["server"]["rounds"] == 100 and sync.summary["server"]["model_version"] == 100
+    assert sync.summary["max_staleness"] == 0
