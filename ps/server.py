@@ -28,6 +28,7 @@ from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, Unknow
 from rpcps.messages import ErrorReply, PullReply, PushReply, Registration
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import DEFAULT_CHUNK_BYTES, WIRE_DTYPE, FlatLayout, ModelSignature
+from rpcps.wire import Chunk, check_chunk, to_dense_fp32, values_of, wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class ServerCoreConfig:
     """With mode 'sync': a round closes this long after it opened with whoever contributed."""
     min_workers: int = 1
     """With mode 'sync': a round waits (up to round_timeout_s) for this many workers."""
+    wire_dtype: str = "fp32"
+    """Dtype of gradients and parameters on the wire: fp32, bf16 or fp16 (masters stay fp32)."""
     shard_index: int = 0
     shard_count: int = 1
     """This server owns partition(signature, shard_count)[shard_index] (rpcps/partition.py)."""
@@ -64,6 +67,7 @@ class ServerCoreConfig:
             raise ValueError("mode 'bounded' needs max_staleness (--max-staleness K)")
         if self.mode != "bounded" and self.max_staleness is not None:
             raise ValueError("max_staleness applies to mode 'bounded' only (--mode bounded --max-staleness K)")
+        wire_dtype(self.wire_dtype)  # raises ValueError naming the choices
         if self.min_workers < 1:
             raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
         if self.round_timeout_s <= 0:
@@ -104,6 +108,7 @@ class ParameterServer:
         """The parameters this server owns."""
         self.partition_digest = partition_digest(self.model_signature, config.shard_count)
         self.layout = FlatLayout(self.signature, config.chunk_bytes)
+        self.wire = wire_dtype(config.wire_dtype)
         self.server_id = uuid.uuid4().hex[:12]
         self.metrics = metrics or ServerMetrics()
         self._lock = threading.Lock()
@@ -154,7 +159,7 @@ class ParameterServer:
         return Registration(
             record.incarnation, next_step, version, self.server_id, self.config.chunk_bytes, self.layout.chunk_numels,
             mode=self.config.mode, shard_index=self.config.shard_index, shard_count=self.config.shard_count,
-            partition_digest=self.partition_digest,
+            partition_digest=self.partition_digest, wire_dtype=self.config.wire_dtype,
         )
 
     def push(
@@ -182,7 +187,7 @@ class ParameterServer:
         admitted = self._admit(slot, incarnation, seq, chunks)
         if isinstance(admitted, PushReply):
             return admitted
-        record = admitted
+        record, chunks = admitted
         with self._lock:
             early = self._early_reply(record, seq, base_version)
             if early is not None:
@@ -208,20 +213,26 @@ class ParameterServer:
         admitted = self._admit(slot, incarnation, seq, chunks)
         if isinstance(admitted, PushReply):
             return _done(admitted)
+        record, chunks = admitted
         reply: Future = Future()
         with self._lock:
-            early = self._early_reply(admitted, seq, base_version, exact=True)
+            early = self._early_reply(record, seq, base_version, exact=True)
             if early is not None:
                 return _done(early)
             live = {r.slot for r in self.workers.live()}
-            self._rounds.add(live, Contribution(slot, seq, loss, 0, reply, admitted), chunks, len(self.workers.records))
-            admitted.last_seen = time.monotonic()
+            self._rounds.add(live, Contribution(slot, seq, loss, 0, reply, record), chunks, len(self.workers.records))
+            record.last_seen = time.monotonic()
             closed = self._close_round_locked(time.monotonic())
         self._resolve(closed)
         return reply
 
-    def _admit(self, slot: int, incarnation: str, seq: int, chunks: list[torch.Tensor]) -> WorkerRecord | PushReply:
-        """Counts, deduplicates and validates a push; the record when it may be applied, else the reply."""
+    def _admit(
+        self, slot: int, incarnation: str, seq: int, chunks: list[Chunk]
+    ) -> tuple[WorkerRecord, list[torch.Tensor]] | PushReply:
+        """Counts, deduplicates and validates a push.
+
+        Returns the record and the fp32 gradient chunks when it may be applied, else the reply.
+        """
         with self._lock:
             self.stats.pushes_received += 1
             try:
@@ -236,13 +247,13 @@ class ParameterServer:
                 return PushReply("duplicate", self.version, 0)
         try:
             self._validate(slot, seq, chunks)
-            nonfinite = _first_nonfinite(chunks)
+            nonfinite = _first_nonfinite([values_of(c) for c in chunks])
         except PushRejected as e:
             self._reject(record, seq, e)
             raise
         if nonfinite is None:
-            return record
-        where = self.layout.param_at(*nonfinite)
+            return record, [to_dense_fp32(c, n) for c, n in zip(chunks, self.layout.chunk_numels)]
+        where = self._nonfinite_where(chunks, *nonfinite)
         if self.config.on_nonfinite == "reject":
             e = PushRejected(f"push {seq} from worker {slot} holds NaN/Inf in parameter {where!r}; parameters unchanged")
             self._reject(record, seq, e, reason="nonfinite")
@@ -373,7 +384,7 @@ class ParameterServer:
     ) -> PushReply:
         """Like push, for clients that send one tensor per parameter name (checked by name first)."""
         try:
-            chunks = self._pack_named(slot, seq, grads)
+            chunks = [c.to(self.wire) for c in self._pack_named(slot, seq, grads)]
         except PushRejected as e:
             with self._lock:
                 self.stats.pushes_received += 1
@@ -418,11 +429,11 @@ class ParameterServer:
             if self._snapshot_version != self.version:
                 # One copy per version, shared by every worker that pulls it; the RPC layer sends it
                 # after the lock is released.
-                self._snapshot = [m.detach().clone() for m in self._masters]
+                self._snapshot = [m.detach().to(self.wire, copy=True) for m in self._masters]
                 self._snapshot_version = self.version
             reply = PullReply(self.version, self._snapshot, paused)
         self.metrics.pulls.labels("full").inc()
-        self.metrics.param_bytes.inc(self.layout.nbytes)
+        self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         return reply
 
@@ -580,21 +591,23 @@ class ParameterServer:
     def _checked_record(self, slot: int, incarnation: str) -> WorkerRecord:
         return self.workers.get(slot, incarnation)
 
-    def _validate(self, slot: int, seq: int, chunks: list[torch.Tensor]) -> None:
+    def _validate(self, slot: int, seq: int, chunks: list[Chunk]) -> None:
         expected = self.layout.chunk_numels
         if not isinstance(chunks, (list, tuple)) or len(chunks) != len(expected):
             got = len(chunks) if isinstance(chunks, (list, tuple)) else type(chunks).__name__
             raise PushRejected(f"push {seq} from worker {slot} has {got} gradient chunks, expected {len(expected)}")
         for i, (chunk, numel) in enumerate(zip(chunks, expected)):
-            if not isinstance(chunk, torch.Tensor):
-                raise PushRejected(f"push {seq} from worker {slot}: chunk {i} is a {type(chunk).__name__}, not a tensor")
-            if chunk.dtype != WIRE_DTYPE:
-                raise _Dtype(f"push {seq} from worker {slot}: chunk {i} has dtype {chunk.dtype}, expected {WIRE_DTYPE}")
-            if chunk.dim() != 1 or chunk.numel() != numel or not chunk.is_contiguous():
-                raise PushRejected(
-                    f"push {seq} from worker {slot}: chunk {i} has shape {list(chunk.shape)}, expected [{numel}] "
-                    f"(parameters {self._chunk_names(i)})"
-                )
+            problem = check_chunk(chunk, numel, self.wire)
+            if problem is not None:
+                error = _Dtype if "dtype" in problem else PushRejected  # picks the metric's reason label
+                raise error(f"push {seq} from worker {slot}: chunk {i} {problem} (parameters {self._chunk_names(i)})")
+
+    def _nonfinite_where(self, chunks: list[Chunk], chunk: int, index: int) -> str:
+        """The parameter holding the first NaN/Inf (index is into the values of a sparse chunk)."""
+        sent = chunks[chunk]
+        if isinstance(sent, tuple):
+            index = int(sent[0][index])
+        return self.layout.param_at(chunk, index)
 
     def _chunk_names(self, chunk: int) -> str:
         names = [s.spec.name for s in self.layout.slots if s.chunk == chunk]

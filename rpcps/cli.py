@@ -59,6 +59,8 @@ SERVER = [
            30.0, positive_float),
     Option("--min-workers", "with --mode sync: rounds wait (up to --round-timeout-s) for this many workers; "
            "local sets it to --workers", 1, positive_int),
+    Option("--wire-dtype", "dtype of gradients and parameters on the wire; the server keeps fp32 masters and optimizer",
+           "fp32", choices=["fp32", "bf16", "fp16"]),
     Option("--shards", "number of server shards the parameters are split over", 1, positive_int),
     Option("--shard-index", "this server's shard (0 hosts the group's store at --listen)", 0, non_negative_int),
     Option("--store", "HOST:PORT of shard 0's --listen (shards > 0 only)", None, host_port, metavar="HOST:PORT"),
@@ -98,6 +100,10 @@ WORKER_TRAINING = [
     Option("--heartbeat-s", "heartbeat interval of an idle worker", 2.0, positive_float),
     Option("--max-retries", "timeouts in a row on one call before a worker gives up on a hung server", 30, non_negative_int),
     Option("--max-reconnects", "times a worker restarts itself to reach a replaced server", 20, non_negative_int),
+    Option("--topk-ratio", "send only this share of each gradient chunk (largest first) with error feedback", None,
+           positive_float, metavar="R"),
+    Option("--prefetch-pull", "async mode: fetch the next step's parameters while this step computes", "on",
+           choices=["on", "off"]),
     Option("--max-consecutive-rejects", "rejected pushes in a row before a worker stops (exit 4)", 10, positive_int),
 ]
 WORKER = [
@@ -235,6 +241,7 @@ def server_config(values: dict[str, Any]) -> Any:
             max_staleness=values["max_staleness"],
             round_timeout_s=values["round_timeout_s"],
             min_workers=values["min_workers"],
+            wire_dtype=values["wire_dtype"],
             shard_index=values["shard_index"],
             shard_count=values["shards"],
         ),
@@ -295,6 +302,8 @@ def worker_config(values: dict[str, Any], parser: argparse.ArgumentParser) -> An
             heartbeat_s=values["heartbeat_s"],
             max_retries=values["max_retries"],
             max_consecutive_rejects=values["max_consecutive_rejects"],
+            topk_ratio=values["topk_ratio"],
+            prefetch_pull=values["prefetch_pull"] == "on",
         ),
         metrics_addr=values["metrics_addr"],
         metrics_port=metrics_port,

@@ -22,6 +22,7 @@ class Registration:
     shard_index: int = 0
     shard_count: int = 1
     partition_digest: str = ""
+    wire_dtype: str = "fp32"
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,8 @@ class FlatLayout:
     def slot(self, name: str) -> Slot | None:
         return self._by_name.get(name)
 
-    def empty_chunks(self, pin_memory: bool = False) -> list[torch.Tensor]:
-        return [torch.zeros(n, dtype=WIRE_DTYPE, pin_memory=pin_memory) for n in self.chunk_numels]
+    def empty_chunks(self, pin_memory: bool = False, dtype: torch.dtype = WIRE_DTYPE) -> list[torch.Tensor]:
+        return [torch.zeros(n, dtype=dtype, pin_memory=pin_memory) for n in self.chunk_numels]
 
     def views(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per-parameter views into ``chunks``, in signature order."""

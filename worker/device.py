@@ -34,15 +34,18 @@ class GradientStager:
     the copy is an ordinary memcpy.
     """
 
-    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], device: torch.device) -> None:
+    def __init__(
+        self, layout: FlatLayout, params: list[torch.nn.Parameter], device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.layout = layout
+        self.dtype = dtype
         self.params = params
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._event: torch.cuda.Event | None = None
 
     def new_buffers(self) -> list[torch.Tensor]:
-        return self.layout.empty_chunks(pin_memory=self._stream is not None)
+        return self.layout.empty_chunks(pin_memory=self._stream is not None, dtype=self.dtype)
 
     def stage(self, buffers: list[torch.Tensor]) -> None:
         views = self.layout.views(buffers)

@@ -29,6 +29,7 @@ from rpcps.errors import PushRejected
 from rpcps.messages import PushReply, Registration
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.wire import TopK, wire_dtype
 from worker.client import ServerClient, ServerTimeout, result
 from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
 from worker.metrics import WorkerMetrics
@@ -59,6 +60,10 @@ class WorkerConfig:
     max_consecutive_rejects: int = 10
     """Rejected pushes in a row before the worker stops (something is wrong with its gradients)."""
     pause_poll_s: float = 0.5
+    topk_ratio: float | None = None
+    """Send only this share of each gradient chunk (largest magnitudes), with error feedback."""
+    prefetch_pull: bool = True
+    """In async mode, pull step t+1's parameters while step t computes (one more update of staleness)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -73,6 +78,8 @@ class WorkerConfig:
             raise ValueError(f"max_in_flight must be in [1, 64], got {self.max_in_flight}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.topk_ratio is not None and not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
         if self.max_retries < 0 or self.max_consecutive_rejects < 1:
             raise ValueError("max_retries must be >= 0 and max_consecutive_rejects >= 1")
 
@@ -92,6 +99,8 @@ class _InFlight:
     loss: float
     batch: tuple[torch.Tensor, torch.Tensor]
     """Kept so a push refused as stale can be recomputed from the same data."""
+    payload: list[Any] | None = None
+    """What goes on the wire: the buffers themselves, or their top-k (indices, values)."""
     future: Any = None
     sent: float = 0.0
     attempts: int = 1
@@ -108,7 +117,10 @@ class ShardLink:
     params: list[torch.nn.Parameter]
     stager: GradientStager
     free: list[list[torch.Tensor]]
+    topk: TopK | None = None
     version: int = -1
+    prefetch: Any = None
+    """A pull issued ahead of time (see WorkerConfig.prefetch_pull)."""
 
 
 @dataclass
@@ -163,13 +175,17 @@ class Trainer:
             if layout.chunk_numels != tuple(reg.chunk_numels):
                 raise RuntimeError(f"shard {reg.shard_index} packs parameters differently from this worker")
             shard_params = [params[i] for i in indices]
-            stager = GradientStager(layout, shard_params, self.device)
+            wire = wire_dtype(reg.wire_dtype)
+            # Top-k picks from fp32 gradients (its residual is fp32); its values are cast when sent.
+            stager = GradientStager(layout, shard_params, self.device, torch.float32 if config.topk_ratio else wire)
             free = [stager.new_buffers() for _ in range(window)]
-            self.shards.append(ShardLink(reg.shard_index, client, reg, layout, shard_params, stager, free))
+            topk = TopK(layout.chunk_numels, config.topk_ratio, wire) if config.topk_ratio else None
+            self.shards.append(ShardLink(reg.shard_index, client, reg, layout, shard_params, stager, free, topk))
         # A shard restored from an older snapshot has processed fewer steps: start at the earliest;
         # shards that already have a step answer 'duplicate'.
         self.step = min(r.next_step for r in registrations)
         self.pull_every = 1 if self.mode == "sync" else config.pull_every
+        self.prefetch = config.prefetch_pull and self.mode == "async"
         self.stats = WorkerStats()
         self._in_flight: deque[_InFlight] = deque()
         self._redo: deque[_InFlight] = deque()
@@ -213,6 +229,9 @@ class Trainer:
                     first = False
                     if self._stop.is_set():
                         break
+                if self.prefetch and (self.step + 1) % self.pull_every == 0:
+                    for link in self.shards:  # lands while this step computes
+                        link.prefetch = link.client.pull(self.slot, link.registration.incarnation, link.version)
                 inputs, targets = next(batches)
                 batch = (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
                 comm += self._compute_and_send(self.step, batch, self.shards, count=True, started=step_started)
@@ -248,7 +267,8 @@ class Trainer:
             buffers = link.free.pop()
             link.stager.stage(buffers)
             link.stager.wait()
-            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch))
+            payload = link.topk.compress(buffers) if link.topk is not None else buffers
+            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload))
         if self.mode == "sync":
             comm += self._drain_timed()
         if count and started is not None:
@@ -267,9 +287,7 @@ class Trainer:
         """Pulls changed parameters from ``shards`` in parallel; waits while paused. Returns blocked time."""
         started = time.perf_counter()
         while True:
-            replies = self._with_retries(
-                lambda: [result(f) for f in [s.client.pull(self.slot, s.registration.incarnation, s.version) for s in shards]]
-            )
+            replies = self._with_retries(lambda: [result(f) for f in [self._pull(s) for s in shards]])
             paused = False
             for link, reply in zip(shards, replies):
                 if reply.stop:
@@ -287,6 +305,11 @@ class Trainer:
         self.metrics.pull_seconds.observe(elapsed)
         return elapsed
 
+    def _pull(self, link: ShardLink) -> Any:
+        """The prefetched pull if one is waiting, else a new one."""
+        future, link.prefetch = link.prefetch, None
+        return future if future is not None else link.client.pull(self.slot, link.registration.incarnation, link.version)
+
     def _with_retries(self, call: Callable[[], Any]) -> Any:
         for attempt in range(self.config.max_retries + 1):
             try:
@@ -303,7 +326,9 @@ class Trainer:
     def _send(self, item: _InFlight) -> None:
         link = self.shards[item.shard]
         item.sent = time.perf_counter()
-        item.future = link.client.push(self.slot, link.registration.incarnation, item.seq, item.base_version, item.buffers, item.loss)
+        item.future = link.client.push(
+            self.slot, link.registration.incarnation, item.seq, item.base_version, item.payload or item.buffers, item.loss
+        )
         self._in_flight.append(item)
         self.metrics.in_flight.set(len(self._in_flight))
 

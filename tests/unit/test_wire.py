@@ -1,0 +1,85 @@
+"""Wire encodings: exact fp32 round trips, low-precision transfer with fp32 masters, top-k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ps.optim import OptimizerConfig
+from ps.server import ParameterServer, ServerCoreConfig
+from rpcps.errors import PushRejected
+from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.tasks import teacher_student_model
+from rpcps.wire import TopK, to_dense_fp32
+from worker.device import GradientStager, load_parameters
+
+SGD = OptimizerConfig(name="sgd", kwargs={"lr": 1.0})
+
+
+def test_flat_buffer_round_trip_is_exact_in_fp32() -> None:
+    model = teacher_student_model()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=64 * 1024)
+    params = list(model.parameters())
+    stager = GradientStager(layout, params, torch.device("cpu"))
+    buffers = stager.new_buffers()
+    stager.stage(buffers)
+    for view, p in zip(layout.views(buffers), params):
+        assert torch.equal(view, p.grad)
+    fresh = teacher_student_model()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    load_parameters(layout, list(fresh.parameters()), buffers)
+    for a, b in zip(fresh.parameters(), (p.grad for p in params)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_low_precision_wire_keeps_fp32_masters(wire: str) -> None:
+    server = ParameterServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD, wire_dtype=wire))
+    inc = server.register(0, "w0", server.model_signature.to_wire()).incarnation
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[wire]
+    before = server.master_tensors()
+    grads = [torch.full((n,), 0.5, dtype=dtype) for n in server.layout.chunk_numels]
+    assert server.push(0, inc, 0, 0, grads).status == "applied"
+    after = server.master_tensors()
+    assert all(t.dtype == torch.float32 for t in after.values())
+    for name in before:
+        torch.testing.assert_close(after[name], before[name] - 0.5)
+    pulled = server.pull(0, inc, -1)
+    assert pulled.chunks is not None and pulled.chunks[0].dtype == dtype
+    with pytest.raises(PushRejected, match=f"has dtype torch.float32, expected {dtype}"):
+        server.push(0, inc, 1, 1, [torch.zeros(n) for n in server.layout.chunk_numels])
+
+
+def test_sparse_chunks_are_densified_and_checked() -> None:
+    server = ParameterServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD))
+    inc = server.register(0, "w0", server.model_signature.to_wire()).incarnation
+    (numel,) = server.layout.chunk_numels
+    before = server.master_tensors()
+    sparse = [(torch.tensor([0, 5]), torch.tensor([1.0, 2.0]))]
+    assert server.push(0, inc, 0, 0, sparse).status == "applied"
+    flat_before = torch.cat([t.flatten() for t in before.values()])
+    flat_after = torch.cat([t.flatten() for t in server.master_tensors().values()])
+    changed = (flat_before != flat_after).nonzero().flatten().tolist()
+    assert changed == [0, 5]
+    with pytest.raises(PushRejected, match="sparse indices outside"):
+        server.push(0, inc, 1, 1, [(torch.tensor([numel]), torch.tensor([1.0]))])
+    with pytest.raises(PushRejected, match="NaN/Inf in parameter '0.weight'"):
+        server.push(0, inc, 2, 1, [(torch.tensor([3]), torch.tensor([float("nan")]))])
+
+
+def test_topk_error_feedback_sends_everything_eventually() -> None:
+    topk = TopK((100,), ratio=0.1, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    total_in = torch.zeros(100)
+    total_sent = torch.zeros(100)
+    for _ in range(30):
+        grad = torch.randn(100, generator=g)
+        total_in += grad
+        (chunk,) = topk.compress([grad])
+        assert chunk[0].numel() == 10
+        total_sent += to_dense_fp32(chunk, 100)
+    torch.testing.assert_close(total_sent + topk.residual[0], total_in)
