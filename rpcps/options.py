@@ -105,7 +105,7 @@ def positive_float(text: str) -> float:
     return value
 
 
-def _number(kind: type[int] | type[float], text: str) -> Any:
+def _number(kind: type[int | float], text: str) -> Any:
     try:
         return kind(text)
     except ValueError:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import wait_for_updates
-from tests.procs import ProcessGroup, descendants, pid_alive, wait_until
+from tests.procs import ProcessGroup, descendants, pid_alive, try_scrape, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +20,13 @@ def test_local_stops_cleanly_on_sigint(procs: ProcessGroup, tmp_path: Path) -> N
     local = procs.start("local", ["local", "--workers", "2", "--steps", "1000000", "--run-dir", run_dir, "--progress-s", "1"])
     targets = wait_until(lambda: _targets(run_dir), timeout=30, what="local's Prometheus targets file")
     ps_port = next(t["targets"][0] for t in targets if t["labels"]["role"] == "ps").rsplit(":", 1)[1]
-    metrics = wait_for_updates(int(ps_port), 20, timeout=90, proc=local)
-    assert metrics["rpcps_server_live_workers"] == 2
+    wait_for_updates(int(ps_port), 20, timeout=90, proc=local)
+    wait_until(lambda: try_scrape(int(ps_port)).get("rpcps_server_live_workers") == 2, timeout=60,
+               what="both workers to be live on the server")
     children = descendants(local.pid)
     assert len(children) == 3, f"expected a server and two workers below local, found {children}"
+    recorded = json.loads((run_dir / "children.json").read_text())
+    assert {c["pid"] for c in recorded.values()} == set(children), "local's children.json must name its live children"
 
     local.send(signal.SIGINT)
     assert local.wait(60) == 130

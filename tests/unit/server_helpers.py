@@ -51,5 +51,5 @@ def snapshot(server: ParameterServer) -> dict[str, torch.Tensor]:
 
 def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"parameter {name!r} changed"
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), f"parameter {name!r} changed"

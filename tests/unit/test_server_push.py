@@ -12,7 +12,7 @@ import torch
 from ps.optim import OptimizerConfig
 from ps.server import ParameterServer
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
-from tests.unit.server_helpers import assert_bit_identical, grads_like, make_server, pack
+from tests.unit.server_helpers import assert_bit_identical, make_server, pack
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1})
 
