@@ -34,8 +34,8 @@ def test_worker_with_a_different_model_is_refused_and_the_server_carries_on(proc
     bad, _ = procs.worker("bad", port, 0, 1, "--model", "wider_model:model", extra_pythonpath=[plugin_dir])
     assert bad.wait(90) == EXIT_REFUSED, bad.tail()
     assert (
-        "has a different model than the server: parameter '0.weight' has shape [64, 32] in the worker but [128, 32] "
-        "in the server" in bad.stderr()
+        "has a different model than the server: parameter '0.weight' has shape [64, 32] on the worker but [128, 32] "
+        "on the server" in bad.stderr()
     )
     assert "Traceback" not in bad.stderr()
     assert ps.alive()

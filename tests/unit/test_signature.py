@@ -139,19 +139,19 @@ SERVER = _sig(("a", (2, 3), "float32"), ("b", (3,), "float32"), ("c", (1,), "flo
     [
         (SERVER, None),
         (_sig(("a", (2, 4), "float32"), ("b", (3,), "float32"), ("c", (1,), "float32")),
-         "parameter 'a' has shape [2, 4] in the worker but [2, 3] in the server"),
+         "parameter 'a' has shape [2, 4] on the worker but [2, 3] on the server"),
         (_sig(("a", (2, 3), "float32"), ("b", (3,), "float16"), ("c", (1,), "float32")),
-         "parameter 'b' has dtype float16 in the worker but float32 in the server"),
+         "parameter 'b' has dtype float16 on the worker but float32 on the server"),
         (_sig(("a", (2, 3), "float32"), ("x", (3,), "float32"), ("c", (1,), "float32")),
-         "parameter #1 is 'x' in the worker, which the server does not have (the server has 'b' there)"),
+         "parameter #1 is 'x', which the server's model does not have (server has 'b' there)"),
         (_sig(("a", (2, 3), "float32"), ("c", (1,), "float32")),
-         "parameter #1 'b' of the server is missing from the worker"),
+         "parameter #1 'b' is missing from the worker's model"),
         (_sig(("a", (2, 3), "float32"), ("c", (1,), "float32"), ("b", (3,), "float32")),
-         "parameter #1 is 'c' in the worker but 'b' in the server (different order)"),
+         "parameter #1 is 'c' on the worker but 'b' on the server (different order)"),
         (_sig(("a", (2, 3), "float32"), ("b", (3,), "float32")),
-         "parameter 'c' of the server is missing from the worker"),
+         "parameter 'c' is missing from the worker's model"),
         (_sig(("a", (2, 3), "float32"), ("b", (3,), "float32"), ("c", (1,), "float32"), ("d", (4,), "float32")),
-         "parameter 'd' of the worker is not in the server"),
+         "parameter 'd' is not in the server's model"),
     ],
     ids=["equal", "shape", "dtype", "renamed", "missing-middle", "order", "missing-last", "extra-last"],
 )
@@ -159,13 +159,13 @@ def test_first_difference_names_the_first_differing_parameter(worker: ModelSigna
     assert SERVER.first_difference(worker) == expected
 
 
-def test_first_difference_names_both_sides_as_asked() -> None:
-    worker = _sig(("a", (2, 3), "float32"), ("b", (4,), "float32"), ("c", (1,), "float32"))
-    assert SERVER.first_difference(worker, ours="this server's model", theirs="the snapshot") == (
-        "parameter 'b' has shape [4] in the snapshot but [3] in this server's model"
-    )
-
-
 def test_first_difference_reports_only_the_first_of_several() -> None:
     worker = _sig(("a", (2, 3), "float64"), ("b", (9,), "float32"), ("c", (1,), "float32"))
-    assert SERVER.first_difference(worker) == "parameter 'a' has dtype float64 in the worker but float32 in the server"
+    assert SERVER.first_difference(worker) == "parameter 'a' has dtype float64 on the worker but float32 on the server"
+
+
+def test_first_difference_names_both_sides_as_asked() -> None:
+    worker = _sig(("a", (2, 3), "float32"), ("b", (4,), "float32"), ("c", (1,), "float32"))
+    assert SERVER.first_difference(worker, ours="server", theirs="snapshot") == (
+        "parameter 'b' has shape [4] on the snapshot but [3] on the server"
+    )
