@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 METHODS = tuple(m.name for m in control_pb2.DESCRIPTOR.services_by_name["Control"].methods)
-MODE = "async"
-"""The server applies every push as it arrives; the only mode so far."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -183,7 +181,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         ]
         reply = control_pb2.GetStatusResponse(
             model_version=s.version,
-            mode=MODE,
+            mode=self.server.config.mode,
             optimizer=s.config.optimizer.name,
             paused=s.paused,
             uptime_seconds=max(0.0, now - s.started),
