@@ -89,3 +89,14 @@ def test_bounded_and_sync_modes_hold_their_promise_end_to_end(tmp_path: Path) ->
     assert sync.exit_code == 0
     assert sync.summary["server"]["rounds"] == 100 and sync.summary["server"]["model_version"] == 100
     assert sync.summary["max_staleness"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_hand_started_shards_and_workers_train_together(procs: ProcessGroup, tmp_path: Path) -> None:
+    ps0, port, m0 = procs.ps("ps0", "--shards", "2", "--shard-index", "0")
+    ps1, _, m1 = procs.ps("ps1", "--shards", "2", "--shard-index", "1", "--store", f"127.0.0.1:{port}")
+    workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "150", "--summary-json", str(tmp_path / f"w{i}.json"))[0]
+               for i in range(2)]
+    assert [w.wait(150) for w in workers] == [0, 0]
+    assert version(m0) == 300 and version(m1) == 300, "each shard applied one update per worker step"
+    assert all(json.loads((tmp_path / f"w{i}.json").read_text())["final_loss"] < 1.8 for i in range(2))
