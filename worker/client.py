@@ -67,7 +67,9 @@ class ServerClient:
                 self._rref = rpc.rpc_sync(server_name(shard), rpc_api.server_rref, timeout=timeout_s)
                 break
             except RuntimeError as e:
-                starting = "unknown destination" in str(e).lower() or "still starting" in str(e)
+                text = str(e).lower()
+                # The shard has not joined the group yet, or has not published its server object.
+                starting = any(m in text for m in ("unknown destination", "could not find destination", "still starting"))
                 if not starting or time.monotonic() > deadline:
                     raise translate(e) from e
                 time.sleep(0.2)
