@@ -26,7 +26,7 @@ def run(args: argparse.Namespace, workdir: Path, checkpoints: bool) -> dict:
         sys.executable, str(REPO / "trainer_entry.py"), "local", "--workers", str(args.workers), "--steps", str(args.steps),
         "--model", args.model, "--data", args.data, "--loss", "mse", "--optimizer", "adam",
         "--run-dir", str(workdir), "--summary-json", str(workdir / "summary.json"), "--progress-s", "60",
-        "--log-level", "WARNING",
+        "--log-level", "INFO",  # the snapshot lines below are INFO
     ]
     if checkpoints:
         argv += ["--checkpoint-dir", str(workdir / "ckpt"), "--checkpoint-every-seconds", "1", "--keep-checkpoints", "2"]
