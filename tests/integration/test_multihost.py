@@ -190,6 +190,27 @@ def test_without_the_interface_name_peers_get_an_unreachable_address(cluster: Cl
     assert c.server_value(LIVE) == 0 and c.server_value(VERSION) == 0
 
 
+@pytest.mark.timeout(150)
+def test_torchrun_workers_take_their_slots_from_rank_and_world_size(cluster: Cluster) -> None:
+    """rpcps-node.sh workers --torchrun: torchrun starts two ranks on one host; RANK and WORLD_SIZE
+    become slot and slot count, LOCAL_RANK the metrics port (9410 + LOCAL_RANK)."""
+    c = cluster
+    steps = 400  # paced: at least 4 s of training, time to see both ranks live
+    c.server()
+    c.node("w0", "workers", "--ps", c.ps_address, "--torchrun", "--count", "2", "--", "--steps", str(steps),
+           "--data", PACED_DATA, "--rpc-timeout-s", str(RPC_TIMEOUT_S), "--connect-timeout-s", "60")
+    wait_until(lambda: c.server_value(LIVE) == 2, 90, "both torchrun ranks to join")
+    second = c.net.call_in("w0", lambda: try_scrape(WORKER_METRICS + 1))
+    assert second.get("rpcps_worker_steps_total", -1) >= 0, "rank 1 serves /metrics on 9410 + LOCAL_RANK"
+    assert c.procs["w0"].wait(120) == 0, c.log("w0/torchrun.log")[-3000:]
+    c.procs["ps"].send(signal.SIGTERM)
+    assert c.procs["ps"].wait(60) == 0
+    report = check_ledger(c.ledger)
+    assert report.problems == [] and report.final_version == 2 * steps
+    ps_log = c.log("ps/ps.log")
+    assert "worker slot 0 registered" in ps_log and "worker slot 1 registered" in ps_log
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
