@@ -76,10 +76,14 @@ class TestNetwork:
         self.bridge_ns = f"rpcps-{tag}-br"
         self.hosts: dict[str, Host] = {}
         self._made: list[str] = []
-        self._add_netns(self.bridge_ns)
-        _ip("-n", self.bridge_ns, "link", "set", "lo", "up")
-        _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        try:
+            self._add_netns(self.bridge_ns)
+            _ip("-n", self.bridge_ns, "link", "set", "lo", "up")
+            _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        except RuntimeError:
+            self.close()  # the caller never gets an object to close
+            raise
 
     def _add_netns(self, name: str) -> None:
         _ip("netns", "add", name)
