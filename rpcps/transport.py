@@ -199,7 +199,11 @@ TIMEOUT = "timeout"
 PEER_DEAD = "peer_dead"
 OTHER = "other"
 
-_DEAD_MARKERS = ("eof", "econnreset", "econnrefused", "connection reset", "connection refused", "broken pipe", "epipe", "pipe closed", "rpc agent is not running", "shutdown")
+_DEAD_MARKERS = ("eof", "econnreset", "econnrefused", "connection reset", "connection refused", "broken pipe", "epipe", "pipe closed", "rpc agent is not running", "shutdown",
+                 # The peer is alive but removed us from its group (we were unreachable past the lease,
+                 # e.g. a cut link that healed): only a fresh process that rejoins can talk to it again.
+                 # Seen by tests/integration/test_multihost.py as "... could not find destination id 2".
+                 "could not find destination id")
 
 
 def classify_failure(error: BaseException) -> str:

@@ -228,14 +228,17 @@ class ProcessGroup:
         env: Mapping[str, str] | None = None,
         extra_pythonpath: Iterable[Path | str] = (),
         script: Path | str | None = ENTRY,
+        program: Sequence[str] | None = None,
     ) -> Proc:
         """Starts ``python script args...`` (``python args...`` when ``script`` is None) in the repo root.
 
+        ``program`` replaces ``python script`` with any command (a shell script, ``ip netns exec ...``).
         stdout and stderr go to ``<name>.out`` and ``<name>.err`` in the log folder.
         """
         if name in self.procs and self.procs[name].alive():
             raise ValueError(f"a process named {name!r} is still running in this test")
-        argv = [sys.executable, *([str(script)] if script is not None else []), *map(str, args)]
+        head = list(program) if program is not None else [sys.executable, *([str(script)] if script is not None else [])]
+        argv = [*head, *map(str, args)]
         out = open(self.log_dir / f"{name}.out", "ab")  # noqa: SIM115 - closed by reap
         err = open(self.log_dir / f"{name}.err", "ab")  # noqa: SIM115 - closed by reap
         popen = subprocess.Popen(

@@ -12,10 +12,12 @@ python=${PYTHON:-python3}
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==${RPCPS_TORCH_VERSION:-2.13.0}"
 if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
-  if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v shellcheck >/dev/null; then
+  # iproute2: the multi-host test's network namespaces; systemd: systemd-analyze for deploy/validate.sh.
+  if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v shellcheck >/dev/null \
+      || ! command -v ip >/dev/null || ! command -v systemd-analyze >/dev/null; then
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus shellcheck iproute2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus shellcheck iproute2 systemd
   fi
 else
   .venv/bin/python -m pip install -q -e .

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from rpcps.signature import FlatLayout
 
 
 def pick_device(spec: str) -> torch.device:
-    """'auto' takes the GPU when there is one and the CPU otherwise; 'cuda' without a GPU is an error."""
+    """'auto' takes a GPU when there is one and the CPU otherwise; 'cuda' without a GPU is an error.
+
+    With several GPUs, 'auto' takes GPU ``LOCAL_RANK`` (modulo the count): torchrun and
+    deploy/bare-metal/rpcps-node.sh set it per process, and without it every worker of a node would
+    share GPU 0.
+    """
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     try:
         device = torch.device(spec)
     except RuntimeError:

@@ -1,0 +1,136 @@
+"""tools/check_deploy.py: the shipped deployment files agree with each other, and each kind of
+disagreement a schema cannot see is reported with what to fix."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.procs import REPO
+
+sys.path.insert(0, str(REPO / "tools"))  # a script in the checkout, not an installed module
+from check_deploy import check_compose, check_k8s, load_documents, without_k8s_sd
+
+K8S = REPO / "deploy" / "k8s"
+BASE_FILES = [K8S / "base" / f for f in yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["resources"]]
+
+
+def shipped_k8s() -> list[dict[str, Any]]:
+    return load_documents([*BASE_FILES, K8S / "servicemonitor.yaml"])
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name))
+
+
+def container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return find(docs, kind)["spec"]["template"]["spec"]["containers"][0]
+
+
+def literal_worker_index(docs: list[dict[str, Any]]) -> None:
+    entry = next(e for e in container(docs, "Job")["env"] if e["name"] == "RPCPS_WORKER_INDEX")
+    entry.pop("valueFrom")
+    entry["value"] = "0"
+
+
+def test_shipped_manifests_agree() -> None:
+    assert check_k8s(shipped_k8s()) == []
+
+
+K8S_BREAKAGES: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
+    ("job size", lambda d: find(d, "Job")["spec"].update(completions=4, parallelism=4),
+     "RPCPS_NUM_WORKERS=2: all three must be equal"),
+    ("worker index source", literal_worker_index, "must take RPCPS_WORKER_INDEX from"),
+    ("server address", lambda d: container(d, "Job").update(args=["worker", "--ps=rpcps-server-0.rpcps-ps:29500"]),
+     "which is not a StatefulSet pod behind its Service"),
+    ("server port", lambda d: container(d, "Job").update(args=["worker", "--ps=rpcps-ps-0.rpcps-ps:29501"]),
+     "port 29501 is not a port of Service rpcps-ps"),
+    ("shards", lambda d: find(d, "StatefulSet")["spec"].update(replicas=2), "replicas=2 but RPCPS_SHARDS=1"),
+    ("service selector", lambda d: find(d, "Service", "rpcps-worker")["spec"]["selector"].update(
+        {"app.kubernetes.io/component": "workers"}), "Service rpcps-worker selects no pods"),
+    ("named target port", lambda d: find(d, "Service", "rpcps-ps")["spec"]["ports"][0].update(targetPort="grpc"),
+     "targets 'grpc', which rpcps-ps does not name"),
+    ("probe port", lambda d: container(d, "StatefulSet")["livenessProbe"]["grpc"].update(port=9501),
+     "livenessProbe probes port 9501"),
+    ("scrape annotation", lambda d: find(d, "Job")["spec"]["template"]["metadata"]["annotations"].update(
+        {"prometheus.io/port": "9400"}), "prometheus.io/port 9400 is not its metrics port 9410"),
+    ("token mount", lambda d: container(d, "StatefulSet")["volumeMounts"].pop(1),
+     "reads its control token from /etc/rpcps/control/token, which no Secret volume is mounted over"),
+    ("checkpoint volume", lambda d: container(d, "StatefulSet")["volumeMounts"].pop(0),
+     "must keep --checkpoint-dir (/var/lib/rpcps/checkpoints) on a volumeClaimTemplate"),
+    ("headless dns", lambda d: find(d, "Service", "rpcps-ps")["spec"].pop("publishNotReadyAddresses"),
+     "should publish not-ready addresses"),
+    ("policy ports", lambda d: find(d, "NetworkPolicy")["spec"]["ingress"][0].update(ports=[{"protocol": "TCP", "port": 29500}]),
+     "must let rpcps pods reach each other on every TCP port"),
+    ("policy coverage", lambda d: find(d, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"].update(
+        {"app.kubernetes.io/component": "ps"}), "covers ['rpcps-ps'], not every rpcps pod"),
+    ("monitor port", lambda d: find(d, "ServiceMonitor")["spec"]["endpoints"][0].update(port="http-metrics"),
+     "scrapes port 'http-metrics', which Service rpcps-ps lacks"),
+    ("monitor selector", lambda d: find(d, "Service", "rpcps-worker")["metadata"]["labels"].update(
+        {"app.kubernetes.io/name": "other"}), "the alerts need jobs"),
+    ("failure policy", lambda d: find(d, "Job")["spec"].pop("podFailurePolicy"), "has no podFailurePolicy"),
+]
+
+
+@pytest.mark.parametrize(("what", "breakage", "message"), K8S_BREAKAGES, ids=[b[0] for b in K8S_BREAKAGES])
+def test_k8s_disagreement_is_reported(what: str, breakage: Callable[[list[dict[str, Any]]], None], message: str) -> None:
+    docs = copy.deepcopy(shipped_k8s())
+    breakage(docs)
+    problems = check_k8s(docs)
+    assert any(message in p for p in problems), problems
+
+
+@pytest.fixture
+def deploy_copy(tmp_path: Path) -> Path:
+    shutil.copytree(REPO / "deploy", tmp_path / "deploy")
+    return tmp_path / "deploy"
+
+
+def test_shipped_compose_agrees() -> None:
+    assert check_compose(REPO / "deploy" / "docker" / "compose.yaml") == []
+
+
+def _edit(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    doc = yaml.safe_load(path.read_text())
+    edit(doc)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "message"),
+    [
+        ("docker/compose.yaml", lambda d: d["services"]["worker1"]["environment"].update(RPCPS_WORKER_INDEX="0"),
+         "worker slots [0, 0] are not 0..1"),
+        ("docker/compose.yaml", lambda d: d["services"]["worker1"].update(command=["worker", "--ps=ps:29501", "--num-workers=2"]),
+         "worker worker1 has --ps ps:29501, but the server is ps:29500"),
+        ("docker/compose.yaml", lambda d: d["services"]["grafana"]["environment"].pop("PROMETHEUS_URL"),
+         "needs PROMETHEUS_URL, which Grafana's environment lacks"),
+        ("docker/compose.yaml", lambda d: d["services"]["grafana"]["volumes"].append("../grafana/missing.json:/x.json:ro"),
+         "mounts ../grafana/missing.json, which does not exist"),
+        ("docker/compose.yaml", lambda d: d["services"]["prometheus"]["volumes"].pop(1),
+         "Prometheus loads rules /etc/prometheus/alerts.yml, which no volume provides"),
+        ("docker/prometheus.yml", lambda d: d["scrape_configs"][1]["static_configs"][0].update(targets=["worker0:9410"]),
+         "job rpcps-worker scrapes ['worker0:9410'], expected ['worker0:9410', 'worker1:9410']"),
+        ("grafana/provisioning/dashboards/rpcps.yaml", lambda d: d["providers"][0]["options"].update(path="/dashboards"),
+         "is outside every provider path ['/dashboards']"),
+    ],
+)
+def test_compose_disagreement_is_reported(deploy_copy: Path, file: str, edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    _edit(deploy_copy / file, edit)
+    problems = check_compose(deploy_copy / "docker" / "compose.yaml")
+    assert any(message in p for p in problems), problems
+
+
+def test_kubernetes_discovery_is_swapped_for_an_empty_static_list() -> None:
+    config = yaml.safe_load((K8S / "prometheus-k8s.yml").read_text())
+    swapped = without_k8s_sd(copy.deepcopy(config))
+    job = swapped["scrape_configs"][0]
+    assert "kubernetes_sd_configs" not in job and job["static_configs"] == [{"targets": []}]
+    assert job["relabel_configs"] == config["scrape_configs"][0]["relabel_configs"], "the rules promtool checks stay"

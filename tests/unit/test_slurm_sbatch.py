@@ -1,0 +1,136 @@
+"""deploy/slurm/rpcps.sbatch against stand-ins for srun, scontrol and the node launcher.
+
+The stand-ins record what they are asked to do: which launcher command each task runs (slots,
+server address, checkpoint directory), in which order steps are stopped, and whether the job
+requeues itself when the time limit nears. No Slurm is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO, wait_until
+
+SBATCH = REPO / "deploy" / "slurm" / "rpcps.sbatch"
+
+SCONTROL = """
+#!/usr/bin/env bash
+case $1 in
+    show) printf '%s\\n' n0 n1 n2 ;;
+    requeue) echo "requeue $2" >> "$RECORD" ;;
+esac
+"""
+
+# Runs the command once per task with SLURM_PROCID set and forwards SIGTERM to the tasks, as srun does.
+SRUN = """
+#!/usr/bin/env bash
+echo "srun $*" >> "$RECORD"
+ntasks=1
+while [[ $1 == --* ]]; do
+    case $1 in --ntasks=*) ntasks=${1#--ntasks=} ;; esac
+    shift
+done
+pids=()
+for ((i = 0; i < ntasks; i++)); do
+    SLURM_PROCID=$i "$@" &
+    pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+rc=0
+for pid in "${pids[@]}"; do
+    while :; do
+        wait "$pid"; r=$?
+        if ((r > 128)) && kill -0 "$pid" 2>/dev/null; then continue; fi
+        break
+    done
+    ((r > rc)) && rc=$r
+done
+exit $rc
+"""
+
+# The node launcher: records its arguments; a server (and a worker when HANG_WORKERS is set) runs
+# until SIGTERM and records that it was stopped.
+NODE = """
+#!/usr/bin/env bash
+echo "node $* ckpt=$RPCPS_CHECKPOINT_DIR logs=$RPCPS_LOG_DIR" >> "$RECORD"
+if [ "$1" = server ] || [ -n "${HANG_WORKERS:-}" ]; then
+    trap 'echo "stopped $1" >> "$RECORD"; exit 0' TERM
+    while :; do sleep 0.1; done
+fi
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("rpcps-node.sh", NODE)):
+        path = bin_dir / name
+        path.write_text(textwrap.dedent(text).lstrip())
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RPCPS_", "SLURM_"))}
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(tmp_path / "record"), SLURM_JOB_ID="42", SLURM_JOB_NAME="train",
+        SLURM_JOB_NODELIST="n[0-2]", SLURM_SUBMIT_DIR=str(tmp_path), RPCPS_NODE_SH=str(bin_dir / "rpcps-node.sh"),
+        RPCPS_NODE_WORKERS="2", RPCPS_PYTHON="python3",
+    )
+    return env
+
+
+def record(env: dict[str, str]) -> list[str]:
+    path = Path(env["RECORD"])
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_server_on_the_first_node_workers_on_the_others_with_their_slots(slurm: dict[str, str], tmp_path: Path) -> None:
+    result = subprocess.run(["bash", str(SBATCH)], env=slurm, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = record(slurm)
+    run_dir = tmp_path / "rpcps-runs" / "train"
+    server = [line for line in lines if line.startswith("node server")]
+    assert server == [f"node server --listen n0:29500 ckpt={run_dir}/checkpoints logs={run_dir}/logs"]
+    workers = sorted(line for line in lines if line.startswith("node workers"))
+    assert workers == [
+        f"node workers --ps n0:29500 --count 2 --first-index {k} --num-workers 4 ckpt={run_dir}/checkpoints logs={run_dir}/logs"
+        for k in (0, 2)
+    ]
+    worker_srun = next(line for line in lines if line.startswith("srun") and "workers" in line)
+    assert "--nodes=2 --ntasks=2 --ntasks-per-node=1 --exclude=n0" in worker_srun
+    assert lines[-1] == "stopped server", "the server is stopped once the workers are done"
+    assert "server on n0:29500, 4 workers on 2 nodes" in result.stdout
+
+
+def test_near_the_time_limit_it_stops_workers_then_the_server_and_requeues(slurm: dict[str, str]) -> None:
+    job = subprocess.Popen(["bash", str(SBATCH)], env={**slurm, "HANG_WORKERS": "1"}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: sum(line.startswith("node ") for line in record(slurm)) == 3, 30, "server and 2 worker tasks")
+        job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends
+        out, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, out + err
+    stops = [line for line in record(slurm) if line.startswith(("stopped", "requeue"))]
+    assert stops == ["stopped workers", "stopped workers", "stopped server", "requeue 42"]
+
+
+def test_one_node_is_refused(slurm: dict[str, str]) -> None:
+    scontrol = Path(slurm["PATH"].split(":")[0]) / "scontrol"
+    scontrol.write_text("#!/usr/bin/env bash\necho n0\n")
+    result = subprocess.run(["bash", str(SBATCH)], env=slurm, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2 and "needs at least 2 nodes" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="needs shellcheck (Debian: apt-get install shellcheck)")
+def test_sbatch_passes_shellcheck() -> None:
+    result = subprocess.run(["shellcheck", str(SBATCH)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout

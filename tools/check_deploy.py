@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""Cross-checks the deployment files against each other, where schemas cannot see mistakes.
+
+A schema says a Service is well formed; it does not say that its selector matches the pods, that
+the port it names exists in them, that the Job runs as many pods as the workers are told there are
+slots, or that Prometheus scrapes the ports the processes serve on. This does, for
+deploy/docker/compose.yaml (+ its prometheus.yml and the Grafana provisioning) and the Kubernetes
+manifests (rendered by kustomize, or the base files). Run by deploy/validate.sh:
+
+    python tools/check_deploy.py compose deploy/docker/compose.yaml
+    python tools/check_deploy.py k8s RENDERED.yaml [deploy/k8s/servicemonitor.yaml ...]
+    python tools/check_deploy.py prometheus-without-k8s-sd IN.yml OUT.yml
+
+Exit status 0 when nothing is wrong, 1 with one line per problem on stderr, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+SERVER_METRICS_DEFAULT = 9400
+WORKER_METRICS_DEFAULT = 9410
+RPC_PORT_DEFAULT = 29500
+JOBS = {"ps": "rpcps-ps", "worker": "rpcps-worker"}  # what deploy/prometheus/alerts.yml selects
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def flag(args: Iterable[str], name: str) -> str | None:
+    """The value of ``--name=V`` or ``--name V`` in a command line, or None."""
+    items = [str(a) for a in args]
+    for i, item in enumerate(items):
+        if item.startswith(f"{name}="):
+            return item.split("=", 1)[1]
+        if item == name and i + 1 < len(items):
+            return items[i + 1]
+    return None
+
+
+def env_list(container: dict[str, Any]) -> dict[str, Any]:
+    """A Kubernetes container's env as {name: value or valueFrom}."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def env_map(service: dict[str, Any]) -> dict[str, str]:
+    """A Compose service's environment (mapping or KEY=VALUE list) as a dict."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def default_expanded(text: str) -> str:
+    """Compose interpolation with defaults only: ${VAR:-default} -> default, ${VAR} -> ''."""
+    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", text)
+
+
+# ---------------------------------------------------------------- compose
+
+
+def check_compose(path: Path) -> list[str]:
+    """Compose file, its Prometheus config and the Grafana provisioning agree with each other."""
+    problems: list[str] = []
+    base = path.parent
+    compose = yaml.safe_load(path.read_text())
+    services: dict[str, dict[str, Any]] = compose.get("services", {})
+
+    def role(service: dict[str, Any]) -> str | None:
+        command = [default_expanded(str(c)) for c in service.get("command", [])]
+        return command[0] if command and command[0] in ("ps", "worker") else None
+
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = str(volume).split(":", 1)[0]
+            if source.startswith((".", "/")) and not (base / source).exists():
+                problems.append(f"compose: service {name} mounts {source}, which does not exist next to {path.name}")
+
+    servers = [n for n, s in services.items() if role(s) == "ps"]
+    workers = {n: s for n, s in services.items() if role(s) == "worker"}
+    if len(servers) != 1:
+        problems.append(f"compose: expected one server service (command 'ps ...'), found {servers}")
+        return problems
+    server = services[servers[0]]
+    listen = flag(server["command"], "--listen") or f"0.0.0.0:{RPC_PORT_DEFAULT}"
+    rpc_port = listen.rsplit(":", 1)[1]
+    metrics_port: dict[str, int] = {
+        servers[0]: int(flag(server["command"], "--metrics-port") or env_map(server).get("RPCPS_METRICS_PORT", SERVER_METRICS_DEFAULT))
+    }
+    slots: list[int] = []
+    for name, service in workers.items():
+        command = [default_expanded(str(c)) for c in service["command"]]
+        env = env_map(service)
+        ps = flag(command, "--ps") or env.get("RPCPS_PS")
+        if ps != f"{servers[0]}:{rpc_port}":
+            problems.append(f"compose: worker {name} has --ps {ps}, but the server is {servers[0]}:{rpc_port}")
+        num = flag(command, "--num-workers") or env.get("RPCPS_NUM_WORKERS")
+        if num is None or int(num) != len(workers):
+            problems.append(f"compose: worker {name} has --num-workers {num}, but there are {len(workers)} worker services")
+        index = flag(command, "--worker-index") or env.get("RPCPS_WORKER_INDEX")
+        if index is None:
+            problems.append(f"compose: worker {name} sets no --worker-index / RPCPS_WORKER_INDEX")
+        else:
+            slots.append(int(index))
+        metrics_port[name] = int(flag(command, "--metrics-port") or env.get("RPCPS_METRICS_PORT", WORKER_METRICS_DEFAULT))
+    if sorted(slots) != list(range(len(workers))):
+        problems.append(f"compose: worker slots {sorted(slots)} are not 0..{len(workers) - 1}, each once")
+
+    prometheus = next((s for s in services.values() if "prom/prometheus" in str(s.get("image", ""))), None)
+    if prometheus is None:
+        problems.append("compose: no Prometheus service")
+    else:
+        problems += _check_compose_prometheus(base, prometheus, servers[0], workers, metrics_port)
+    grafana_name = next((n for n, s in services.items() if "grafana/grafana" in str(s.get("image", ""))), None)
+    if grafana_name is None:
+        problems.append("compose: no Grafana service")
+    else:
+        prom_name = next(n for n, s in services.items() if s is prometheus) if prometheus else None
+        problems += _check_compose_grafana(base, services[grafana_name], prom_name)
+    return problems
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """{container path: host source} of a Compose service's volumes."""
+    found = {}
+    for volume in service.get("volumes", []):
+        parts = str(volume).split(":")
+        if len(parts) >= 2:
+            found[parts[1]] = parts[0]
+    return found
+
+
+def _check_compose_prometheus(
+    base: Path, prometheus: dict[str, Any], server: str, workers: dict[str, Any], metrics_port: dict[str, int]
+) -> list[str]:
+    problems = []
+    mounts = _mounts(prometheus)
+    config_file = flag(prometheus.get("command", []), "--config.file") or "/etc/prometheus/prometheus.yml"
+    if config_file not in mounts:
+        return [f"compose: Prometheus reads {config_file}, which no volume provides"]
+    config = yaml.safe_load((base / mounts[config_file]).read_text())
+    for rule_file in config.get("rule_files", []):
+        in_container = str(Path(config_file).parent / rule_file)
+        if in_container not in mounts:
+            problems.append(f"compose: Prometheus loads rules {in_container}, which no volume provides")
+    targets = {job["job_name"]: {t for group in job.get("static_configs", []) for t in group["targets"]}
+               for job in config.get("scrape_configs", [])}
+    expected = {
+        JOBS["ps"]: {f"{server}:{metrics_port[server]}"},
+        JOBS["worker"]: {f"{w}:{metrics_port[w]}" for w in workers},
+    }
+    for job, want in expected.items():
+        if targets.get(job) != want:
+            problems.append(f"compose: Prometheus job {job} scrapes {sorted(targets.get(job, []))}, expected {sorted(want)}")
+    return problems
+
+
+def _check_compose_grafana(base: Path, grafana: dict[str, Any], prometheus_service: str | None) -> list[str]:
+    problems = []
+    mounts = _mounts(grafana)
+    provisioning = mounts.get("/etc/grafana/provisioning")
+    if provisioning is None:
+        return ["compose: Grafana has no /etc/grafana/provisioning mount"]
+    root = base / provisioning
+    dashboards = [p for f in sorted((root / "dashboards").glob("*.y*ml")) for p in yaml.safe_load(f.read_text())["providers"]]
+    paths = [p["options"]["path"] for p in dashboards]
+    mounted_dashboards = [c for c, s in mounts.items() if s.endswith(".json")]
+    for container_path in mounted_dashboards:
+        if not any(container_path.startswith(p.rstrip("/") + "/") for p in paths):
+            problems.append(f"compose: dashboard mounted at {container_path} is outside every provider path {paths}")
+    if not mounted_dashboards:
+        problems.append("compose: no dashboard JSON mounted into Grafana")
+    env = env_map(grafana)
+    for f in sorted((root / "datasources").glob("*.y*ml")):
+        for source in yaml.safe_load(f.read_text())["datasources"]:
+            url = str(source["url"])
+            for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", url):
+                if var not in env:
+                    problems.append(f"compose: data source {source['name']} needs {var}, which Grafana's environment lacks")
+                url = re.sub(r"\$\{?" + var + r"\}?", env.get(var, ""), url)
+            host = urlparse(url).hostname
+            if prometheus_service and host != prometheus_service:
+                problems.append(f"compose: data source {source['name']} points at {url}, not the {prometheus_service} service")
+    return problems
+
+
+# ---------------------------------------------------------------- kubernetes
+
+
+def load_documents(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    return [d for p in paths for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def _pods(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(workload name, workload, pod template) of every StatefulSet, Job and Deployment."""
+    for d in docs:
+        if d["kind"] in ("StatefulSet", "Job", "Deployment"):
+            yield d["metadata"]["name"], d, d["spec"]["template"]
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _container_ports(template: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", []) if "name" in p}
+
+
+def check_k8s(docs: list[dict[str, Any]]) -> list[str]:
+    """Services, workloads, probes, env, network policy and ServiceMonitor agree with each other."""
+    problems: list[str] = []
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    pods = list(_pods(docs))
+
+    for name, service in services.items():
+        selected = [(w, t) for w, _, t in pods if _selects(service["spec"]["selector"], t["metadata"]["labels"])]
+        if not selected:
+            problems.append(f"k8s: Service {name} selects no pods")
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for workload, template in selected:
+                ports = _container_ports(template)
+                if isinstance(target, str) and target not in ports:
+                    problems.append(f"k8s: Service {name} port {port['name']} targets {target!r}, which {workload} does not name")
+
+    for workload, spec, template in pods:
+        ports = _container_ports(template)
+        numbers = set(ports.values())
+        for c in template["spec"]["containers"]:
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c.get(kind)
+                if probe and "grpc" in probe and probe["grpc"]["port"] not in numbers:
+                    problems.append(f"k8s: {workload} {kind} probes port {probe['grpc']['port']}, not a container port")
+            annotations = template["metadata"].get("annotations", {})
+            scrape_port = int(annotations.get("prometheus.io/port", -1))
+            if annotations.get("prometheus.io/scrape") == "true" and scrape_port != ports.get("metrics"):
+                problems.append(f"k8s: {workload} prometheus.io/port {scrape_port} is not its metrics port {ports.get('metrics')}")
+            problems += _check_token_mount(workload, c, template)
+        if spec["kind"] == "Job":
+            problems += _check_worker_job(spec, template, services, pods)
+        if spec["kind"] == "StatefulSet":
+            problems += _check_server_set(spec, template, services)
+
+    for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        problems += _check_network_policy(policy, pods)
+    for monitor in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        problems += _check_service_monitor(monitor, services, pods)
+    return problems
+
+
+def _check_token_mount(workload: str, container: dict[str, Any], template: dict[str, Any]) -> list[str]:
+    token = flag(container.get("args", []), "--control-token-file") or env_list(container).get("RPCPS_CONTROL_TOKEN_FILE")
+    if token is None:
+        return []
+    secrets = {v["name"] for v in template["spec"].get("volumes", []) if "secret" in v}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in secrets and str(token).startswith(mount["mountPath"].rstrip("/") + "/"):
+            return []
+    return [f"k8s: {workload} reads its control token from {token}, which no Secret volume is mounted over"]
+
+
+def _check_worker_job(job: dict[str, Any], template: dict[str, Any], services: dict[str, Any], pods: list) -> list[str]:
+    problems = []
+    name = job["metadata"]["name"]
+    spec = job["spec"]
+    if spec.get("completionMode") != "Indexed":
+        problems.append(f"k8s: Job {name} must be Indexed (its completion index is the worker slot)")
+    container = template["spec"]["containers"][0]
+    env = env_list(container)
+    index = env.get("RPCPS_WORKER_INDEX")
+    if not (isinstance(index, dict) and index.get("fieldRef", {}).get("fieldPath") == COMPLETION_INDEX):
+        problems.append(f"k8s: Job {name} must take RPCPS_WORKER_INDEX from the {COMPLETION_INDEX} field")
+    num = env.get("RPCPS_NUM_WORKERS")
+    if num is None or int(num) != spec.get("completions") or spec.get("parallelism") != spec.get("completions"):
+        problems.append(f"k8s: Job {name} runs completions={spec.get('completions')} parallelism={spec.get('parallelism')} "
+                        f"but RPCPS_NUM_WORKERS={num}: all three must be equal")
+    ps = flag(container.get("args", []), "--ps") or env.get("RPCPS_PS")
+    problems += _check_server_address(f"Job {name} --ps", ps, services, pods)
+    if template["spec"].get("restartPolicy") == "Never" and "podFailurePolicy" not in spec:
+        problems.append(f"k8s: Job {name} has no podFailurePolicy: exit codes 2/4/5 would be retried for nothing")
+    return problems
+
+
+def _check_server_address(what: str, address: Any, services: dict[str, Any], pods: list) -> list[str]:
+    """``address`` must be POD.SERVICE:PORT of a StatefulSet pod behind its headless Service."""
+    match = re.fullmatch(r"([a-z0-9-]+)-(\d+)\.([a-z0-9-]+)(?:\.[a-z0-9.-]+)?:(\d+)", str(address))
+    if match is None:
+        return [f"k8s: {what} is {address!r}, expected STATEFULSET-0.SERVICE:PORT"]
+    workload, _, service, port = match.groups()
+    sets = {w: s for w, s, _ in pods if s["kind"] == "StatefulSet"}
+    if workload not in sets or sets[workload]["spec"].get("serviceName") != service or service not in services:
+        return [f"k8s: {what} names {workload}-N.{service}, which is not a StatefulSet pod behind its Service"]
+    if int(port) not in {p["port"] for p in services[service]["spec"]["ports"]}:
+        return [f"k8s: {what} port {port} is not a port of Service {service}"]
+    return []
+
+
+def _check_server_set(sts: dict[str, Any], template: dict[str, Any], services: dict[str, Any]) -> list[str]:
+    problems = []
+    name = sts["metadata"]["name"]
+    service = services.get(sts["spec"].get("serviceName", ""))
+    if service is None or service["spec"].get("clusterIP") != "None":
+        problems.append(f"k8s: StatefulSet {name} needs its serviceName to be a headless Service (stable DNS)")
+    elif not service["spec"].get("publishNotReadyAddresses"):
+        problems.append(f"k8s: Service {service['metadata']['name']} should publish not-ready addresses: workers must "
+                        "resolve the server while it resumes")
+    env = env_list(template["spec"]["containers"][0])
+    shards = int(env.get("RPCPS_SHARDS", 1))
+    if shards != sts["spec"].get("replicas", 1):
+        problems.append(f"k8s: StatefulSet {name} has replicas={sts['spec'].get('replicas', 1)} but RPCPS_SHARDS={shards}")
+    if shards > 1 or "RPCPS_SHARD_INDEX" in env:
+        index = env.get("RPCPS_SHARD_INDEX")
+        if not (isinstance(index, dict) and index.get("fieldRef", {}).get("fieldPath") == POD_INDEX):
+            problems.append(f"k8s: StatefulSet {name} must take RPCPS_SHARD_INDEX from {POD_INDEX}")
+    claims = {c["metadata"]["name"] for c in sts["spec"].get("volumeClaimTemplates", [])}
+    args = template["spec"]["containers"][0].get("args", [])
+    ckpt = flag(args, "--checkpoint-dir") or env.get("RPCPS_CHECKPOINT_DIR")
+    mounts = {m["mountPath"]: m["name"] for m in template["spec"]["containers"][0].get("volumeMounts", [])}
+    if ckpt is None or mounts.get(str(ckpt)) not in claims:
+        problems.append(f"k8s: StatefulSet {name} must keep --checkpoint-dir ({ckpt}) on a volumeClaimTemplate")
+    return problems
+
+
+def _check_network_policy(policy: dict[str, Any], pods: list) -> list[str]:
+    name = policy["metadata"]["name"]
+    selector = policy["spec"]["podSelector"].get("matchLabels", {})
+    covered = [w for w, _, t in pods if _selects(selector, t["metadata"]["labels"])]
+    problems = []
+    if sorted(covered) != sorted(w for w, _, _ in pods):
+        problems.append(f"k8s: NetworkPolicy {name} covers {covered}, not every rpcps pod")
+    all_ports_between_pods = False
+    for rule in policy["spec"].get("ingress", []):
+        peers = [p.get("podSelector", {}).get("matchLabels") for p in rule.get("from", []) if "namespaceSelector" not in p]
+        if any(p is not None and all(_selects(p, t["metadata"]["labels"]) for _, _, t in pods) for p in peers):
+            ports = rule.get("ports")
+            if ports is None or any("port" not in p and p.get("protocol", "TCP") == "TCP" for p in ports):
+                all_ports_between_pods = True
+    if not all_ports_between_pods:
+        problems.append(f"k8s: NetworkPolicy {name} must let rpcps pods reach each other on every TCP port "
+                        "(TensorPipe listens on an ephemeral port in each pod)")
+    return problems
+
+
+def _check_service_monitor(monitor: dict[str, Any], services: dict[str, Any], pods: list) -> list[str]:
+    name = monitor["metadata"]["name"]
+    selector = monitor["spec"]["selector"].get("matchLabels", {})
+    selected = {n: s for n, s in services.items() if _selects(selector, s["metadata"].get("labels", {}))}
+    problems = []
+    if set(JOBS.values()) - set(selected):
+        problems.append(f"k8s: ServiceMonitor {name} selects Services {sorted(selected)}; the alerts need jobs {sorted(JOBS.values())} "
+                        "(the operator names the job after the Service)")
+    for endpoint in monitor["spec"]["endpoints"]:
+        for service_name, service in selected.items():
+            if endpoint.get("port") not in {p["name"] for p in service["spec"]["ports"]}:
+                problems.append(f"k8s: ServiceMonitor {name} scrapes port {endpoint.get('port')!r}, which Service {service_name} lacks")
+    return problems
+
+
+# ---------------------------------------------------------------- prometheus
+
+
+def without_k8s_sd(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with every kubernetes_sd_configs replaced by an empty static list.
+
+    Debian's promtool is built without Kubernetes discovery and refuses the whole file; with the
+    discovery swapped out, promtool still checks everything else (relabel rules, rule files).
+    """
+    for job in config.get("scrape_configs", []):
+        if job.pop("kubernetes_sd_configs", None) is not None:
+            job.setdefault("static_configs", []).append({"targets": []})
+    return config
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command, *paths = argv
+    if command == "compose" and len(paths) == 1:
+        problems = check_compose(Path(paths[0]))
+    elif command == "k8s" and paths:
+        problems = check_k8s(load_documents(Path(p) for p in paths))
+    elif command == "prometheus-without-k8s-sd" and len(paths) == 2:
+        config = without_k8s_sd(yaml.safe_load(Path(paths[0]).read_text()))
+        Path(paths[1]).write_text(yaml.safe_dump(config, sort_keys=False))
+        return 0
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
