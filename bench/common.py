@@ -69,7 +69,7 @@ class LocalRun:
         would otherwise dominate short runs.
         """
         seen = [(t, v) for t, v in self.samples.worker_steps if v > 0]
-        if len(seen) < 2 or seen[-1][0] <= seen[0][0]:
+        if len({v for _, v in seen}) < 3:  # too few complete samples (e.g. a scrape missed): no steady window
             return self.summary_steps_per_s()
         return (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
 

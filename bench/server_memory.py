@@ -3,6 +3,7 @@
 
     python -m bench.server_memory                      # 25M model, 2 workers, 1.5 min, ~2.5 min in all
     python -m bench.server_memory --minutes 5          # the longer flatness run
+    python -m bench.server_memory --malloc-mmap-threshold 131072   # glibc: large blocks always mmapped
 
 Two runs back to back, each sampling shard 0's VmRSS and VmHWM from /proc/<pid>/status every
 0.5 s (bench.common):
@@ -19,6 +20,7 @@ quarter of the run plus its growth over the second half (MB/min) for flatness.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +37,11 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--model", default="rpcps.tasks:mlp_25m")
     p.add_argument("--data", default="rpcps.tasks:mlp_25m_data")
+    p.add_argument("--malloc-mmap-threshold", type=int, help="set glibc's MALLOC_MMAP_THRESHOLD_ for every child (a fixed "
+                   "threshold: freed multi-MB buffers go back to the OS instead of staying in malloc's arenas)")
     args = p.parse_args()
+    if args.malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # children inherit it (bench.common.child_env)
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-mem-"))
     base_dir = root / "tiny"
     base = run_local(local_argv(base_dir, model="rpcps.tasks:teacher_student_model", data="rpcps.tasks:teacher_student_data",
@@ -53,7 +59,8 @@ def main() -> int:
     quarter = [rss[min(len(rss) - 1, int(len(rss) * f))] for f in (0.25, 0.5, 0.75, 1.0)]
     half = [x for x in rss if x[0] >= rss[-1][0] / 2]
     slope = (half[-1][1] - half[0][1]) / 1024 / ((half[-1][0] - half[0][0]) / 60) if len(half) > 1 else float("nan")
-    print(f"\n{args.model}: {numel / 1e6:.1f} M parameters, Adam, {args.workers} workers, {args.minutes} min, {steps:.0f} worker steps")
+    malloc = f", MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold is not None else ""
+    print(f"\n{args.model}: {numel / 1e6:.1f} M parameters, Adam, {args.workers} workers, {args.minutes} min, {steps:.0f} worker steps{malloc}")
     print_table(
         ["quantity", "MB"],
         [
