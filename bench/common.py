@@ -156,10 +156,6 @@ def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: flo
             samples.worker_steps.append((now, total))
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def print_table(columns: list[str], rows: list[list[str]]) -> str:
     """Prints a Markdown table (pasted into docs/BENCHMARKS.md as is) and returns it."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

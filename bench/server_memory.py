@@ -54,7 +54,8 @@ def main() -> int:
     params_mb, opt_mb = numel * 4 / MB, 2 * numel * 4 / MB
     peak_mb = big.samples.server_hwm_kb / 1024
     budget_mb = 1.5 * (params_mb + opt_mb) + fixed_mb
-    rss = big.samples.server_rss_kb
+    stop_t = 60 * args.minutes  # samples after the SIGTERM show the shutdown, not the steady state
+    rss = [x for x in big.samples.server_rss_kb if x[0] <= stop_t] or big.samples.server_rss_kb
     steps = big.samples.worker_steps[-1][1] if big.samples.worker_steps else 0
     quarter = [rss[min(len(rss) - 1, int(len(rss) * f))] for f in (0.25, 0.5, 0.75, 1.0)]
     half = [x for x in rss if x[0] >= rss[-1][0] / 2]
