@@ -78,7 +78,7 @@ def main() -> int:
             for workers in (1, 2):
                 f32 = measure(shards, workers).steady_steps_per_s()
                 bf16 = measure(shards, workers, wire="bf16").steady_steps_per_s()
-                rows.append([str(shards), str(workers), f"{f32:.2f}", f"{bf16:.2f}", f"{bf16 / f32:.2f}"])
+                rows.append([str(shards), str(workers), f"{f32:.2f}", f"{bf16:.2f}", f"{bf16 / f32:.2f}" if f32 else "-"])
         print("\nwire dtype (async):")
         print_table(["shards S", "workers N", "fp32 updates/s", "bf16 updates/s", "bf16 / fp32"], rows)
     return 0
