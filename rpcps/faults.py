@@ -62,6 +62,8 @@ class ChaosResult:
     kill_times: list[tuple[Kill, float]] = field(default_factory=list)
     recovery_s: list[float] = field(default_factory=list)
     """Per server kill: seconds from the kill to the next applied update."""
+    skipped: list[Kill] = field(default_factory=list)
+    """Kills whose target was not running at that moment (a finished worker, a restart under way)."""
 
     def problems(self, plan: ChaosPlan) -> list[str]:
         found = []
@@ -78,8 +80,8 @@ class ChaosResult:
         for lost in (n for ledger in self.shard_ledgers or [self.ledger] for n in ledger.updates_lost):
             if lost > bound:
                 found.append(f"a crash lost {lost} updates, more than one interval ({plan.checkpoint_every_updates}) + in-flight")
-        if len(self.kill_times) != len(plan.kills):
-            found.append(f"only {len(self.kill_times)} of {len(plan.kills)} kills happened")
+        if len(self.kill_times) + len(self.skipped) != len(plan.kills) or (plan.kills and not self.kill_times):
+            found.append(f"only {len(self.kill_times)} of {len(plan.kills)} kills happened ({len(self.skipped)} skipped)")
         return found
 
 
@@ -96,6 +98,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     with open(run_dir / "local.log", "wb") as log:
         local = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         kill_times: list[tuple[Kill, float]] = []
+        skipped: list[Kill] = []
         try:
             deadline = time.monotonic() + plan.timeout_s
             pending = list(plan.kills)
@@ -103,9 +106,13 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
                 if pending and _server_version(run_dir) >= pending[0].at_version:
                     kill = pending.pop(0)
                     pid = _pid(run_dir, kill.target)
-                    if pid is not None:
+                    try:
+                        if pid is None:
+                            raise ProcessLookupError
                         os.kill(pid, kill.sig)
                         kill_times.append((kill, time.time()))
+                    except ProcessLookupError:  # the target had finished or was restarting: nothing to kill
+                        skipped.append(kill)
                 time.sleep(0.05)
             if local.poll() is None:
                 raise TimeoutError(f"the local run did not finish within {plan.timeout_s:.0f}s; see {run_dir}")
@@ -125,7 +132,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     roots = [run_dir / "checkpoints"] + sorted((run_dir / "checkpoints").glob("shard-*"))
     invalid = {str(p): why for root in roots for p, why in verify_all(root).items() if why is not None}
-    return ChaosResult(local.returncode, summary, report, invalid, ledgers, kill_times, recovery)
+    return ChaosResult(local.returncode, summary, report, invalid, ledgers, kill_times, recovery, skipped)
 
 
 def _children(run_dir: Path) -> dict[str, Any]:

@@ -234,7 +234,7 @@ class Trainer:
                         link.prefetch = link.client.pull(self.slot, link.registration.incarnation, link.version)
                 inputs, targets = next(batches)
                 batch = (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
-                comm += self._compute_and_send(self.step, batch, self.shards, count=True, started=step_started)
+                comm += self._compute_and_send(self.step, batch, self.shards, count=True, started=step_started, blocked_before=comm)
                 self.step += 1
             self._drain()
         finally:
@@ -253,8 +253,13 @@ class Trainer:
         shards: list[ShardLink],
         count: bool,
         started: float | None = None,
+        blocked_before: float = 0.0,
     ) -> float:
-        """Forward, backward, and one push per shard in ``shards``. Returns time blocked on the network."""
+        """Forward, backward, and one push per shard in ``shards``. Returns time blocked on the network.
+
+        ``blocked_before`` is what this step already spent blocked (its pull), so the step's
+        accounting counts it as communication, not compute.
+        """
         inputs, targets = batch
         for p in self.params:
             p.grad = None
@@ -272,7 +277,7 @@ class Trainer:
         if self.mode == "sync":
             comm += self._drain_timed()
         if count and started is not None:
-            self._account(started, comm, loss_value, len(inputs))
+            self._account(started, comm + blocked_before, loss_value, len(inputs))
         return comm
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

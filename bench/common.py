@@ -1,0 +1,165 @@
+"""Helpers shared by the benchmarks that drive ``trainer_entry.py local`` (not a test).
+
+``run_local`` starts one ``local`` run in a fresh run directory and, while it runs, samples from
+outside what the run's own summary cannot say: the workers' /metrics (steps, compute and blocked
+seconds) and every server process's memory from ``/proc/<pid>/status``. The ports and pids come
+from the run directory's ``children.json``, the file ``local`` writes for tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(extra_pythonpath: str | None = None) -> dict[str, str]:
+    """One intra-op thread per process: 2 shared cores run a server and several workers."""
+    paths = [str(REPO)] + ([extra_pythonpath] if extra_pythonpath else []) + [os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def proc_memory_kb(pid: int) -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) of a live process in KiB, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+    except (KeyError, ValueError):
+        return None
+
+
+@dataclass
+class Samples:
+    """What the sampler saw, every ``interval_s``: (seconds since start, value)."""
+
+    worker_steps: list[tuple[float, float]] = field(default_factory=list)
+    """Sum of rpcps_worker_steps_total over the workers."""
+    worker_last: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The newest /metrics read of each worker (its final counters, give or take one interval)."""
+    server_rss_kb: list[tuple[float, int]] = field(default_factory=list)
+    """VmRSS of shard 0's process."""
+    server_hwm_kb: int = 0
+    server_pid: int | None = None
+
+
+@dataclass
+class LocalRun:
+    summary: dict[str, Any]
+    samples: Samples
+    run_dir: Path
+    elapsed_s: float
+
+    def steady_steps_per_s(self) -> float:
+        """Worker steps per second between the first and the last sample that saw steps.
+
+        Leaves out process start-up, model build and registration (seconds on this machine), which
+        would otherwise dominate short runs.
+        """
+        seen = [(t, v) for t, v in self.samples.worker_steps if v > 0]
+        if len({v for _, v in seen}) < 3:  # too few complete samples (e.g. a scrape missed): no steady window
+            return self.summary_steps_per_s()
+        return (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
+
+    def summary_steps_per_s(self) -> float:
+        """Sum over the workers of steps / their own wall time (includes their start-up)."""
+        return sum(w["steps"] / w["wall_seconds"] for w in self.summary["workers"] if w.get("wall_seconds"))
+
+    def communication_fraction(self) -> float:
+        """Blocked-on-network share of the workers' step time, pooled over the workers."""
+        comp = sum(m.get("rpcps_worker_compute_seconds_total", 0.0) for m in self.samples.worker_last.values())
+        comm = sum(m.get("rpcps_worker_communication_blocked_seconds_total", 0.0) for m in self.samples.worker_last.values())
+        return comm / (comp + comm) if comp + comm > 0 else float("nan")
+
+
+def local_argv(run_dir: Path, *, model: str, data: str, workers: int, steps: int, extra: list[str] = ()) -> list[str]:
+    return [
+        sys.executable, str(REPO / "trainer_entry.py"), "local", "--workers", str(workers), "--steps", str(steps),
+        "--model", model, "--data", data, "--loss", "mse", "--run-dir", str(run_dir),
+        "--summary-json", str(run_dir / "summary.json"), "--progress-s", "3600", "--log-level", "WARNING", *extra,
+    ]
+
+
+def run_local(
+    argv: list[str], run_dir: Path, *, interval_s: float = 0.25, extra_pythonpath: str | None = None, stop_after_s: float | None = None
+) -> LocalRun:
+    """Runs ``local`` to the end (or SIGTERMs it after ``stop_after_s``) while a thread samples its children.
+
+    Raises if it fails. A stopped run's summary is whatever ``local`` wrote on its way out ({} if nothing).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    samples = Samples()
+    done = threading.Event()
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO, env=child_env(extra_pythonpath), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    sampler = threading.Thread(target=_sample, args=(run_dir, samples, done, started, interval_s), daemon=True)
+    sampler.start()
+    try:
+        try:
+            _, err = proc.communicate(timeout=stop_after_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # local stops its workers, then the servers
+            _, err = proc.communicate(timeout=120)
+    finally:
+        done.set()
+        sampler.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0 and stop_after_s is None:
+        raise RuntimeError(f"local run failed ({proc.returncode}): {' '.join(argv)}\n{err.decode(errors='replace')[-3000:]}")
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() or stop_after_s is None else {}
+    return LocalRun(summary=summary, samples=samples, run_dir=run_dir, elapsed_s=time.monotonic() - started)
+
+
+def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: float, interval_s: float) -> None:
+    from rpcps.launch import scrape
+
+    children = run_dir / "children.json"
+    while not done.wait(interval_s):
+        try:
+            info = json.loads(children.read_text())
+        except (OSError, ValueError):
+            continue  # not written yet, or being rewritten
+        now = time.monotonic() - started
+        ps = info.get("ps", {})
+        if ps.get("pid"):
+            samples.server_pid = ps["pid"]
+            mem = proc_memory_kb(ps["pid"])
+            if mem:
+                samples.server_rss_kb.append((now, mem[0]))
+                samples.server_hwm_kb = max(samples.server_hwm_kb, mem[1])
+        total, complete = 0.0, True
+        for name, child in info.items():
+            if not name.startswith("worker") or not child.get("metrics_port"):
+                continue
+            values = scrape(child["metrics_port"])
+            if values:
+                samples.worker_last[name] = values
+                total += values.get("rpcps_worker_steps_total", 0.0)
+            else:
+                complete = False  # not up yet or already gone: this sample would undercount
+        if complete and total > 0:
+            samples.worker_steps.append((now, total))
+
+
+def print_table(columns: list[str], rows: list[list[str]]) -> str:
+    """Prints a Markdown table (pasted into docs/BENCHMARKS.md as is) and returns it."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
