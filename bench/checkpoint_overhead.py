@@ -57,7 +57,7 @@ def main() -> int:
     for r in range(args.rounds):
         base.append(run(args, root / f"none-{r}", checkpoints=False))
         ckpt.append(run(args, root / f"every1s-{r}", checkpoints=True))
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)
     b = mean([x["updates_per_second"] for x in base])
     c = mean([x["updates_per_second"] for x in ckpt])
     print(f"model {args.model}, {args.workers} workers x {args.steps} steps, {args.rounds} rounds A/B")

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc
 
 from ps import rpc_api
 from ps.server import ParameterServer
@@ -72,7 +72,7 @@ class MembershipReaper:
         while not self._stop.wait(self.interval_s):
             try:
                 self.sweep()
-            except Exception:  # noqa: BLE001 - one bad sweep must not end membership upkeep
+            except Exception:  # one bad sweep must not end membership upkeep
                 logger.exception("membership sweep failed; trying again in %.1fs", self.interval_s)
 
     def sweep(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc
 from torch.futures import Future
 
 from ps.server import ParameterServer

@@ -11,18 +11,18 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.futures import Future
 
-from ps.metrics import ServerMetrics
-from ps.sync_rounds import Contribution, RoundKeeper
-from ps.optim import OptimizerConfig, build_optimizer
 from ps.audit import AuditLog
 from ps.dedup import SequenceTracker
+from ps.metrics import ServerMetrics
+from ps.optim import OptimizerConfig, build_optimizer
+from ps.sync_rounds import Contribution, RoundKeeper
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.messages import ErrorReply, PullReply, PushReply, Registration

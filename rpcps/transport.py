@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc
 from torch.futures import Future
 
 from ps import rpc_api

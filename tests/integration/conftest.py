@@ -10,6 +10,11 @@ from typing import Any
 from tests.procs import Proc, try_scrape, wait_until
 
 
+def model_version(metrics_port: int) -> float:
+    """The server's model version from its /metrics, or -1 while it does not answer."""
+    return try_scrape(metrics_port).get("rpcps_server_model_version", -1)
+
+
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 

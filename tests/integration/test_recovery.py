@@ -18,15 +18,11 @@ import pytest
 from ps.checkpointer import verify_all
 from ps.snapshot_files import list_snapshots
 from rpcps.faults import ChaosPlan, Kill, run_chaos
+from tests.integration.conftest import model_version as version
 from tests.procs import ProcessGroup, free_port, try_scrape, wait_until
 
 pytestmark = pytest.mark.integration
 
-VERSION = "rpcps_server_model_version"
-
-
-def version(port: int) -> float:
-    return try_scrape(port).get(VERSION, -1)
 
 
 @pytest.mark.timeout(420)
@@ -73,7 +69,7 @@ def test_hung_server_is_waited_out_not_treated_as_dead(procs: ProcessGroup) -> N
         ps.thaw()
     assert w0.wait(120) == 0
     metrics_after = try_scrape(mport)
-    assert metrics_after[VERSION] == 600, "every step applied exactly once despite the retries"
+    assert metrics_after["rpcps_server_model_version"] == 600, "every step applied exactly once despite the retries"
     assert "lost the server" not in w0.stderr(), "a hang is not a death: no reconnect"
 
 
@@ -137,7 +133,9 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs: small enough to fill on purpose. Needs root (CI runs as root)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True, check=False
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root")
     try:
