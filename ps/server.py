@@ -334,6 +334,7 @@ class ParameterServer:
             total.div_(n)
         contributions = [(c.record, c.seq, c.loss, c.staleness) for c in round_.contributions.values()]
         version, step_seconds = self._apply_locked(round_.sums, contributions)
+        self._rounds.recycle(round_.sums)  # the step is done with them (only their sizes are read later)
         self.stats.rounds += 1
         if round_.missing():
             logger.warning("sync round %d closed after %.1fs without slots %s", version, now - round_.opened, sorted(round_.missing()))

@@ -53,6 +53,8 @@ class RoundKeeper:
         first worker would otherwise run rounds alone while the others are still starting."""
         self.current: SyncRound | None = None
         self.waiting: list[Any] = []
+        self._spare_sums: list[torch.Tensor] | None = None
+        """The previous round's sum buffers, reused so a round does not allocate the model's size anew."""
         """Futures of workers that arrived mid-round; answered when it closes (they recompute)."""
 
     def add(self, live_slots: set[int], contribution: Contribution, chunks: list[torch.Tensor], known_slots: int = 0) -> bool:
@@ -63,7 +65,13 @@ class RoundKeeper:
         """
         if self.current is None:
             needed = self.min_workers if known_slots < self.min_workers else 1
-            self.current = SyncRound(set(live_slots) | {contribution.slot}, [torch.zeros(n) for n in self.chunk_numels], needed)
+            sums, self._spare_sums = self._spare_sums, None
+            if sums is None:
+                sums = [torch.zeros(n) for n in self.chunk_numels]
+            else:
+                for total in sums:
+                    total.zero_()
+            self.current = SyncRound(set(live_slots) | {contribution.slot}, sums, needed)
         round_ = self.current
         if contribution.slot not in round_.expected and len(round_.expected) < self.min_workers:
             round_.expected.add(contribution.slot)
@@ -88,6 +96,10 @@ class RoundKeeper:
         if now - r.opened >= self.timeout_s:
             return True
         return not r.missing() and len(r.contributions) >= r.needed
+
+    def recycle(self, sums: list[torch.Tensor]) -> None:
+        """Hands a closed round's sum buffers back once the optimizer step has used them."""
+        self._spare_sums = sums
 
     def take(self) -> tuple[SyncRound, list[Any]]:
         """Closes the open round: (the round, futures that waited for the next one)."""
