@@ -37,12 +37,20 @@ while [[ $1 == --* ]]; do
     case $1 in --ntasks=*) ntasks=${1#--ntasks=} ;; esac
     shift
 done
+term=0
+trap 'term=1' TERM
 pids=()
 for ((i = 0; i < ntasks; i++)); do
-    SLURM_PROCID=$i "$@" &
+    STANDIN_SRUN=$$ SLURM_PROCID=$i "$@" &
     pids+=($!)
 done
+# A SIGTERM that reaches a task before its first line ran would lose its record: forward signals
+# only once every task has recorded its start (or is already gone).
+for ((i = 0; i < ntasks; i++)); do
+    while [ ! -e "$RECORD.started.$$.$i" ] && kill -0 "${pids[i]}" 2>/dev/null; do sleep 0.01; done
+done
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+((term)) && kill -TERM "${pids[@]}" 2>/dev/null
 rc=0
 for pid in "${pids[@]}"; do
     while :; do
@@ -60,6 +68,7 @@ exit $rc
 NODE = """
 #!/usr/bin/env bash
 echo "node $* ckpt=$RPCPS_CHECKPOINT_DIR logs=$RPCPS_LOG_DIR" >> "$RECORD"
+[ -n "${STANDIN_SRUN:-}" ] && : > "$RECORD.started.$STANDIN_SRUN.${SLURM_PROCID:-0}"
 if [ "$1" = server ] || [ -n "${HANG_WORKERS:-}" ]; then
     trap 'echo "stopped $1" >> "$RECORD"; exit 0' TERM
     while :; do sleep 0.1; done
