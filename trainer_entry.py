@@ -1,16 +1,14 @@
-"""The one entry point of rpcps: ``python trainer_entry.py {ps,worker,local} ...`` (or ``rpcps ...``).
+#!/usr/bin/env python3
+"""The one entry point of rpcps: ``python trainer_entry.py {ps,worker,local,ctl} ...`` (or ``rpcps ...``).
 
-Thin on purpose: it hands the command line to ``rpcps.cli``. Nothing imports this file.
+Thin on purpose: it hands the command line to ``cli.main``. Nothing but the `rpcps` console script imports this file.
 """
 
 import sys
 
-from rpcps import cli
+from cli.main import main
 
-
-def main() -> int:
-    return cli.main()
-
+__all__ = ["main"]  # the `rpcps` console script
 
 if __name__ == "__main__":
     sys.exit(main())

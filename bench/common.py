@@ -126,7 +126,7 @@ def run_local(
 
 
 def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: float, interval_s: float) -> None:
-    from rpcps.launch import scrape
+    from rpcps.scrape import try_scrape as scrape
 
     children = run_dir / "children.json"
     while not done.wait(interval_s):

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rpcps.endpoints import server_name
+
 REPO = Path(__file__).resolve().parents[1]
 _START_TIMEOUT_S = 120.0
 
@@ -80,7 +82,8 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def _measure(kind: str, setup: Setup) -> dict[str, Any]:
-    from rpcps.launch import free_port, scrape
+    from rpcps.ports import free_port
+    from rpcps.scrape import try_scrape as scrape
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     port, metrics_port = free_port(), free_port()
@@ -233,7 +236,7 @@ def run_raw_server(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    transport.start_server(_transport_config(args))
+    transport.serve(_address(args), server_name(0), _transport_options(args))
     stop.wait()
     transport.shutdown()
     return 0
@@ -241,14 +244,13 @@ def run_raw_server(args: argparse.Namespace) -> int:
 
 def run_client(args: argparse.Namespace) -> int:
     import torch
-    from torch.distributed import rpc
 
     from rpcps import plugins, transport
     from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
     from worker.client import ServerClient, result
 
     signature = ModelSignature.of_module(plugins.load_model(f"rpcps.tasks:{args.model}"))
-    name = transport.start_worker(_transport_config(args), args.slot)
+    name = transport.join(_address(args), f"worker{args.slot}", _transport_options(args))
     try:
         if args.kind == "ours":
             client = ServerClient(60.0)
@@ -269,7 +271,7 @@ def run_client(args: argparse.Namespace) -> int:
 
             def send(seq: int) -> Any:
                 del seq
-                return rpc.rpc_async(transport.SERVER_NAME, receiver, args=(chunks,), timeout=60)
+                return transport.call_async(server_name(0), receiver, (chunks,), 60)
 
             def check(future: Any) -> None:
                 future.wait()
@@ -315,20 +317,24 @@ def run_client(args: argparse.Namespace) -> int:
         )
     finally:
         if args.kind == "ours":
-            transport.leave_group(name)
+            transport.leave(name, server_name(0))
         transport.shutdown()
     return 0
 
 
-def _transport_config(args: argparse.Namespace) -> Any:
-    from rpcps.transport import TransportConfig
+def _address(args: argparse.Namespace) -> Any:
+    from rpcps.address import Address
 
-    return TransportConfig(
-        host="127.0.0.1",
-        port=args.port,
+    return Address("127.0.0.1", args.port)
+
+
+def _transport_options(args: argparse.Namespace) -> Any:
+    from rpcps.transport import TransportOptions
+
+    return TransportOptions(
         rpc_timeout_s=60.0,
-        transports=tuple(args.rpc_transports.split(",")),
-        channels=tuple(args.rpc_channels.split(",")),
+        rpc_transports=tuple(args.rpc_transports.split(",")),
+        rpc_channels=tuple(args.rpc_channels.split(",")),
         connect_timeout_s=_START_TIMEOUT_S,
     )
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from bench.common import REPO, child_env, local_argv, print_table, run_local
 from bench.push_throughput import Setup, _measure
-from rpcps.launch import free_port
+from rpcps.ports import free_port
 
 
 def example_design(model: str, workers: int, steps: int) -> dict[str, Any]:

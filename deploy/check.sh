@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Static checks of the monitoring bundle: the Prometheus config, the alert rules and their unit
 # tests, and the Grafana dashboard's PromQL. Needs promtool (Debian: apt-get install prometheus)
-# and python with prometheus-client and PyYAML. Run from anywhere:
+# and python with prometheus-client and PyYAML ($PYTHON, default: the repository's .venv). Run from anywhere:
 #   bash deploy/check.sh
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
 promtool="${PROMTOOL:-promtool}"
-python="${PYTHON:-python3}"
+python="${PYTHON:-$(bash "$repo/tools/project_python.sh")}"
 
 if ! command -v "$promtool" >/dev/null 2>&1; then
     echo "deploy/check.sh: promtool not found; install Prometheus (Debian: apt-get install prometheus) or set PROMTOOL=/path/to/promtool" >&2

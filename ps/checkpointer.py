@@ -16,19 +16,19 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from ps.audit import AuditLog
+from ps.config import CheckpointConfig
 from ps.metrics import ServerMetrics
-from ps.server import ParameterServer
 from ps.snapshot_files import (
     InvalidSnapshot,
     SnapshotInfo,
     leftover_tmp_dirs,
     list_snapshots,
     load_snapshot,
-    read_manifest,
     write_snapshot,
 )
 from rpcps.signature import ModelSignature
@@ -36,26 +36,12 @@ from rpcps.signature import ModelSignature
 logger = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True, frozen=True)
-class CheckpointConfig:
-    directory: str | None = None
-    """Where snapshots live; None disables checkpointing."""
-    every_updates: int | None = None
-    """Snapshot after this many applied updates since the last one."""
-    every_seconds: float | None = 60.0
-    """Snapshot at most this often when updates were applied."""
-    keep: int = 3
-    """Newest snapshots kept; older ones are deleted after each successful write."""
-    resume: str = "auto"
-    """'auto': newest valid snapshot (older ones if the newest is broken); 'never'; or a snapshot path."""
+class Snapshottable(Protocol):
+    """What the checkpointer needs of the server (``ps.server.ParameterServer``)."""
 
-    def __post_init__(self) -> None:
-        if self.every_updates is not None and self.every_updates < 1:
-            raise ValueError(f"checkpoint every_updates must be >= 1, got {self.every_updates}")
-        if self.every_seconds is not None and self.every_seconds <= 0:
-            raise ValueError(f"checkpoint every_seconds must be > 0, got {self.every_seconds}")
-        if self.keep < 1:
-            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep}")
+    version: int
+
+    def capture_state(self) -> tuple[int, dict[str, Any]]: ...
 
 
 class CheckpointUnavailable(RuntimeError):
@@ -63,14 +49,23 @@ class CheckpointUnavailable(RuntimeError):
 
 
 class Checkpointer:
-    def __init__(self, server: ParameterServer, config: CheckpointConfig, meta: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        server: Snapshottable,
+        config: CheckpointConfig,
+        meta: dict[str, Any],
+        metrics: ServerMetrics,
+        ledger: AuditLog | None = None,
+    ) -> None:
         if config.directory is None:
             raise CheckpointUnavailable("checkpointing is off; start the server with --checkpoint-dir DIR")
         self.server = server
         self.config = config
         self.directory = Path(config.directory)
         self.meta = meta
-        self.metrics: ServerMetrics = server.metrics
+        self.metrics = metrics
+        self.ledger = ledger
+        """Told of each snapshot just before it is committed (fault-injection checks)."""
         self._write_lock = threading.Lock()
         self._due = threading.Event()
         self._stop = threading.Event()
@@ -143,8 +138,11 @@ class Checkpointer:
                 return self._newest
             started = time.perf_counter()
             version, state = self.server.capture_state()
+            # The ledger hears of the snapshot before the rename that commits it: a crash in between
+            # may leave it committed, so a resume to it must find the ledger line already there.
+            before_commit = None if self.ledger is None else (lambda: self.ledger.snapshot(version))
             try:
-                info = write_snapshot(self.directory, version, state, self.meta)
+                info = write_snapshot(self.directory, version, state, self.meta, before_commit=before_commit)
             except OSError as e:
                 self.metrics.checkpoint_failures.inc()
                 logger.error(
@@ -156,8 +154,6 @@ class Checkpointer:
             self._newest = info
             self._last_version = version
             self._publish(info)
-            if self.server.audit is not None:
-                self.server.audit.snapshot(version)
             logger.info("snapshot of version %d written to %s in %.2fs", version, info.path, time.perf_counter() - started)
             self._purge(info)
             return info
@@ -301,15 +297,3 @@ def _quarantine(path: Path) -> None:
         logger.warning("moved invalid snapshot aside to %s", target)
     except OSError as e:
         logger.warning("could not move invalid snapshot %s aside: %s", path, e)
-
-
-def verify_all(directory: Path) -> dict[Path, str | None]:
-    """Every committed snapshot and why it is invalid (None when valid); used by tests and tools."""
-    result: dict[Path, str | None] = {}
-    for path in list_snapshots(directory):
-        try:
-            read_manifest(path)
-            result[path] = None
-        except InvalidSnapshot as e:
-            result[path] = str(e)
-    return result

@@ -2,28 +2,54 @@
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ps.admission import RejectReason
+
+if TYPE_CHECKING:
+    from ps.server import UpdateApplied
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-REJECT_REASONS = ("shape", "dtype", "nonfinite", "unknown_worker", "names", "stale", "stopping")
+
+
+@dataclass
+class ServerStats:
+    """The counts the run summary reports; kept by ``ServerMetrics`` beside the Prometheus series."""
+
+    pushes_received: int = 0
+    updates_applied: int = 0
+    pushes_rejected: int = 0
+    pushes_skipped: int = 0
+    pushes_duplicate: int = 0
+    pushes_stale: int = 0
+    rounds: int = 0
+    staleness_sum: int = 0
+    max_staleness: int = 0
 
 
 class ServerMetrics:
+    """Every server series, and one ``count_*`` method per event that updates both the series and
+    the summary's plain counts (thread-safe: counts only change under the GIL in these methods)."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.stats = ServerStats()
+        self._stats_lock = threading.Lock()
         r = self.registry = registry or CollectorRegistry()
         self.updates = Counter("rpcps_server_updates_applied", "Optimizer updates applied.", registry=r)
         self.pushes = Counter("rpcps_server_pushes_received", "Gradient pushes received.", registry=r)
         self.rejected = Counter(
             "rpcps_server_pushes_rejected", "Pushes refused, parameters untouched.", ["reason"], registry=r
         )
-        for reason in REJECT_REASONS:
-            self.rejected.labels(reason)
+        for reason in RejectReason:
+            self.rejected.labels(reason.value)
         self.duplicates = Counter(
             "rpcps_server_pushes_duplicate", "Retried pushes recognised and not applied twice.", registry=r
         )
@@ -68,8 +94,52 @@ class ServerMetrics:
         )
         self.checkpoint_version = Gauge("rpcps_checkpoint_last_version", "Model version in the newest checkpoint.", registry=r)
 
+    def count_received(self) -> None:
+        with self._stats_lock:
+            self.stats.pushes_received += 1
+        self.pushes.inc()
+
+    def count_rejected(self, reason: RejectReason) -> None:
+        with self._stats_lock:
+            self.stats.pushes_rejected += 1
+        self.rejected.labels(reason.value).inc()
+
+    def count_duplicate(self) -> None:
+        with self._stats_lock:
+            self.stats.pushes_duplicate += 1
+        self.duplicates.inc()
+
+    def count_skipped(self) -> None:
+        with self._stats_lock:
+            self.stats.pushes_skipped += 1
+        self.skipped.inc()
+
+    def count_stale(self) -> None:
+        with self._stats_lock:
+            self.stats.pushes_stale += 1
+        self.rejected.labels(RejectReason.STALE.value).inc()
+
+    def count_round(self) -> None:
+        with self._stats_lock:
+            self.stats.rounds += 1
+
+    def count_applied(self, event: UpdateApplied) -> None:
+        """An ``on_applied`` listener: one update and the staleness of what it applied."""
+        with self._stats_lock:
+            s = self.stats
+            s.updates_applied += 1
+            for _, _, staleness in event.applied:
+                s.staleness_sum += staleness
+                s.max_staleness = max(s.max_staleness, staleness)
+        self.updates.inc()
+        self.version.set(event.version)
+        self.step_seconds.observe(event.step_seconds)
+        self.grad_bytes.inc(event.grad_bytes)
+        for _, _, staleness in event.applied:
+            self.staleness.observe(staleness)
+
     def watch_workers(self, snapshot: Callable[[], Iterable[tuple[int, bool, float | None]]]) -> None:
-        """Adds live-worker gauges computed at scrape time from (slot, live, last_push_monotonic)."""
+        """Adds live-worker gauges computed at scrape time from (slot, live, seconds since its last push)."""
         self.registry.register(_WorkerCollector(snapshot))
 
 
@@ -78,18 +148,17 @@ class _WorkerCollector(Collector):
         self._snapshot = snapshot
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        now = time.monotonic()
         live = GaugeMetricFamily("rpcps_server_live_workers", "Workers registered and not known dead or departed.")
         age = GaugeMetricFamily(
             "rpcps_server_worker_last_push_age_seconds", "Seconds since each live worker slot's last push.", labels=["slot"]
         )
         count = 0
-        for slot, is_live, last_push in self._snapshot():
+        for slot, is_live, last_push_age in self._snapshot():
             if not is_live:
                 continue
             count += 1
-            if last_push is not None:
-                age.add_metric([str(slot)], now - last_push)
+            if last_push_age is not None:
+                age.add_metric([str(slot)], last_push_age)
         live.add_metric([], count)
         yield live
         yield age

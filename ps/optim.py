@@ -7,10 +7,12 @@ model's own tensors, which gives the same result only when every update is eleme
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ps.config import OptimizerConfig
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -32,32 +34,9 @@ SCHEDULES: dict[str, type[torch.optim.lr_scheduler.LRScheduler]] = {
 _REFUSED_KWARGS = {"params", "differentiable", "capturable"}
 
 
-@dataclass(kw_only=True, frozen=True)
-class OptimizerConfig:
-    """Which optimizer the server runs, and with what settings."""
-
-    name: str = "adam"
-    """One of OPTIMIZERS."""
-    kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 3e-3})
-    """Keyword arguments for the torch.optim class, e.g. {"lr": 0.1, "momentum": 0.9, "nesterov": true}."""
-    schedule: str | None = None
-    """One of SCHEDULES, or None for a constant learning rate. Stepped once per applied update."""
-    schedule_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.name!r} is not supported; choose one of {sorted(OPTIMIZERS)}")
-        _check_kwargs(OPTIMIZERS[self.name], self.kwargs, f"optimizer {self.name!r}", skip=1)
-        if self.schedule is not None:
-            if self.schedule not in SCHEDULES:
-                raise ValueError(f"lr schedule {self.schedule!r} is not supported; choose one of {sorted(SCHEDULES)}")
-            _check_kwargs(SCHEDULES[self.schedule], self.schedule_kwargs, f"lr schedule {self.schedule!r}", skip=1)
-        elif self.schedule_kwargs:
-            raise ValueError("schedule_kwargs given without a schedule")
-
-
-def _check_kwargs(cls: type, kwargs: dict[str, Any], what: str, skip: int) -> None:
-    allowed = list(inspect.signature(cls.__init__).parameters)[1 + skip :]
+def check_kwargs(cls: type, kwargs: dict[str, Any], what: str) -> None:
+    """Refuses a keyword ``cls`` does not take (or one that breaks the flat-chunk equivalence), naming the usable ones."""
+    allowed = list(inspect.signature(cls.__init__).parameters)[2:]  # after self and params/optimizer
     for key in kwargs:
         if key in _REFUSED_KWARGS or key not in allowed:
             usable = [a for a in allowed if a not in _REFUSED_KWARGS]
@@ -67,14 +46,15 @@ def _check_kwargs(cls: type, kwargs: dict[str, Any], what: str, skip: int) -> No
 def build_optimizer(
     config: OptimizerConfig, params: list[torch.Tensor]
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
+    kwargs = config.optimizer_kwargs
     try:
-        optimizer = OPTIMIZERS[config.name](params, **config.kwargs)
+        optimizer = OPTIMIZERS[config.name](params, **kwargs)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"optimizer {config.name!r} rejected its settings {config.kwargs}: {e}") from e
+        raise ValueError(f"optimizer {config.name!r} rejected its settings {kwargs}: {e}") from e
     schedule = None
     if config.schedule is not None:
         try:
-            schedule = SCHEDULES[config.schedule](optimizer, **config.schedule_kwargs)
+            schedule = SCHEDULES[config.schedule](optimizer, **(config.schedule_kwargs or {}))
         except (TypeError, ValueError) as e:
             raise ValueError(f"lr schedule {config.schedule!r} rejected its settings {config.schedule_kwargs}: {e}") from e
     return optimizer, schedule

@@ -1,6 +1,6 @@
 """Finds worker processes that died, hung or left, and removes them from the RPC group.
 
-Without this, the first worker that dies makes every later join fail (see ``rpcps.rpc_membership``),
+Without this, the first worker that dies makes every later join fail (see ``rpcps.transport.membership``),
 so dead members must go before their replacements arrive. Every sweep (1 s) pings every group
 member in parallel, registered or not (a worker refused for its model, or killed while starting):
 
@@ -24,13 +24,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Protocol
 
-from torch.distributed import rpc
+from ps.metrics import ServerMetrics
+from rpcps import transport
+from rpcps.endpoints import server_name
+from rpcps.transport import membership
 
-from ps import rpc_api
-from ps.server import ParameterServer
-from rpcps import rpc_membership
-from rpcps.transport import PEER_DEAD, SERVER_NAME, classify_failure
+STORE_HOST = server_name(0)
+
+
+class Roster(Protocol):
+    """The server's view of its workers that the reaper reads and updates (``ps.service.WorkerService``)."""
+
+    def take_retired_rpc_names(self) -> list[str]: ...
+
+    def member_workers(self) -> list[tuple[int, str, str, float]]: ...
+
+    def mark_alive(self, slot: int, incarnation: str) -> None: ...
+
+    def mark_silent(self, slot: int, incarnation: str) -> None: ...
+
+    def mark_dead(self, slot: int, incarnation: str) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +53,8 @@ logger = logging.getLogger(__name__)
 class MembershipReaper:
     def __init__(
         self,
-        server: ParameterServer,
+        roster: Roster,
+        metrics: ServerMetrics,
         lease_s: float,
         token_max_age_s: float = 5.0,
         interval_s: float = 1.0,
@@ -47,13 +63,14 @@ class MembershipReaper:
     ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
-        self.server = server
+        self.roster = roster
+        self.metrics = metrics
         self.lease_s = lease_s
         self.interval_s = interval_s
         self.ping_timeout_s = ping_timeout_s
         self.owns_group = owns_group
         self.store_host_lost = False
-        self._token_watch = rpc_membership.JoinTokenWatch(token_max_age_s)
+        self._token_watch = membership.JoinTokenWatch(token_max_age_s)
         self._to_forget: set[str] = set()
         """Members to remove from the group; kept until a removal succeeds."""
         self._first_silent: dict[str, float] = {}
@@ -76,46 +93,47 @@ class MembershipReaper:
                 logger.exception("membership sweep failed; trying again in %.1fs", self.interval_s)
 
     def sweep(self) -> None:
-        retired = self.server.take_retired_rpc_names()
+        retired = self.roster.take_retired_rpc_names()
         if self.owns_group:
             self._token_watch.check(time.monotonic())
             self._to_forget.update(retired)
-        registered = {name: (slot, incarnation, last_seen) for slot, incarnation, name, last_seen in self.server.member_workers()}
-        me = rpc_membership.my_name()
+        registered = {name: (slot, incarnation, last_seen) for slot, incarnation, name, last_seen in self.roster.member_workers()}
+        me = membership.my_name()
         if self.owns_group:
-            names = [n for n in rpc_membership.member_names() if n != me and n not in self._to_forget]
+            names = [n for n in membership.member_names() if n != me and n not in self._to_forget]
         else:
-            names = [*registered, SERVER_NAME]
-        pings = [rpc.rpc_async(name, rpc_api.ping, timeout=self.ping_timeout_s) for name in names]
+            names = [*registered, STORE_HOST]
+        pings = [transport.ping(name, self.ping_timeout_s) for name in names]
         now = time.monotonic()
         for name, ping in zip(names, pings):
             owner = registered.get(name)
             try:
                 ping.wait()
-            except RuntimeError as e:
+            except transport.CallFailed as e:
                 self._on_failed_ping(name, owner, e, now)
                 continue
             self._first_silent.pop(name, None)
             if owner is not None:
-                self.server.mark_alive(owner[0], owner[1])
+                self.roster.mark_alive(owner[0], owner[1])
         self._forget_pending()
 
-    def _on_failed_ping(self, name: str, owner: tuple[int, str, float] | None, error: RuntimeError, now: float) -> None:
-        if name == SERVER_NAME and not self.owns_group:
-            if classify_failure(error) == PEER_DEAD:
+    def _on_failed_ping(self, name: str, owner: tuple[int, str, float] | None, error: transport.CallFailed, now: float) -> None:
+        gone = isinstance(error, transport.PeerUnreachable)
+        if name == STORE_HOST and not self.owns_group:
+            if gone:
                 self.store_host_lost = True
             return
-        if classify_failure(error) == PEER_DEAD:
+        if gone:
             logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
         else:
             silent_since = owner[2] if owner is not None else self._first_silent.setdefault(name, now)
             if now - silent_since <= self.lease_s:
                 if owner is not None:
-                    self.server.mark_silent(owner[0], owner[1])
+                    self.roster.mark_silent(owner[0], owner[1])
                 return
             logger.warning("%s has not answered for %.0fs (hung); removing it", name, now - silent_since)
         if owner is not None:
-            self.server.mark_dead(owner[0], owner[1])
+            self.roster.mark_dead(owner[0], owner[1])
         self._first_silent.pop(name, None)
         self._to_forget.add(name)
 
@@ -125,11 +143,11 @@ class MembershipReaper:
             return
         try:
             for name in sorted(self._to_forget):
-                if rpc_membership.forget_member(name):
-                    self.server.metrics.workers_reaped.inc()
+                if membership.forget_member(name):
+                    self.metrics.workers_reaped.inc()
                 self._to_forget.discard(name)
-            for name in rpc_membership.forget_failed_joins():
+            for name in membership.forget_failed_joins():
                 logger.warning("removed %s, whose join failed, from the RPC group", name)
-                self.server.metrics.workers_reaped.inc()
-        except rpc_membership.TokenBusy:
+                self.metrics.workers_reaped.inc()
+        except membership.TokenBusy:
             logger.debug("a join is in progress; removing %s on the next sweep", sorted(self._to_forget))

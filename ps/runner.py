@@ -1,4 +1,4 @@
-"""Runs a server process: loads the model, serves RPC and metrics until told to stop."""
+"""Runs a server process: loads the model, serves the worker API and metrics until told to stop."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ps import rpc_api
 from ps.audit import AuditLog
-from ps.checkpointer import CheckpointConfig, Checkpointer, find_resume_point, shard_checkpoint_config
-from ps.control.service import ControlConfig, start_control_server
+from ps.checkpointer import Checkpointer, find_resume_point, shard_checkpoint_config
+from ps.config import CheckpointConfig, ServerRunConfig
+from ps.control.service import start_control_server
 from ps.metrics import ServerMetrics
 from ps.reaper import MembershipReaper
-from ps.server import ParameterServer, ServerCoreConfig
-from rpcps import plugins, transport
+from ps.server import ParameterServer
+from ps.service import WorkerService
+from rpcps import endpoints, plugins, transport
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -32,47 +33,25 @@ RESTART_FROM_ENV = "RPCPS_RESTART_FROM"
 JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
 
 
-@dataclass(kw_only=True, frozen=True)
-class ServerRunConfig:
-    transport: transport.TransportConfig
-    core: ServerCoreConfig
-    model: str = plugins.BUILTIN_MODEL
-    metrics_addr: str = "0.0.0.0"
-    metrics_port: int = 9400
-    """Port of /metrics; 0 picks a free one (logged)."""
-    lease_s: float = 10.0
-    """A worker silent for this long is checked and, if its process is gone, removed."""
-    progress_s: float = 5.0
-    summary_json: str | None = None
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    audit_log: str | None = None
-    """Append a ledger of applied updates here (for fault-injection checks; costs a write per update)."""
-    control: ControlConfig = ControlConfig()
-    finish_timeout_s: float = 60.0
-    """On a control-plane Shutdown: how long to wait for workers to finish before stopping anyway."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.lease_s <= 0 or self.progress_s <= 0:
-            raise ValueError("lease_s and progress_s must be > 0")
-
-
 def run_server(config: ServerRunConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = ServerMetrics()
     build_info(metrics.registry, "ps", _flat_config(config))
-    http, metrics_port = serve_metrics(metrics.registry, config.metrics_addr, config.metrics_port)
+    http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    ledger = None
     if config.audit_log:
         suffix = f".shard{config.core.shard_index}" if config.core.shard_count > 1 else ""
-        server.audit = AuditLog(config.audit_log + suffix)
+        ledger = AuditLog(config.audit_log + suffix)
+        server.on_applied(ledger.on_applied)
+    service = WorkerService(server)
     logger.info(
         "model %s: %d parameters in %d chunks; optimizer %s %s",
-        config.model, server.signature.numel, len(server.layout), config.core.optimizer.name, config.core.optimizer.kwargs,
+        config.model, server.signature.numel, len(server.layout), config.core.optimizer.name,
+        config.core.optimizer.optimizer_kwargs,
     )
     finish_workers = threading.Event()
 
@@ -80,27 +59,29 @@ def run_server(config: ServerRunConfig) -> int:
         finish_workers.set()
         stop.set()
 
-    control = start_control_server(server, config.control, checkpoint=None, request_shutdown=request_shutdown)
+    control = start_control_server(
+        server, config.control, checkpoint=None, request_shutdown=request_shutdown, registry=metrics.registry
+    )
     try:
-        checkpointer = _resume(server, config)
+        checkpointer = _resume(server, config, ledger)
         control.attach_checkpointer(checkpointer)
         _join_group(config)
     except BaseException:
         control.stop(grace_s=0)
         http.shutdown()  # type: ignore[attr-defined]
         raise
-    rpc_api.publish(server)
-    reaper = MembershipReaper(server, config.lease_s, owns_group=config.core.shard_index == 0)
+    endpoints.publish(service)
+    reaper = MembershipReaper(service, metrics, config.lease_s, owns_group=config.core.shard_index == 0)
     reaper.start()
     if checkpointer is not None:
-        server.on_update = checkpointer.notify_update
+        server.on_applied(lambda event: checkpointer.notify_update(event.version))
         checkpointer.start()
-    listener = ListenerWatch(exclude_ports={config.transport.port, metrics_port, control.port})
+    listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
     control.set_serving(True)
-    logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.transport.address)
+    logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.listen)
     restart_from: str | None = None
     try:
-        progress = _Progress(server, config.progress_s)
+        progress = _Progress(server, service, config.progress_s)
         while not stop.wait(1.0):
             progress.maybe_log()
             if listener.lost():
@@ -118,11 +99,11 @@ def run_server(config: ServerRunConfig) -> int:
         server.stop()
         if checkpointer is not None and restart_from is None:
             checkpointer.stop(final=True)
-        write_summary(config.summary_json, server.summary())
+        write_summary(config.process.summary_json, service.summary())
     finally:
         control.stop(grace_s=5)
         reaper.stop()
-        rpc_api.withdraw()
+        endpoints.withdraw()
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
     if restart_from is not None:
@@ -134,15 +115,17 @@ def _finish_workers(server: ParameterServer, timeout_s: float) -> None:
     """Tells workers to stop for good and waits (bounded) until none is live."""
     server.finish()
     deadline = time.monotonic() + timeout_s
-    while server.workers_live_count() and time.monotonic() < deadline:
+    while server.status().live_workers and time.monotonic() < deadline:
         time.sleep(0.2)
-    if server.workers_live_count():
-        logger.warning("%d workers still running after %.0fs; stopping anyway", server.workers_live_count(), timeout_s)
+    live = server.status().live_workers
+    if live:
+        logger.warning("%d workers still running after %.0fs; stopping anyway", live, timeout_s)
 
 
 class _Progress:
-    def __init__(self, server: ParameterServer, every_s: float) -> None:
+    def __init__(self, server: ParameterServer, service: WorkerService, every_s: float) -> None:
         self.server = server
+        self.service = service
         self.every_s = every_s
         self.last_time = time.monotonic()
         self.last_version = server.version
@@ -151,13 +134,12 @@ class _Progress:
         now = time.monotonic()
         if now - self.last_time < self.every_s:
             return
-        s, version = self.server.summary(), self.server.version
-        rate = (version - self.last_version) / (now - self.last_time)
-        self.last_time, self.last_version = now, version
+        status, loss = self.server.status(), self.service.summary()["final_loss"]
+        rate = (status.version - self.last_version) / (now - self.last_time)
+        self.last_time, self.last_version = now, status.version
         logger.info(
             "version %d, %.1f updates/s, %d live workers, loss %s",
-            version, rate, len(self.server.workers.live()),
-            f"{s['final_loss']:.4f}" if s["final_loss"] is not None else "-",
+            status.version, rate, status.live_workers, f"{loss:.4f}" if loss is not None else "-",
         )
 
 
@@ -166,9 +148,8 @@ def _on_listener_lost(
 ) -> str | None:
     """The RPC listener was closed under us (a stray connection to TensorPipe's port).
 
-    Running workers are unaffected, but no new worker could ever join. With checkpoints we take a
-    final snapshot and restart this process from it (workers rejoin by themselves); without, we
-    keep serving the workers we have and say loudly what is wrong. Returns the snapshot to restart from.
+    Running workers are unaffected, but no new worker could ever join. We take a snapshot and
+    restart this process from it (workers rejoin by themselves). Returns the snapshot to restart from.
     """
     server.metrics.rpc_listener_lost.inc()
     ports = listener.lost()
@@ -189,14 +170,16 @@ def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | 
     server.stop()
     if checkpointer is None:
         directory = tempfile.mkdtemp(prefix=f"rpcps-restart-shard{config.core.shard_index}-")
-        checkpointer = Checkpointer(server, CheckpointConfig(directory=directory, every_seconds=None), _meta(server, config))
+        checkpointer = Checkpointer(
+            server, CheckpointConfig(directory=directory, every_seconds=None), _meta(server, config), server.metrics
+        )
     else:
         checkpointer.stop(final=False)
     path, _ = checkpointer.checkpoint_now()
     return path
 
 
-def _resume(server: ParameterServer, config: ServerRunConfig) -> Checkpointer | None:
+def _resume(server: ParameterServer, config: ServerRunConfig, ledger: AuditLog | None) -> Checkpointer | None:
     """Restores the server from a snapshot per --resume; returns the checkpointer (None when off)."""
     checkpoint_config = shard_checkpoint_config(config.checkpoint, config.core.shard_index, config.core.shard_count)
     restart_from = os.environ.pop(RESTART_FROM_ENV, None)
@@ -206,15 +189,15 @@ def _resume(server: ParameterServer, config: ServerRunConfig) -> Checkpointer | 
     if point is not None:
         info, state = point
         server.restore_state(state)
-        if server.audit is not None:
-            server.audit.resumed(info.version)
+        if ledger is not None:
+            ledger.resumed(info.version)
         server.metrics.resumes.inc()
         server.metrics.resumed_version.set(info.version)
         logger.info("resumed from %s at version %d", info.path, info.version)
     if checkpoint_config.directory is None:
         return None
     Path(checkpoint_config.directory).mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config))
+    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger)
     if point is not None:
         checkpointer.adopt(point[0])
     return checkpointer
@@ -236,12 +219,13 @@ def _meta(server: ParameterServer, config: ServerRunConfig) -> dict[str, Any]:
 
 def _join_group(config: ServerRunConfig) -> None:
     """Shard 0 hosts the group's store; other shards join it under their fixed names."""
+    name = endpoints.server_name(config.core.shard_index)
     if config.core.shard_index == 0:
-        transport.start_server(config.transport)
+        transport.serve(config.listen, name, config.transport)
         return
     attempts = int(os.environ.get(JOIN_ATTEMPTS_ENV, "0"))
     try:
-        transport.start_shard(config.transport, config.core.shard_index)
+        transport.join(config.store_address, name, config.transport, fixed_name=True)
     except transport.JoinFailed as e:
         # Usually our previous incarnation is still listed; shard 0's reaper removes it within
         # seconds. torch's agent is unusable after a failed join, so retry in a fresh process.
@@ -254,11 +238,10 @@ def _join_group(config: ServerRunConfig) -> None:
 
 
 def _flat_config(config: ServerRunConfig) -> dict[str, Any]:
-    d = asdict(config)
     return {
-        "listen": config.transport.address,
+        "listen": str(config.listen),
         "model": config.model,
         "optimizer": config.core.optimizer.name,
         "on_nonfinite": config.core.on_nonfinite,
-        "transports": ",".join(d["transport"]["transports"]),
+        "transports": ",".join(config.transport.rpc_transports),
     }

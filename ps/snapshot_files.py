@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,19 @@ def snapshot_name(version: int) -> str:
     return f"{PREFIX}{version:012d}"
 
 
-def write_snapshot(directory: Path, version: int, state: dict[str, Any], meta: dict[str, Any]) -> SnapshotInfo:
+def write_snapshot(
+    directory: Path,
+    version: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    before_commit: Callable[[], None] | None = None,
+) -> SnapshotInfo:
     """Writes and commits one snapshot; returns where it landed. Raises OSError on any I/O failure
-    (the temporary directory is removed, committed snapshots are never touched)."""
+    (the temporary directory is removed, committed snapshots are never touched).
+
+    ``before_commit`` runs once everything is durable under the temporary name, just before the
+    rename that commits it.
+    """
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist (was it removed or unmounted?)")
     final = directory / snapshot_name(version)
@@ -75,6 +86,8 @@ def write_snapshot(directory: Path, version: int, state: dict[str, Any], meta: d
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        if before_commit is not None:
+            before_commit()
         if final.exists():  # same version written again (e.g. on-demand right after periodic)
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -16,15 +16,16 @@ from typing import Any
 import torch
 
 
-@dataclass
-class Contribution:
-    slot: int
-    seq: int
-    loss: float | None
-    staleness: int
+@dataclass(frozen=True)
+class SyncContribution:
+    contribution: Any
+    """The server's record of the push (``ps.server.Contribution``)."""
     reply: Any
     """The torch Future the worker's RPC waits on."""
-    record: Any
+
+    @property
+    def slot(self) -> int:
+        return self.contribution.record.slot
 
 
 @dataclass
@@ -34,7 +35,7 @@ class SyncRound:
     needed: int = 1
     """Contributions required before the timeout: min_workers, lowered when expected workers die."""
     opened: float = field(default_factory=time.monotonic)
-    contributions: dict[int, Contribution] = field(default_factory=dict)
+    contributions: dict[int, SyncContribution] = field(default_factory=dict)
 
     def missing(self) -> set[int]:
         return self.expected - set(self.contributions)
@@ -53,11 +54,11 @@ class RoundKeeper:
         first worker would otherwise run rounds alone while the others are still starting."""
         self.current: SyncRound | None = None
         self.waiting: list[Any] = []
+        """Futures of workers that arrived mid-round; answered when it closes (they recompute)."""
         self._spare_sums: list[torch.Tensor] | None = None
         """The previous round's sum buffers, reused so a round does not allocate the model's size anew."""
-        """Futures of workers that arrived mid-round; answered when it closes (they recompute)."""
 
-    def add(self, live_slots: set[int], contribution: Contribution, chunks: list[torch.Tensor], known_slots: int = 0) -> bool:
+    def add(self, live_slots: set[int], contribution: SyncContribution, chunks: list[torch.Tensor], known_slots: int = 0) -> bool:
         """Adds a gradient to the open round (opening one if none). False: the slot waits for the next.
 
         ``known_slots`` counts the slots that ever registered: min_workers holds only until that many

@@ -1,7 +1,7 @@
 """Errors that cross the wire from the server to a worker.
 
 torch RPC does not keep a remote exception's type (a ValueError subclass comes back as a plain
-ValueError with the remote traceback glued into its message), so the server's RPC layer returns these
+ValueError with the remote traceback glued into its message), so the server's endpoints return these
 as ``ErrorReply`` values and the worker's client raises the matching class with the clean message.
 """
 
@@ -28,6 +28,10 @@ class ServerStopping(RpcpsError):
     """The server is shutting down and takes no more pushes."""
 
 
+class ServerStarting(RpcpsError):
+    """The server process is up but has not loaded its model yet; retry shortly."""
+
+
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
-    cls.__name__: cls for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping)
+    cls.__name__: cls for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting)
 }

@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
+
+
+class Mode(enum.StrEnum):
+    """How stale a gradient may be when the server applies it."""
+
+    ASYNC = "async"
+    """Apply every valid push as it arrives."""
+    BOUNDED = "bounded"
+    """Refuse pushes more than max_staleness updates old (the worker recomputes them)."""
+    SYNC = "sync"
+    """One step per round from the averaged gradients of the live workers."""
+
+
+class PushStatus(enum.StrEnum):
+    """What the server did with one push (a refused push raises PushRejected instead)."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    """Already processed; not applied again (a retry)."""
+    SKIPPED = "skipped"
+    """Held NaN/Inf and the server runs --on-nonfinite skip: dropped and counted."""
+    STALE = "stale"
+    """Refused by a staleness bound; recompute on fresh parameters."""
+    PAUSED = "paused"
+    """The server is paused: not applied and not recorded; send it again after resume."""
 
 
 @dataclass(frozen=True)
@@ -18,7 +44,7 @@ class Registration:
     chunk_bytes: int
     """The server's wire chunk limit; the worker builds the same layout from it."""
     chunk_numels: tuple[int, ...]
-    mode: str = "async"
+    mode: Mode = Mode.ASYNC
     shard_index: int = 0
     shard_count: int = 1
     partition_digest: str = ""
@@ -27,9 +53,7 @@ class Registration:
 
 @dataclass(frozen=True)
 class PushReply:
-    status: str
-    """'applied', 'duplicate' (already processed, not applied again), 'skipped' (non-finite, dropped)
-    or 'stale' (refused by a staleness bound; recompute on fresh parameters)."""
+    status: PushStatus
     version: int
     staleness: int
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.procs import ProcessGroup
+from harness.procs import ProcessGroup
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rpcps.faults import ChaosPlan, Kill, run_chaos
+from harness.faults import ChaosPlan, Kill, run_chaos
 
 
 def main() -> int:

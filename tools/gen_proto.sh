@@ -11,6 +11,6 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-$root}"
 mkdir -p "$out"
 cd "$root"
-python -m grpc_tools.protoc -I. \
+"${PYTHON:-$(bash "$root/tools/project_python.sh")}" -m grpc_tools.protoc -I. \
   --python_out="$out" --grpc_python_out="$out" --pyi_out="$out" \
   ps/control/control.proto

@@ -12,20 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from dataclasses import dataclass
 
-from rpcps import plugins, transport
+from rpcps import endpoints, plugins, transport
 from rpcps.errors import ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
-from worker.client import ServerClient, ServerTimeout, ServerUnreachable
+from worker.client import ServerClient
+from worker.config import DEFAULT_METRICS_PORT, WorkerRunConfig
 from worker.metrics import WorkerMetrics
-from worker.trainer import TooManyRejects, Trainer, WorkerConfig
+from worker.trainer import TooManyRejects, Trainer, WorkerStats
 
 logger = logging.getLogger(__name__)
 
 RECONNECTS_ENV = "RPCPS_RECONNECTS"
+STATS_ENV = "RPCPS_WORKER_STATS"
+"""The slot's statistics so far, handed to the next incarnation when the worker restarts itself."""
 
 EXIT_OK = 0
 EXIT_SERVER_LOST = 3
@@ -33,29 +35,13 @@ EXIT_BAD_GRADIENTS = 4
 EXIT_REFUSED = 5
 
 
-@dataclass(kw_only=True, frozen=True)
-class WorkerRunConfig:
-    transport: transport.TransportConfig
-    worker: WorkerConfig
-    metrics_addr: str = "0.0.0.0"
-    metrics_port: int = 9401
-    max_reconnects: int = 20
-    """Times this worker restarts itself to reach a replaced server before giving up."""
-    summary_json: str | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.max_reconnects < 0:
-            raise ValueError(f"max_reconnects must be >= 0, got {self.max_reconnects}")
-
-
 def run_worker(config: WorkerRunConfig) -> int:
     reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
     metrics = WorkerMetrics()
     metrics.reconnects.set(reconnects)
-    build_info(metrics.registry, "worker", {"ps": config.transport.address, "slot": str(config.worker.worker_index)})
-    http, _ = serve_metrics(metrics.registry, config.metrics_addr, config.metrics_port)
+    build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
+    http = _serve_metrics(metrics, config)
+    stats = WorkerStats.from_carry(os.environ.get(STATS_ENV))
     trainer: Trainer | None = None
     stopping = False
 
@@ -72,19 +58,19 @@ def run_worker(config: WorkerRunConfig) -> int:
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
     name: str | None = None
     try:
+        assert config.ps is not None  # WorkerRunConfig requires it
         try:
-            name = transport.start_worker(config.transport, config.worker.worker_index)
+            name = transport.join(config.ps, f"worker{config.worker.worker_index}", config.transport)
         except transport.JoinFailed as e:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.
-            raise ServerUnreachable(str(e)) from e
-        first = ServerClient(config.transport.rpc_timeout_s, shard=0, wait_s=config.transport.connect_timeout_s)
-        shard_count = first.register_probe()
+            raise transport.PeerUnreachable(str(e)) from e
+        options = config.transport
+        first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s)
         clients = [first] + [
-            ServerClient(config.transport.rpc_timeout_s, shard=k, wait_s=config.transport.connect_timeout_s)
-            for k in range(1, shard_count)
+            ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s) for k in range(1, first.shard_count())
         ]
-        trainer = Trainer(config.worker, clients, name, metrics)
+        trainer = Trainer(config.worker, clients, name, metrics, stats)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
         summary = trainer.run()
@@ -94,10 +80,10 @@ def run_worker(config: WorkerRunConfig) -> int:
                 link.client.leave(config.worker.worker_index, link.registration.incarnation)
             except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the reaper covers us
                 logger.debug("leave failed: %s", e)
-        write_summary(config.summary_json, summary)
+        write_summary(config.process.summary_json, summary)
         logger.info("done: %d steps, final loss %s", summary["steps"], summary["final_loss"])
         return EXIT_OK
-    except (ServerUnreachable, ServerStopping, ServerTimeout) as e:
+    except (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping) as e:
         if stopping:
             logger.info("stopped by signal while the server went away (%s)", e)
             return EXIT_OK
@@ -107,7 +93,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         logger.warning("lost the server (%s); restarting this worker to rejoin (reconnect %d)", e, reconnects + 1)
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
-        restart_self({RECONNECTS_ENV: str(reconnects + 1)})
+        restart_self({RECONNECTS_ENV: str(reconnects + 1), STATS_ENV: stats.to_carry()})
     except (SignatureMismatch, UnknownWorker) as e:
         logger.error("%s", e)
         return EXIT_REFUSED
@@ -116,6 +102,21 @@ def run_worker(config: WorkerRunConfig) -> int:
         return EXIT_BAD_GRADIENTS
     finally:
         if name is not None:
-            transport.leave_group(name)  # bounded: fails fast (or in 5 s) when the server is gone
+            transport.leave(name, endpoints.server_name(0))  # bounded: fails fast (or in 5 s) when the server is gone
         transport.shutdown()
     raise AssertionError("unreachable")
+
+
+def _serve_metrics(metrics: WorkerMetrics, config: WorkerRunConfig) -> object:
+    """/metrics on --metrics-port; unset, on 9410 + LOCAL_RANK, or a free port when that one is taken
+    (several workers started by hand on one host without LOCAL_RANK)."""
+    addr = config.process.metrics_addr
+    if config.metrics_port is not None:
+        return serve_metrics(metrics.registry, addr, config.metrics_port)[0]
+    preferred = DEFAULT_METRICS_PORT + int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        return serve_metrics(metrics.registry, addr, preferred)[0]
+    except OSError:
+        http, port = serve_metrics(metrics.registry, addr, 0)
+        logger.warning("metrics port %d is taken (another worker on this host?); serving /metrics on port %d instead", preferred, port)
+        return http

@@ -14,74 +14,33 @@ the round closes, and the next step computes on the round's result.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from rpcps import plugins
+from rpcps import plugins, transport
 from rpcps.errors import PushRejected
-from rpcps.messages import PushReply, Registration
+from rpcps.messages import Mode, PushReply, PushStatus, Registration
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
-from worker.client import ServerClient, ServerTimeout, result
+from worker.client import ServerClient, result
+from worker.config import WorkerConfig
 from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
 from worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(kw_only=True, frozen=True)
-class WorkerConfig:
-    worker_index: int = 0
-    """This worker's slot: which data shard it reads and whose progress the server keeps."""
-    num_workers: int = 1
-    """How many worker slots share the data (passed to the data factory)."""
-    steps: int = 300
-    """Total steps for this slot, counted across restarts (a restarted worker resumes)."""
-    pull_every: int = 1
-    """Refresh parameters every this many steps."""
-    max_in_flight: int = 2
-    """Pushes on the wire at once before the loop waits for the oldest reply."""
-    device: str = "auto"
-    model: str = plugins.BUILTIN_MODEL
-    data: str = plugins.BUILTIN_DATA
-    loss: str = "cross_entropy"
-    heartbeat_s: float = 2.0
-    """How often an otherwise idle worker tells the server it is alive."""
-    max_retries: int = 30
-    """Timeouts in a row on one call before the worker gives up on a hung server."""
-    max_consecutive_rejects: int = 10
-    """Rejected pushes in a row before the worker stops (something is wrong with its gradients)."""
-    pause_poll_s: float = 0.5
-    topk_ratio: float | None = None
-    """Send only this share of each gradient chunk (largest magnitudes), with error feedback."""
-    prefetch_pull: bool = True
-    """In async mode, pull step t+1's parameters while step t computes (one more update of staleness)."""
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if not 0 <= self.worker_index < self.num_workers:
-            raise ValueError(f"worker_index must be in [0, {self.num_workers}) for {self.num_workers} workers, got {self.worker_index}")
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps}")
-        if self.pull_every < 1:
-            raise ValueError(f"pull_every must be >= 1, got {self.pull_every}")
-        if not 1 <= self.max_in_flight <= 64:
-            raise ValueError(f"max_in_flight must be in [1, 64], got {self.max_in_flight}")
-        if self.heartbeat_s <= 0:
-            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
-        if self.topk_ratio is not None and not 0 < self.topk_ratio <= 1:
-            raise ValueError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
-        if self.max_retries < 0 or self.max_consecutive_rejects < 1:
-            raise ValueError("max_retries must be >= 0 and max_consecutive_rejects >= 1")
+_LOSS_WINDOW = 10
+"""Losses averaged for a summary's initial_loss (the first ones) and final_loss (the latest ones)."""
 
 
 class TooManyRejects(RuntimeError):
@@ -125,33 +84,61 @@ class ShardLink:
 
 @dataclass
 class WorkerStats:
-    losses: list[float] = field(default_factory=list)
+    """What this worker slot's summary reports, across every incarnation of its process.
+
+    A worker that restarts itself in place (``os.execv`` after losing its server) hands these on
+    with ``to_carry``, so its summary describes the slot's whole job, not its last incarnation.
+    """
+
+    first_losses: list[float] = field(default_factory=list)
+    recent_losses: deque[float] = field(default_factory=lambda: deque(maxlen=_LOSS_WINDOW))
     steps: int = 0
     applied: int = 0
     rejected: int = 0
     staleness_sum: int = 0
     started: float = field(default_factory=time.monotonic)
+    """time.monotonic() when the first incarnation started (the clock is system-wide, so it survives execv)."""
+
+    def note_loss(self, loss: float) -> None:
+        if len(self.first_losses) < _LOSS_WINDOW:
+            self.first_losses.append(loss)
+        self.recent_losses.append(loss)
+
+    def to_carry(self) -> str:
+        return json.dumps({**asdict(self), "recent_losses": list(self.recent_losses)})
+
+    @classmethod
+    def from_carry(cls, text: str | None) -> WorkerStats:
+        if not text:
+            return cls()
+        fields = json.loads(text)
+        return cls(**{**fields, "recent_losses": deque(fields["recent_losses"], maxlen=_LOSS_WINDOW)})
 
     def summary(self, next_step: int, reconnects: int) -> dict[str, Any]:
-        wall = time.monotonic() - self.started
-        head, tail = self.losses[:10], self.losses[-10:]
-        return {
-            "role": "worker",
-            "initial_loss": sum(head) / len(head) if head else None,
-            "final_loss": sum(tail) / len(tail) if tail else None,
-            "steps": self.steps,
-            "next_step": next_step,
-            "updates_applied": self.applied,
-            "pushes_rejected": self.rejected,
-            "mean_staleness": self.staleness_sum / self.applied if self.applied else 0.0,
-            "updates_per_second": self.applied / wall if wall > 0 else 0.0,
-            "wall_seconds": wall,
-            "reconnects": reconnects,
-        }
+        head, tail = self.first_losses, self.recent_losses
+        return run_summary(
+            "worker",
+            initial_loss=sum(head) / len(head) if head else None,
+            final_loss=sum(tail) / len(tail) if tail else None,
+            steps=self.steps,
+            updates_applied=self.applied,
+            pushes_rejected=self.rejected,
+            staleness_sum=self.staleness_sum,
+            wall_seconds=time.monotonic() - self.started,
+            next_step=next_step,
+            reconnects=reconnects,
+        )
 
 
 class Trainer:
-    def __init__(self, config: WorkerConfig, clients: list[ServerClient], rpc_name: str, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        clients: list[ServerClient],
+        rpc_name: str,
+        metrics: WorkerMetrics,
+        stats: WorkerStats | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.device = pick_device(config.device)
@@ -169,7 +156,7 @@ class Trainer:
         self.mode = first.mode
         owned = partition(self.signature, first.shard_count)
         self.shards: list[ShardLink] = []
-        window = 1 if self.mode == "sync" else config.max_in_flight
+        window = 1 if self.mode == Mode.SYNC else config.max_in_flight
         for client, reg, indices in zip(clients, registrations, owned):
             layout = FlatLayout(ModelSignature(tuple(self.signature.params[i] for i in indices)), reg.chunk_bytes)
             if layout.chunk_numels != tuple(reg.chunk_numels):
@@ -184,9 +171,9 @@ class Trainer:
         # A shard restored from an older snapshot has processed fewer steps: start at the earliest;
         # shards that already have a step answer 'duplicate'.
         self.step = min(r.next_step for r in registrations)
-        self.pull_every = 1 if self.mode == "sync" else config.pull_every
-        self.prefetch = config.prefetch_pull and self.mode == "async"
-        self.stats = WorkerStats()
+        self.pull_every = 1 if self.mode == Mode.SYNC else config.pull_every
+        self.prefetch = config.prefetch_pull and self.mode == Mode.ASYNC
+        self.stats = stats or WorkerStats()
         self._in_flight: deque[_InFlight] = deque()
         self._redo: deque[_InFlight] = deque()
         self._rejects_in_a_row = 0
@@ -274,7 +261,7 @@ class Trainer:
             link.stager.wait()
             payload = link.topk.compress(buffers) if link.topk is not None else buffers
             self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload))
-        if self.mode == "sync":
+        if self.mode == Mode.SYNC:
             comm += self._drain_timed()
         if count and started is not None:
             self._account(started, comm + blocked_before, loss_value, len(inputs))
@@ -319,7 +306,7 @@ class Trainer:
         for attempt in range(self.config.max_retries + 1):
             try:
                 return call()
-            except ServerTimeout:
+            except transport.PeerTimeout:
                 if attempt == self.config.max_retries:
                     raise
                 self.metrics.retries.inc()
@@ -367,7 +354,7 @@ class Trainer:
         link = self.shards[item.shard]
         try:
             reply: PushReply = result(item.future)
-        except ServerTimeout:
+        except transport.PeerTimeout:
             if item.attempts > self.config.max_retries:
                 raise
             # The server may or may not have applied it; it deduplicates by (slot, seq), so resend.
@@ -386,24 +373,24 @@ class Trainer:
                 raise TooManyRejects(f"{self._rejects_in_a_row} pushes in a row were rejected; last: {e}") from e
             return
         self.metrics.push_seconds.observe(time.perf_counter() - item.sent)
-        if reply.status == "paused":  # not applied and not recorded: send it again once resumed
+        if reply.status == PushStatus.PAUSED:  # not applied and not recorded: send it again once resumed
             self._stop.wait(self.config.pause_poll_s)
             self._send(item)
             return
         link.free.append(item.buffers)
         self.metrics.pushes.labels(reply.status).inc()
-        if reply.status == "stale":  # not recorded: recompute this step on fresh parameters
+        if reply.status == PushStatus.STALE:  # not recorded: recompute this step on fresh parameters
             self._redo.append(item)
             return
         self._rejects_in_a_row = 0
-        if reply.status == "applied":
+        if reply.status == PushStatus.APPLIED:
             self.stats.applied += 1
             self.stats.staleness_sum += reply.staleness
 
     def _account(self, step_started: float, comm: float, loss: float, samples: int) -> None:
         elapsed = time.perf_counter() - step_started
         self.stats.steps += 1
-        self.stats.losses.append(loss)
+        self.stats.note_loss(loss)
         m = self.metrics
         m.steps.inc()
         m.samples.inc(samples)

@@ -1,6 +1,6 @@
 """Serves the Control API and the standard gRPC Health service for one parameter server.
 
-What lives here: the servicer that turns Control calls into calls on the ``ParameterServer``, the
+What lives here: the servicer that turns Control calls into calls on the server (``Steerable``), the
 checkpoint hook and the shutdown callback; the gRPC server around it (port, TLS, token); health
 states. What must not: checkpoint writing (``CheckpointHook``), the shutdown sequence itself (the
 runner, through ``request_shutdown``), anything on the training data path.
@@ -19,20 +19,20 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from ps.config import ControlConfig
 from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
 from ps.control.hooks import CheckpointHook
 
 if TYPE_CHECKING:
-    from ps.server import ParameterServer
+    from ps.server import ServerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -40,30 +40,19 @@ CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_n
 METHODS = tuple(m.name for m in control_pb2.DESCRIPTOR.services_by_name["Control"].methods)
 
 
-@dataclass(kw_only=True, frozen=True)
-class ControlConfig:
-    addr: str = "0.0.0.0"
-    """Address the control plane listens on."""
-    port: int = 9500
-    """Port of the control plane; 0 picks a free one (logged, and on the handle)."""
-    token_file: str | None = None
-    """File holding the bearer token every Control call must carry; None: no token required."""
-    tls_cert: str | None = None
-    """PEM certificate chain; with tls_key, the control plane speaks TLS only."""
-    tls_key: str | None = None
-    """PEM private key of tls_cert."""
-    threads: int = 4
-    """Threads answering control calls; a slow checkpoint holds one of them."""
+class Steerable(Protocol):
+    """What the control plane sees of the server (``ps.server.ParameterServer``)."""
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"control port must be in [0, 65535], got {self.port}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("--tls-cert and --tls-key go together: pass both for TLS, or neither for plaintext")
-        if not 1 <= self.threads <= 64:
-            raise ValueError(f"control threads must be in [1, 64], got {self.threads}")
-        if not self.addr:
-            raise ValueError("control addr must not be empty (use 0.0.0.0 for all interfaces)")
+    version: int
+
+    @property
+    def paused(self) -> bool: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def status(self) -> ServerStatus: ...
 
 
 class ControlMetrics:
@@ -136,7 +125,7 @@ def _control_call(method: _Handler) -> _Handler:
 class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(
         self,
-        server: ParameterServer,
+        server: Steerable,
         checkpoint: CheckpointHook | None,
         request_shutdown: Callable[[], None],
         metrics: ControlMetrics,
@@ -167,28 +156,24 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     @_control_call
     def GetStatus(self, request: control_pb2.GetStatusRequest, context: grpc.ServicerContext) -> control_pb2.GetStatusResponse:
-        s = self.server
-        now = time.monotonic()
-        # dict.copy() runs in C under the GIL, so it is a consistent snapshot even while an RPC
-        # thread registers a worker; iterating the live dict could raise "changed size".
-        records = sorted(s.workers.records.copy().values(), key=lambda r: r.slot)
+        status = self.server.status()  # one consistent view, taken under the server's lock
         workers = [
             control_pb2.WorkerStatus(
-                slot=r.slot, last_push_age_seconds=None if r.last_push is None else max(0.0, now - r.last_push)
+                slot=w.slot, last_push_age_seconds=None if w.last_push_age_s is None else max(0.0, w.last_push_age_s)
             )
-            for r in records
-            if r.live and not r.left
+            for w in status.workers
+            if w.live
         ]
         reply = control_pb2.GetStatusResponse(
-            model_version=s.version,
-            mode=self.server.config.mode,
-            optimizer=s.config.optimizer.name,
-            paused=s.paused,
-            uptime_seconds=max(0.0, now - s.started),
+            model_version=status.version,
+            mode=str(status.mode),
+            optimizer=status.optimizer,
+            paused=status.paused,
+            uptime_seconds=max(0.0, status.uptime_s),
             workers=workers,
             checkpointing_enabled=self.checkpoint is not None,
             shutting_down=self.shutdown_requested,
-            server_id=s.server_id,
+            server_id=status.server_id,
         )
         if self.checkpoint is not None:
             # Status must answer even when the checkpoint directory is unreadable: that is exactly
@@ -311,12 +296,12 @@ class ControlServer:
 
 
 def start_control_server(
-    server: ParameterServer,
+    server: Steerable,
     config: ControlConfig,
     *,
     checkpoint: CheckpointHook | None,
     request_shutdown: Callable[[], None],
-    registry: CollectorRegistry | None = None,
+    registry: CollectorRegistry,
 ) -> ControlServer:
     """Starts the control plane and Health service in background threads; health is NOT_SERVING.
 
@@ -326,7 +311,7 @@ def start_control_server(
         checkpoint: the checkpointer, or None when the server runs without --checkpoint-dir.
         request_shutdown: starts the graceful shutdown (finish workers, final checkpoint, exit);
             must return quickly, it runs on a control thread.
-        registry: where the control-call counter is registered; default: the server's registry.
+        registry: where the control-call counter is registered (the server's registry).
 
     Raises:
         OSError: the port cannot be bound, or a token/TLS file cannot be read.
@@ -336,7 +321,7 @@ def start_control_server(
     if config.token_file:
         warn_if_readable_by_others(config.token_file)
     credentials = _server_credentials(config)
-    metrics = ControlMetrics.of(registry if registry is not None else server.metrics.registry)
+    metrics = ControlMetrics.of(registry)
 
     interceptors = []
     if token is not None:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tests.procs import Proc, try_scrape, wait_until
+from harness.procs import Proc, try_scrape, wait_until
 
 
 def model_version(metrics_port: int) -> float:

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from rpcps import plugins, transport
+from rpcps.address import Address
+from rpcps.endpoints import server_name
 from rpcps.errors import RpcpsError
-from rpcps.options import host_port
 from rpcps.signature import FlatLayout, ModelSignature
 from worker.client import ServerClient, result
 
@@ -75,13 +76,13 @@ SCENARIOS = {"bad_pushes": bad_pushes}
 
 
 def main() -> int:
-    host, port = host_port(sys.argv[1])
+    address = Address.parse(sys.argv[1])
     scenario = SCENARIOS[sys.argv[2]]
-    name = transport.start_worker(transport.TransportConfig(host=host, port=port, rpc_timeout_s=20, connect_timeout_s=30), 0)
+    name = transport.join(address, "worker0", transport.TransportOptions(rpc_timeout_s=20, connect_timeout_s=30))
     try:
         print(json.dumps(scenario(ServerClient(20.0), name)), flush=True)
     finally:
-        transport.leave_group(name)
+        transport.leave(name, server_name(0))
         transport.shutdown()
     return 0
 

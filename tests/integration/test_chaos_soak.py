@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rpcps.faults import ChaosPlan, run_chaos
+from harness.faults import ChaosPlan, run_chaos
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

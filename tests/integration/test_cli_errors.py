@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.procs import ProcessGroup, free_port
+from harness.procs import ProcessGroup, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -24,8 +24,8 @@ def _assert_one_clear_error(stderr: str, role: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "code", "message"),
     [
-        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "argument --steps: -1 is not >= 0"),
-        (["ps", "--optimizer", "nope"], 2, "argument --optimizer: invalid choice: 'nope'"),
+        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 0, got -1"),
+        (["ps", "--optimizer", "nope"], 2, "argument --optimizer: 'nope' is not one of ['adagrad', 'adam'"),
         (["ps", "--metrics-port", "0", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'], 2,
          "optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', 'momentum'"),
         (["ps", "--metrics-port", "0", "--model", "no_such_module:model"], 2,

@@ -1,4 +1,4 @@
-"""The control plane over real gRPC against a real in-process ParameterServer.
+"""The control plane over real gRPC against a real in-process InProcessServer.
 
 Workers are simulated by calling the server's register/push methods directly: the control plane is
 what is under test here, not torch RPC. The `ctl` CLI is exercised as a real subprocess.
@@ -22,12 +22,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.inprocess import InProcessServer
+from ps.config import ControlConfig, ServerCoreConfig
 from ps.control import control_pb2 as pb
 from ps.control.auth import bearer_metadata
 from ps.control.control_pb2_grpc import ControlStub
 from ps.control.hooks import CheckpointHook
-from ps.control.service import CONTROL_SERVICE, ControlConfig, ControlServer, start_control_server
-from ps.server import ParameterServer, ServerCoreConfig
+from ps.control.service import CONTROL_SERVICE, ControlServer, start_control_server
 from rpcps.tasks import teacher_student_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -40,7 +41,7 @@ CALL_TIMEOUT_S = 10.0
 class DirCheckpointer:
     """A small real checkpointer for these tests: saves the master tensors to a file, tmp + rename."""
 
-    def __init__(self, server: ParameterServer, directory: Path) -> None:
+    def __init__(self, server: InProcessServer, directory: Path) -> None:
         self.server = server
         self.directory = directory
         self._newest: tuple[str, int, float] | None = None
@@ -69,12 +70,12 @@ class BrokenStorage:
 
 
 @pytest.fixture
-def ps_server() -> ParameterServer:
-    return ParameterServer(teacher_student_model(), ServerCoreConfig())
+def ps_server() -> InProcessServer:
+    return InProcessServer(teacher_student_model(), ServerCoreConfig())
 
 
 @pytest.fixture
-def start(ps_server: ParameterServer, tmp_path: Path) -> Iterator[Callable[..., tuple[ControlServer, threading.Event]]]:
+def start(ps_server: InProcessServer, tmp_path: Path) -> Iterator[Callable[..., tuple[ControlServer, threading.Event]]]:
     """Starts control servers on free ports around ``ps_server``; stops them all at the end."""
     handles: list[ControlServer] = []
 
@@ -84,10 +85,11 @@ def start(ps_server: ParameterServer, tmp_path: Path) -> Iterator[Callable[..., 
         hook = DirCheckpointer(ps_server, tmp_path) if checkpoint == "dir" else checkpoint
         shutdown = threading.Event()
         handle = start_control_server(
-            ps_server,
+            ps_server.core,
             ControlConfig(addr="127.0.0.1", port=0, **config),
             checkpoint=hook,  # type: ignore[arg-type]
             request_shutdown=shutdown.set,
+            registry=ps_server.core.metrics.registry,
         )
         handles.append(handle)
         return handle, shutdown
@@ -120,11 +122,11 @@ def _both_health(channel: grpc.Channel) -> tuple[str, str]:
     return _health(channel, ""), _health(channel, CONTROL_SERVICE)
 
 
-def _register(server: ParameterServer, slot: int) -> str:
+def _register(server: InProcessServer, slot: int) -> str:
     return server.register(slot, f"worker{slot}", server.signature.to_wire()).incarnation
 
 
-def _push(server: ParameterServer, slot: int, incarnation: str, seq: int) -> str:
+def _push(server: InProcessServer, slot: int, incarnation: str, seq: int) -> str:
     chunks = [torch.full_like(c, 0.01) for c in server.layout.empty_chunks()]
     return server.push(slot, incarnation, seq, server.version, chunks, loss=1.0).status
 
@@ -155,7 +157,7 @@ def test_health_goes_not_serving_serving_not_serving(start: Callable[..., Any], 
 
 
 def test_status_reports_version_workers_and_newest_checkpoint(
-    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: ParameterServer
+    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: InProcessServer
 ) -> None:
     handle, _ = start()
     stub = ControlStub(channel_to(handle.address))
@@ -182,7 +184,7 @@ def test_status_reports_version_workers_and_newest_checkpoint(
 
 
 def test_checkpoint_on_demand_writes_a_loadable_file(
-    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: ParameterServer
+    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: InProcessServer
 ) -> None:
     handle, _ = start()
     w0 = _register(ps_server, 0)
@@ -210,7 +212,7 @@ def test_checkpoint_errors_map_to_status_codes(start: Callable[..., Any], channe
 
 
 def test_pause_holds_pushes_and_resume_applies_them(
-    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: ParameterServer
+    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: InProcessServer
 ) -> None:
     handle, _ = start()
     stub = ControlStub(channel_to(handle.address))
@@ -243,7 +245,7 @@ def test_after_shutdown_pause_and_checkpoint_are_refused(start: Callable[..., An
 
 
 def test_token_is_required_on_control_but_not_on_health(
-    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: ParameterServer, tmp_path: Path
+    start: Callable[..., Any], channel_to: Callable[..., Any], ps_server: InProcessServer, tmp_path: Path
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
@@ -268,11 +270,15 @@ def test_token_is_required_on_control_but_not_on_health(
     assert registry.get_sample_value("rpcps_control_requests_total", {"method": "Pause", "code": "OK"}) == 1
 
 
-def test_a_taken_port_is_a_clear_error(start: Callable[..., Any], ps_server: ParameterServer) -> None:
+def test_a_taken_port_is_a_clear_error(start: Callable[..., Any], ps_server: InProcessServer) -> None:
     handle, _ = start()
     with pytest.raises(OSError, match="choose another --control-port"):
         start_control_server(
-            ps_server, ControlConfig(addr="127.0.0.1", port=handle.port), checkpoint=None, request_shutdown=lambda: None
+            ps_server.core,
+            ControlConfig(addr="127.0.0.1", port=handle.port),
+            checkpoint=None,
+            request_shutdown=lambda: None,
+            registry=ps_server.core.metrics.registry,
         )
 
 
@@ -331,7 +337,7 @@ def _ctl(address: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ctl_cli_against_a_live_server(
-    start: Callable[..., Any], ps_server: ParameterServer, tmp_path: Path
+    start: Callable[..., Any], ps_server: InProcessServer, tmp_path: Path
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.procs import ProcessGroup, descendants, pid_alive, try_scrape, wait_until
 from tests.integration.conftest import wait_for_updates
-from tests.procs import ProcessGroup, descendants, pid_alive, try_scrape, wait_until
 
 pytestmark = pytest.mark.integration
 

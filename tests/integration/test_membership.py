@@ -1,4 +1,4 @@
-"""Pins the private torch RPC membership handling in ``rpcps.rpc_membership`` and ``ps.reaper``.
+"""Pins the private torch RPC membership handling in ``rpcps.transport.membership`` and ``ps.reaper``.
 
 In a dynamic torch RPC group every join calls every listed member, so one listed process that is
 gone makes every later join fail. These tests check the ways a member leaves the list: a worker
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.procs import ProcessGroup, try_scrape, wait_until
 from tests.integration.conftest import wait_for_updates
-from tests.procs import ProcessGroup, try_scrape, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from ps.audit import check_ledger
+from harness.ledger import check_ledger
+from harness.procs import REPO, ProcessGroup, child_env, descendants, try_scrape, wait_until
 from tests.netns import TestNetwork, unavailable_reason
-from tests.procs import REPO, ProcessGroup, child_env, descendants, try_scrape, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ps.checkpointer import verify_all
+from harness.faults import ChaosPlan, Kill, run_chaos
+from harness.procs import ProcessGroup, free_port, try_scrape, wait_until
+from harness.snapshots import verify_all
 from ps.snapshot_files import list_snapshots
-from rpcps.faults import ChaosPlan, Kill, run_chaos
 from tests.integration.conftest import model_version as version
-from tests.procs import ProcessGroup, free_port, try_scrape, wait_until
 
 pytestmark = pytest.mark.integration
 

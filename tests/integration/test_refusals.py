@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, ProcessGroup, scrape_metrics
+from harness.procs import REPO, ProcessGroup, scrape_metrics
 
 pytestmark = pytest.mark.integration
 

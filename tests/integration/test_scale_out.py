@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rpcps.faults import ChaosPlan, Kill, run_chaos
+from harness.faults import ChaosPlan, Kill, run_chaos
+from harness.procs import ProcessGroup, try_scrape, wait_until
 from tests.integration.conftest import model_version as version
-from tests.procs import ProcessGroup, try_scrape, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,7 @@ def test_eight_workers_on_one_server(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from tests.procs import ENTRY, REPO, child_env
+    from harness.procs import ENTRY, REPO, child_env
 
     summary = tmp_path / "summary.json"
     done = subprocess.run(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 
 import pytest
 
+from harness.procs import ENTRY, ProcessGroup, free_port, scrape_metrics, wait_until
 from tests.integration.conftest import assert_learned, read_json, wait_for_updates
-from tests.procs import ProcessGroup, free_port, scrape_metrics, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +85,34 @@ def test_worker_started_before_its_server_waits_and_trains(procs: ProcessGroup, 
     assert worker.wait(90) == 0, worker.tail()
     assert scrape_metrics(ps_metrics)["rpcps_server_updates_applied_total"] == 20
     assert ps.alive()
+
+
+def _imported_modules(stderr: str) -> set[str]:
+    """Modules a process imported, from ``python -X importtime``'s lines ("import time: us | us | name")."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:") and "|" in line}
+
+
+@pytest.mark.timeout(180)
+def test_hand_started_workers_share_a_host_and_load_no_server_module(procs: ProcessGroup) -> None:
+    """Two workers started by hand on one host without --metrics-port or LOCAL_RANK both run (the
+    second serves /metrics on a free port and says where), and a worker process never imports ``ps``."""
+    _, port, ps_metrics = procs.ps("ps")
+    workers = [
+        procs.start(
+            f"worker{i}",
+            ["worker", "--ps", f"127.0.0.1:{port}", "--worker-index", str(i), "--num-workers", "2", "--steps", "30",
+             "--metrics-addr", "127.0.0.1"],
+            program=[sys.executable, "-X", "importtime", str(ENTRY)],
+        )
+        for i in range(2)
+    ]
+    for w in workers:
+        assert w.wait(120) == 0, w.tail()
+    assert scrape_metrics(ps_metrics)["rpcps_server_updates_applied_total"] == 60
+    ports = [re.findall(r"metrics on http://127.0.0.1:(\d+)/metrics", w.stderr()) for w in workers]
+    assert all(len(p) == 1 for p in ports) and ports[0] != ports[1], ports
+    for w in workers:
+        modules = _imported_modules(w.stderr())
+        assert "worker.trainer" in modules  # the importtime lines were read at all
+        server_side = sorted(m for m in modules if m == "ps" or m.startswith("ps."))
+        assert not server_side, f"{w.name} imported server modules: {server_side}"

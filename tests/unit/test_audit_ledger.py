@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ps.audit import AuditLog, check_ledger, first_apply_after
+from harness.ledger import check_ledger, first_apply_after
+from ps.audit import AuditLog
+from ps.server import UpdateApplied
 
 
 def ledger(tmp_path: Path, lines: list[str]) -> Path:
@@ -29,7 +31,7 @@ def test_double_apply_is_caught(tmp_path: Path) -> None:
 
 def test_resume_to_a_version_without_snapshot_is_caught(tmp_path: Path) -> None:
     report = check_ledger(ledger(tmp_path, ["start 1", "apply 1 0 0", "apply 2 0 1", "start 2", "resume 1"]))
-    assert any("no committed snapshot" in p for p in report.problems)
+    assert any("no snapshot was ever written" in p for p in report.problems)
 
 
 def test_version_gap_is_caught(tmp_path: Path) -> None:
@@ -39,7 +41,7 @@ def test_version_gap_is_caught(tmp_path: Path) -> None:
 
 def test_audit_log_writes_lines_the_checker_reads(tmp_path: Path) -> None:
     log = AuditLog(str(tmp_path / "a.log"))
-    log.applied(1, 0, 0)
+    log.on_applied(UpdateApplied(version=1, step_seconds=0.0, applied=((0, 0, 0),), grad_bytes=4))
     log.snapshot(1)
     log.close()
     report = check_ledger(tmp_path / "a.log")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.procs import REPO
+from harness.procs import REPO
 
 sys.path.insert(0, str(REPO / "tools"))  # a script in the checkout, not an installed module
 from check_deploy import check_compose, check_k8s, load_documents, without_k8s_sd

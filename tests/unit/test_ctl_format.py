@@ -7,8 +7,8 @@ import json
 import grpc
 import pytest
 
+from cli.ctl import describe_error, format_age, format_result, format_status, status_dict
 from ps.control import control_pb2 as pb
-from rpcps.ctl import describe_error, format_age, format_result, format_status, status_dict
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ CHECK = REPO / "deploy" / "check.sh"
 
 
 def run(*argv: str, cwd: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # The script's Python steps run with the interpreter running these tests (never python3 from PATH).
+    env = {**(os.environ if env is None else env), "PYTHON": sys.executable}
     return subprocess.run(list(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import REPO
+from harness.procs import REPO
 
 VALIDATE = REPO / "deploy" / "validate.sh"
 TOOLS = {

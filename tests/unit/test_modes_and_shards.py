@@ -8,9 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from ps.optim import OptimizerConfig
-from ps.server import ParameterServer, ServerCoreConfig
-from ps.sync_rounds import Contribution, RoundKeeper
+from harness.inprocess import InProcessServer
+from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.server import Contribution
+from ps.sync_rounds import RoundKeeper, SyncContribution
+from ps.workers import WorkerRecord
 from rpcps.partition import imbalance, partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.tasks import mlp_25m, teacher_student_data, teacher_student_model
@@ -34,8 +36,8 @@ def test_partition_refuses_more_shards_than_tensors() -> None:
         partition(sig, 3)
 
 
-def _contribution(slot: int) -> Contribution:
-    return Contribution(slot, 0, None, 0, object(), None)
+def _contribution(slot: int) -> SyncContribution:
+    return SyncContribution(Contribution(WorkerRecord(slot, f"w{slot}", "x"), 0, None, 0), object())
 
 
 def test_round_waits_for_every_live_worker_then_closes() -> None:
@@ -65,8 +67,8 @@ def test_a_worker_joining_mid_round_waits_for_the_next() -> None:
     assert waiting == [late.reply]
 
 
-def _sync_server(model: nn.Module, **kw: object) -> ParameterServer:
-    return ParameterServer(model, ServerCoreConfig(optimizer=SGD, mode="sync", round_timeout_s=30, **kw))  # type: ignore[arg-type]
+def _sync_server(model: nn.Module, **kw: object) -> InProcessServer:
+    return InProcessServer(model, ServerCoreConfig(optimizer=SGD, mode="sync", round_timeout_s=30, **kw))  # type: ignore[arg-type]
 
 
 def _grads(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,13 +77,13 @@ def _grads(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[s
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _load(model: nn.Module, server: ParameterServer) -> None:
+def _load(model: nn.Module, server: InProcessServer) -> None:
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(server.master_tensors()[n])
 
 
-def _flat(server: ParameterServer, grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _flat(server: InProcessServer, grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     chunks = server.layout.empty_chunks()
     for view, slot in zip(server.layout.views(chunks), server.layout.slots):
         view.copy_(grads[slot.spec.name])
@@ -133,7 +135,7 @@ def test_sharded_sync_equals_unsharded_step_for_step() -> None:
 
 
 def test_bounded_mode_never_applies_a_gradient_beyond_k() -> None:
-    server = ParameterServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD, mode="bounded", max_staleness=2))
+    server = InProcessServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD, mode="bounded", max_staleness=2))
     inc = server.register(0, "w0", server.model_signature.to_wire()).incarnation
     zeros = [torch.zeros(n) for n in server.layout.chunk_numels]
     for seq in range(20):
@@ -150,7 +152,7 @@ def test_shard_layouts_cover_the_model_once() -> None:
     sig = ModelSignature.of_module(model)
     names = []
     for k in range(3):
-        server = ParameterServer(model, ServerCoreConfig(shard_index=k, shard_count=3))
+        server = InProcessServer(model, ServerCoreConfig(shard_index=k, shard_count=3))
         names += [s.spec.name for s in FlatLayout(server.signature).slots]
     assert sorted(names) == sorted(p.name for p in sig.params)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, wait_until
+from harness.procs import REPO, wait_until
 
 NODE = REPO / "deploy" / "bare-metal" / "rpcps-node.sh"
 

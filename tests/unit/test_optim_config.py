@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.optim import OptimizerConfig, build_optimizer
-from ps.server import ServerCoreConfig
+from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.optim import build_optimizer
 
 
 def test_unknown_optimizer_is_named_with_the_choices() -> None:
@@ -58,7 +58,7 @@ def test_valid_config_builds_the_named_optimizer_and_schedule() -> None:
     ("kwargs", "message"),
     [
         ({"on_nonfinite": "ignore"}, "on_nonfinite must be 'reject' or 'skip', got 'ignore'"),
-        ({"chunk_bytes": 100}, "chunk_bytes must be >= 1024, got 100"),
+        ({"chunk_bytes": 100}, r"chunk_bytes must be >= 1024 \(--chunk-mb 0.001\), got 100"),
         ({"max_workers": 0}, r"max_workers must be in \[1, 32000\], got 0"),
         ({"mode": "bounded", "max_staleness": -1}, "max_staleness must be >= 0, got -1"),
         ({"mode": "bounded"}, "needs max_staleness"),

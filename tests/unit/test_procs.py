@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from tests.procs import ProcessGroup, descendants, free_ports, pid_alive, scrape_metrics, wait_until
+from harness.procs import ProcessGroup, descendants, free_ports, pid_alive, scrape_metrics, wait_until
 
 
 def test_wait_until_returns_the_truthy_value_and_names_what_timed_out() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(60)
 def test_generated_code_is_up_to_date() -> None:
     result = subprocess.run(
-        [str(ROOT / "tools" / "check_proto_drift.sh")], capture_output=True, text=True, timeout=50, check=False
+        [str(ROOT / "tools" / "check_proto_drift.sh")],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
     )
     if result.returncode == 3:
         pytest.skip(result.stderr.strip())

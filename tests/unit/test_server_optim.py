@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from ps.optim import OPTIMIZERS, SCHEDULES, OptimizerConfig
-from tests.unit.server_helpers import grads_like, make_model, make_server, pack
+from harness.inprocess import grads_like, make_model, make_server, pack
+from ps.config import OptimizerConfig
+from ps.optim import OPTIMIZERS, SCHEDULES
 
 STEPS = 25
 

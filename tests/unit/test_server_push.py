@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ps.optim import OptimizerConfig
+from harness.inprocess import assert_bit_identical, make_server, pack
+from ps.config import OptimizerConfig
 from ps.server import ParameterServer
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
-from tests.unit.server_helpers import assert_bit_identical, make_server, pack
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1})
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, wait_until
+from harness.procs import REPO, wait_until
 
 SBATCH = REPO / "deploy" / "slurm" / "rpcps.sbatch"
 

@@ -9,31 +9,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from ps.checkpointer import CheckpointConfig, Checkpointer, ResumeRefused, find_resume_point, verify_all
-from ps.optim import OptimizerConfig
-from ps.server import ParameterServer, ServerCoreConfig
+from harness.inprocess import InProcessServer
+from harness.snapshots import verify_all
+from ps.checkpointer import Checkpointer, ResumeRefused, find_resume_point
+from ps.config import CheckpointConfig, OptimizerConfig, ServerCoreConfig
 from ps.snapshot_files import InvalidSnapshot, list_snapshots, load_snapshot, read_manifest
 from rpcps.tasks import teacher_student_model
 
 
-def make_server(optimizer: str = "adam") -> ParameterServer:
-    return ParameterServer(teacher_student_model(), ServerCoreConfig(optimizer=OptimizerConfig(name=optimizer, kwargs={"lr": 0.01})))
+def make_server(optimizer: str = "adam") -> InProcessServer:
+    return InProcessServer(teacher_student_model(), ServerCoreConfig(optimizer=OptimizerConfig(name=optimizer, kwargs={"lr": 0.01})))
 
 
-def gradient(server: ParameterServer, slot: int, seq: int) -> list[torch.Tensor]:
+def gradient(server: InProcessServer, slot: int, seq: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(slot * 100_003 + seq)
     return [torch.randn(n, generator=g) for n in server.layout.chunk_numels]
 
 
-def train(server: ParameterServer, steps: int, slot: int = 0, start: int = 0, rpc_name: str = "worker0_r1") -> None:
+def train(server: InProcessServer, steps: int, slot: int = 0, start: int = 0, rpc_name: str = "worker0_r1") -> None:
     reg = server.register(slot, rpc_name, server.signature.to_wire())
     for seq in range(start, start + steps):
         assert server.push(slot, reg.incarnation, seq, server.version, gradient(server, slot, seq)).status == "applied"
 
 
-def checkpointer(server: ParameterServer, directory: Path, **kw: object) -> Checkpointer:
+def checkpointer(server: InProcessServer, directory: Path, **kw: object) -> Checkpointer:
     meta = {"signature": server.signature.to_wire(), "optimizer": server.config.optimizer.name}
-    return Checkpointer(server, CheckpointConfig(directory=str(directory), every_seconds=None, **kw), meta)  # type: ignore[arg-type]
+    return Checkpointer(server.core, CheckpointConfig(directory=str(directory), every_seconds=None, **kw), meta, server.core.metrics)  # type: ignore[arg-type]
 
 
 def test_snapshot_round_trip_continues_exactly(tmp_path: Path) -> None:
@@ -104,7 +105,7 @@ def test_resume_into_a_different_model_is_refused_naming_the_parameter(tmp_path:
     server = make_server()
     train(server, 1)
     checkpointer(server, tmp_path).checkpoint_now()
-    other = ParameterServer(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), ServerCoreConfig())
+    other = InProcessServer(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)), ServerCoreConfig())
     with pytest.raises(ResumeRefused, match=r"different model: parameter '0.weight' has shape \[128, 32\]"):
         find_resume_point(CheckpointConfig(directory=str(tmp_path)), other.signature, "adam")
 

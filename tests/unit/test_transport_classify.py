@@ -1,24 +1,33 @@
-"""classify_failure: torch RPC's error texts mapped onto retry (timeout), rejoin (peer dead) or other."""
+"""classify: torch RPC's error texts mapped onto retry (timeout), rejoin (unreachable), wait (unknown) or other."""
 
 from __future__ import annotations
 
 import pytest
 
-from rpcps.transport import OTHER, PEER_DEAD, TIMEOUT, classify_failure
+from rpcps.transport import PeerTimeout, PeerUnknown, PeerUnreachable, classify
 
 
 @pytest.mark.parametrize(
     ("text", "kind"),
     [
-        ("RPCErr:1:RPC ran for more than set timeout (2000 ms) and will now be marked with an error", TIMEOUT),
-        ("ECONNRESET: connection reset by peer (this error originated at tensorpipe/...)", PEER_DEAD),
-        ("ECONNREFUSED: connection refused", PEER_DEAD),
-        ("eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)", PEER_DEAD),
+        ("RPCErr:1:RPC ran for more than set timeout (2000 ms) and will now be marked with an error", PeerTimeout),
+        ("ECONNRESET: connection reset by peer (this error originated at tensorpipe/...)", PeerUnreachable),
+        ("ECONNREFUSED: connection refused", PeerUnreachable),
+        ("eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)", PeerUnreachable),
         # The server dropped this worker from its group while a cut link kept it away; the worker's
         # next call after the link healed got this (tests/integration/test_multihost.py).
-        ("Error on Node 0: RuntimeError: name:ps,rank:0 could not find destination id 2", PEER_DEAD),
-        ("Error on Node 0: ValueError: something the server code raised", OTHER),
+        ("Error on Node 0: RuntimeError: name:ps,rank:0 could not find destination id 2", PeerUnreachable),
+        ("Unknown destination worker ps1", PeerUnknown),
     ],
 )
-def test_classify_failure(text: str, kind: str) -> None:
-    assert classify_failure(RuntimeError(text)) == kind
+def test_transport_failures_are_classified(text: str, kind: type) -> None:
+    classified = classify(RuntimeError(text + "\nremote traceback ..."))
+    assert type(classified) is kind
+    assert str(classified) == text  # the first line only: no remote traceback in the worker's log
+
+
+def test_an_error_the_callee_raised_on_purpose_is_left_alone() -> None:
+    error = RuntimeError("Error on Node 0: ValueError: something the server code raised")
+    assert classify(error) is error
+    other = ValueError("not a transport error")
+    assert classify(other) is other

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.optim import OptimizerConfig
-from ps.server import ParameterServer, ServerCoreConfig
+from harness.inprocess import InProcessServer
+from ps.config import OptimizerConfig, ServerCoreConfig
 from rpcps.errors import PushRejected
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.tasks import teacher_student_model
@@ -38,7 +38,7 @@ def test_flat_buffer_round_trip_is_exact_in_fp32() -> None:
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_low_precision_wire_keeps_fp32_masters(wire: str) -> None:
-    server = ParameterServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD, wire_dtype=wire))
+    server = InProcessServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD, wire_dtype=wire))
     inc = server.register(0, "w0", server.model_signature.to_wire()).incarnation
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[wire]
     before = server.master_tensors()
@@ -55,7 +55,7 @@ def test_low_precision_wire_keeps_fp32_masters(wire: str) -> None:
 
 
 def test_sparse_chunks_are_densified_and_checked() -> None:
-    server = ParameterServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD))
+    server = InProcessServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD))
     inc = server.register(0, "w0", server.model_signature.to_wire()).incarnation
     (numel,) = server.layout.chunk_numels
     before = server.master_tensors()

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ps.audit import LedgerReport, check_ledger, first_apply_after
-from ps.checkpointer import verify_all
-from rpcps.launch import scrape
+from harness.ledger import LedgerReport, check_ledger, first_apply_after
+from harness.snapshots import verify_all
+from rpcps.scrape import try_scrape
 
 
 @dataclass(frozen=True)
@@ -150,4 +150,4 @@ def _server_version(run_dir: Path) -> float:
     port = _children(run_dir).get("ps", {}).get("metrics_port")
     if port is None:
         return -1
-    return scrape(port).get("rpcps_server_model_version", -1)
+    return try_scrape(port).get("rpcps_server_model_version", -1)

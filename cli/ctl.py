@@ -10,68 +10,51 @@ exit status: 1 for a failed call, 2 for bad local input (a token or CA file that
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Any
 
-from rpcps.options import Option, add_options, host_port, positive_float, resolve
+# gRPC's C core logs connection failures to stderr on its own; the one line this module prints says
+# it better. Set before grpc is imported (below).
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cli.config import CtlConfig
+from ps.control import control_pb2 as pb
+from ps.control.auth import bearer_metadata, read_token
+from ps.control.control_pb2_grpc import ControlStub
 
 ACTIONS = ("status", "checkpoint", "pause", "resume", "shutdown")
-OPTIONS = [
-    Option("--addr", "HOST:PORT of the server's control plane (its --control-addr/--control-port)", ("127.0.0.1", 9500),
-           host_port, metavar="HOST:PORT"),
-    Option("--token-file", "file holding the token the server requires (its --control-token-file)", None, metavar="PATH"),
-    Option("--tls-ca", "PEM certificate that signed the server's --tls-cert; turns TLS on", None, metavar="PATH"),
-    Option("--timeout-s", "deadline of the call", 30.0, positive_float),
-]
 EXIT_CALL_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Adds the ``ctl`` subcommand to the top-level subparsers."""
-    help_ = "talk to a running server's control plane: status, checkpoint, pause, resume, shutdown"
-    p = sub.add_parser("ctl", help=help_, description=help_)
-    p.add_argument("action", choices=ACTIONS, help="what to ask the server")
-    add_options(p, OPTIONS)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    return p
-
-
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    values = resolve(args, OPTIONS, parser)
-    # gRPC's C core logs connection failures to stderr on its own; the one line below says it better.
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    import grpc
-
-    host, port = values["addr"]
-    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    prefix = f"rpcps ctl {args.action}"
+def run(action: str, config: CtlConfig, as_json: bool = False) -> int:
+    addr = str(config.addr)
+    prefix = f"rpcps ctl {action}"
     try:
-        metadata = _metadata(values["token_file"])
-        channel = _channel(addr, values["tls_ca"])
+        metadata = _metadata(config.token_file)
+        channel = _channel(addr, config.tls_ca)
     except (OSError, ValueError) as e:
         print(f"{prefix}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         with channel:
-            result = call(args.action, channel, metadata, values["timeout_s"])
+            result = call(action, channel, metadata, config.timeout_s)
     except grpc.RpcError as e:
-        message = describe_error(addr, e.code(), e.details(), values["timeout_s"], tls=values["tls_ca"] is not None)  # type: ignore[attr-defined]
+        message = describe_error(addr, e.code(), e.details(), config.timeout_s, tls=config.tls_ca is not None)  # type: ignore[attr-defined]
         print(f"{prefix}: {message}", file=sys.stderr)
         return EXIT_CALL_FAILED
     result = {"address": addr, **result}
-    print(json.dumps(result, indent=2, sort_keys=True) if args.json else format_result(args.action, result))
+    print(json.dumps(result, indent=2, sort_keys=True) if as_json else format_result(action, result))
     return 0
 
 
 def call(action: str, channel: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> dict[str, Any]:
     """Makes one control call and returns its answer as plain data (what --json prints)."""
-    from ps.control import control_pb2 as pb
-    from ps.control.control_pb2_grpc import ControlStub
-
     stub = ControlStub(channel)
     kw = {"metadata": metadata, "timeout": timeout_s}
     if action == "status":
@@ -197,14 +180,10 @@ def describe_error(addr: str, code: Any, details: str | None, timeout_s: float, 
 def _metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
     if token_file is None:
         return ()
-    from ps.control.auth import bearer_metadata, read_token
-
     return bearer_metadata(read_token(token_file))
 
 
 def _channel(addr: str, tls_ca: str | None) -> Any:
-    import grpc
-
     if tls_ca is None:
         return grpc.insecure_channel(addr)
     try:
@@ -217,9 +196,6 @@ def _channel(addr: str, tls_ca: str | None) -> Any:
 
 def _health(channel: Any, timeout_s: float) -> str:
     """Overall health of the server, or 'unknown' when it cannot be read (status still prints)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
     except grpc.RpcError:

@@ -1,12 +1,16 @@
-"""Builds an in-process ParameterServer (no RPC) and packs gradients for it, for unit tests."""
+"""Builds an in-process server (no RPC) and packs gradients for it, for tests that need no processes."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
-from ps.optim import OptimizerConfig
-from ps.server import ParameterServer, ServerCoreConfig
+from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.metrics import ServerStats
+from ps.server import ParameterServer
+from ps.service import WorkerService
 from rpcps.signature import FlatLayout
 
 # 1 KiB chunks (256 floats) split this model over several chunks, so every test also checks that
@@ -24,12 +28,31 @@ def make_model(zero: bool = False) -> nn.Module:
     return model
 
 
+class InProcessServer:
+    """A server as its workers see it (the WorkerService) and as its owner sees it (the
+    ParameterServer), in one handle: attributes are looked up on the service, then the server."""
+
+    def __init__(self, model: nn.Module, config: ServerCoreConfig) -> None:
+        self.core = ParameterServer(model, config)
+        self.service = WorkerService(self.core)
+
+    @property
+    def stats(self) -> ServerStats:
+        return self.core.metrics.stats
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return getattr(self.service, name)
+        except AttributeError:
+            return getattr(self.core, name)
+
+
 def make_server(
     optimizer: OptimizerConfig | None = None, zero: bool = False, **core: object
-) -> tuple[ParameterServer, nn.Module]:
+) -> tuple[InProcessServer, nn.Module]:
     model = make_model(zero)
     config = ServerCoreConfig(optimizer=optimizer or OptimizerConfig(), chunk_bytes=SMALL_CHUNK_BYTES, **core)  # type: ignore[arg-type]
-    return ParameterServer(model, config), model
+    return InProcessServer(model, config), model
 
 
 def pack(layout: FlatLayout, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -45,7 +68,7 @@ def grads_like(model: nn.Module, seed: int, scale: float = 1.0) -> list[torch.Te
     return [torch.randn(p.shape, generator=g) * scale for p in model.parameters()]
 
 
-def snapshot(server: ParameterServer) -> dict[str, torch.Tensor]:
+def snapshot(server: InProcessServer) -> dict[str, torch.Tensor]:
     return server.master_tensors()
 
 

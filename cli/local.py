@@ -11,29 +11,28 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from rpcps.summary import write_summary
+from cli.config import LocalConfig
+from ps.config import ServerRunConfig
+from rpcps.address import Address
+from rpcps.messages import Mode
+from rpcps.ports import free_port
+from rpcps.scrape import try_scrape
+from rpcps.settings import declared, to_argv
+from rpcps.summary import read_summary, run_summary, write_summary
+from worker.config import WorkerRunConfig
 
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_ENTRY = Path(__file__).resolve().parents[1] / "trainer_entry.py"
 
 
 @dataclass
@@ -67,74 +66,51 @@ class Child:
                 pass
 
 
-def _flag_value(value: Any) -> str:
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int) and not isinstance(value[0], int):
-        return f"{value[0]}:{value[1]}"
-    if isinstance(value, tuple):
-        return ",".join(value)
-    if isinstance(value, dict):
-        return json.dumps(value)
-    return str(value)
-
-
-def _flags(values: dict[str, Any], names: list[str]) -> list[str]:
-    argv: list[str] = []
-    for name in names:
-        value = values.get(name)
-        if value is not None:
-            argv += ["--" + name.replace("_", "-"), _flag_value(value)]
-    return argv
-
-
 class Supervisor:
-    def __init__(self, values: dict[str, Any], entry: str) -> None:
-        from rpcps import cli
-
-        self.values = values
-        self.run_dir = Path(values["run_dir"] or tempfile.mkdtemp(prefix="rpcps-local-"))
+    def __init__(self, config: LocalConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="rpcps-local-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.port = values["port"] or free_port()
-        self.max_restarts = values["max_restarts"]
+        self.port = config.port or free_port()
         self.interrupted = False
-        base = [sys.executable, entry]
-        common = [o.dest for o in cli.COMMON if o.dest != "summary_json"]
-        server_only = [o.dest for o in cli.SERVER if o.flag not in cli.LOCAL_PICKS]
         self.control_port = free_port()
-        training = [o.dest for o in cli.WORKER_TRAINING]
-        shards = values["shards"]
-        if values.get("mode") == "sync" and values.get("min_workers", 1) == 1:
-            values = {**values, "min_workers": values["workers"]}  # sync rounds start with everyone
-        self.servers = [
-            self._child(
-                "ps" if k == 0 else f"ps{k}",
-                base
-                + ["ps", "--listen", f"127.0.0.1:{self.port}", "--shard-index", str(k), "--store", f"127.0.0.1:{self.port}"]
-                + ["--control-addr", "127.0.0.1", "--control-port", str(self.control_port if k == 0 else free_port())]
-                + _flags(values, common + server_only),
+        store = Address("127.0.0.1", self.port)
+        server = config.server
+        if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
+            server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
+        self.servers: list[Child] = []
+        for k in range(server.core.shard_count):
+            name, metrics_port = ("ps" if k == 0 else f"ps{k}"), free_port()
+            child = replace(
+                server,
+                listen=store,
+                store=store,
+                metrics_port=metrics_port,
+                core=replace(server.core, shard_index=k),
+                control=replace(server.control, addr="127.0.0.1", port=self.control_port if k == 0 else free_port()),
+                process=replace(server.process, summary_json=str(self._summary_path(name))),
             )
-            for k in range(shards)
-        ]
+            self.servers.append(self._child(name, "ps", child, metrics_port))
         self.server = self.servers[0]
-        self.workers = [
-            self._child(
-                f"worker{i}",
-                base
-                + ["worker", "--ps", f"127.0.0.1:{self.port}", "--worker-index", str(i), "--num-workers", str(values["workers"])]
-                + _flags(values, common + training),
+        self.workers: list[Child] = []
+        for i in range(config.workers):
+            name, metrics_port = f"worker{i}", free_port()
+            child = WorkerRunConfig(
+                ps=store,
+                metrics_port=metrics_port,
+                process=replace(server.process, summary_json=str(self._summary_path(name))),
+                transport=server.transport,
+                worker=replace(config.worker, worker_index=i, num_workers=config.workers),
             )
-            for i in range(values["workers"])
-        ]
+            self.workers.append(self._child(name, "worker", child, metrics_port))
 
-    def _child(self, name: str, argv: list[str]) -> Child:
-        port = free_port()
-        summary = self.run_dir / f"{name}.summary.json"
-        return Child(
-            name,
-            argv + ["--metrics-port", str(port), "--summary-json", str(summary)],
-            self.run_dir / f"{name}.log",
-            summary,
-            port,
-        )
+    def _summary_path(self, name: str) -> Path:
+        return self.run_dir / f"{name}.summary.json"
+
+    def _child(self, name: str, role: str, config: ServerRunConfig | WorkerRunConfig, metrics_port: int) -> Child:
+        """A child process running ``role`` with ``config`` (as the command line that reproduces it)."""
+        argv = [sys.executable, str(_ENTRY), role, *to_argv(config, declared(type(config)))]
+        return Child(name, argv, self.run_dir / f"{name}.log", self._summary_path(name), metrics_port)
 
     @property
     def children(self) -> list[Child]:
@@ -187,14 +163,14 @@ class Supervisor:
                 failed = not self._supervise()
                 if failed:
                     break
-                if time.monotonic() - last_progress >= self.values["progress_s"]:
+                if time.monotonic() - last_progress >= self.config.server.progress_s:
                     last_progress = time.monotonic()
                     self._print_progress(started)
                 time.sleep(0.2)
         finally:
             self._stop_all()
         summary = self._summary(time.monotonic() - started)
-        write_summary(self.values["summary_json"], summary)
+        write_summary(self.config.process.summary_json, summary)
         if self.interrupted:
             print("rpcps local: interrupted; all children stopped", flush=True)
             return 130
@@ -220,12 +196,13 @@ class Supervisor:
                 if child not in self.servers and code == 0:
                     child.done = True
                     continue
-                if child.restarts >= self.max_restarts:
+                max_restarts = self.config.max_restarts
+                if child.restarts >= max_restarts:
                     print(f"rpcps local: {child.name} exited with {code} and is out of restarts; see {child.log_path}", file=sys.stderr)
                     return False
                 child.restarts += 1
                 child.next_start = now + min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
-                print(f"rpcps local: {child.name} exited with {code}; restart {child.restarts}/{self.max_restarts}", flush=True)
+                print(f"rpcps local: {child.name} exited with {code}; restart {child.restarts}/{max_restarts}", flush=True)
             if now >= child.next_start:
                 child.start()
                 self.write_children()
@@ -252,12 +229,11 @@ class Supervisor:
                 c.log_file.close()
 
     def _print_progress(self, started: float) -> None:
-        shards = [scrape(s.metrics_port) for s in self.servers]
-        server = shards[0]
+        server = try_scrape(self.server.metrics_port)
         steps = losses = 0.0
         n = 0
         for w in self.workers:
-            m = scrape(w.metrics_port)
+            m = try_scrape(w.metrics_port)
             if "rpcps_worker_steps_total" in m:
                 steps += m["rpcps_worker_steps_total"]
                 losses += m.get("rpcps_worker_loss", 0.0)
@@ -271,59 +247,37 @@ class Supervisor:
         )
 
     def _summary(self, wall: float) -> dict[str, Any]:
-        server = _read_json(self.server.summary_path)
-        workers = [_read_json(w.summary_path) for w in self.workers]
+        server = read_summary(self.server.summary_path)
+        shards = [read_summary(s.summary_path) for s in self.servers]
+        workers = [read_summary(w.summary_path) for w in self.workers]
         done = [w for w in workers if w]
         firsts = [w["initial_loss"] for w in done if w.get("initial_loss") is not None]
         lasts = [w["final_loss"] for w in done if w.get("final_loss") is not None]
         updates = server.get("updates_applied", sum(w.get("updates_applied", 0) for w in done))
-        return {
-            "role": "local",
-            "initial_loss": sum(firsts) / len(firsts) if firsts else server.get("initial_loss"),
-            "final_loss": sum(lasts) / len(lasts) if lasts else server.get("final_loss"),
-            "steps": sum(w.get("steps", 0) for w in done),
-            "updates_applied": updates,
-            "pushes_rejected": server.get("pushes_rejected", 0),
-            "mean_staleness": server.get("mean_staleness", 0.0),
-            "max_staleness": max((_read_json(s.summary_path).get("max_staleness", 0) for s in self.servers), default=0),
-            "updates_per_second": updates / wall if wall > 0 else 0.0,
-            "wall_seconds": wall,
-            "restarts": {c.name: c.restarts for c in self.children},
-            "server": server,
-            "shards": [_read_json(s.summary_path) for s in self.servers],
-            "workers": workers,
-            "run_dir": str(self.run_dir),
-        }
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Reads a child's /metrics into {sample name: value} (unlabelled samples only); {} if unreachable."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.labels:
-                values[sample.name] = sample.value
-    return values
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+        return run_summary(
+            "local",
+            initial_loss=sum(firsts) / len(firsts) if firsts else server.get("initial_loss"),
+            final_loss=sum(lasts) / len(lasts) if lasts else server.get("final_loss"),
+            steps=sum(w.get("steps", 0) for w in done),
+            updates_applied=updates,
+            pushes_rejected=server.get("pushes_rejected", 0),
+            staleness_sum=server.get("mean_staleness", 0.0) * updates,
+            wall_seconds=wall,
+            max_staleness=max((s.get("max_staleness", 0) for s in shards), default=0),
+            restarts={c.name: c.restarts for c in self.children},
+            server=server,
+            shards=shards,
+            workers=workers,
+            run_dir=str(self.run_dir),
+        )
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-def run_local(values: dict[str, Any], entry: str) -> int:
-    supervisor = Supervisor(values, entry)
+def run_local(config: LocalConfig) -> int:
+    supervisor = Supervisor(config)
 
     def on_signal(*_: object) -> None:
         supervisor.interrupted = True

@@ -13,42 +13,37 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TypeVar
 
-from prometheus_client.parser import text_string_to_metric_families
+from rpcps.ports import free_port, free_ports
+from rpcps.scrape import scrape_metrics, try_scrape
+
+__all__ = [
+    "ENTRY",
+    "REPO",
+    "Proc",
+    "ProcessGroup",
+    "child_env",
+    "descendants",
+    "free_port",
+    "free_ports",
+    "pid_alive",
+    "scrape_metrics",
+    "try_scrape",
+    "wait_until",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "trainer_entry.py"
 LOG_TAIL_LINES = 40
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the kernel may hand it out again; use it soon)."""
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports: all sockets stay bound until every port is chosen."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
@@ -66,35 +61,6 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
-
-
-def scrape_metrics(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> dict[str, float]:
-    """Reads a /metrics endpoint into {sample: value}.
-
-    Unlabelled samples are keyed by their name (``rpcps_server_updates_applied_total``), labelled ones
-    by name and sorted labels (``rpcps_server_pushes_rejected_total{reason="shape"}``).
-
-    Raises:
-        OSError: the endpoint did not answer.
-    """
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
-        text = reply.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name
-            if sample.labels:
-                key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}"
-            values[key] = sample.value
-    return values
-
-
-def try_scrape(port: int) -> dict[str, float]:
-    """scrape_metrics, or {} while the endpoint is not up yet (for ``wait_until`` predicates)."""
-    try:
-        return scrape_metrics(port)
-    except OSError:
-        return {}
 
 
 def descendants(pid: int) -> list[int]:

@@ -1,0 +1,55 @@
+"""Settings of the command-line-only roles: ``local`` and ``ctl``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ps.config import ServerRunConfig
+from rpcps.address import Address
+from rpcps.process import ProcessOptions
+from rpcps.settings import setting
+from worker.config import WorkerConfig
+
+LOCAL_PICKS = (
+    "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--ps",
+    "--worker-index", "--num-workers",
+)
+"""Flags ``local`` sets for each child itself (loopback addresses, free ports, slots)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class LocalConfig:
+    """Local run (a server and its workers on this machine)."""
+
+    workers: int = setting(2, help="worker processes to start")
+    run_dir: str | None = setting(None, help="directory for the children's logs and summaries", metavar="DIR")
+    max_restarts: int = setting(3, help="restarts of a crashed child before giving up")
+    port: int = setting(0, help="the server's port; 0 picks a free one")
+    process: ProcessOptions = field(default_factory=ProcessOptions)
+    server: ServerRunConfig = field(default_factory=ServerRunConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CtlConfig:
+    """Control-plane client."""
+
+    addr: Address = setting(
+        Address("127.0.0.1", 9500), help="HOST:PORT of the server's control plane (its --control-addr/--control-port)",
+        metavar="HOST:PORT",
+    )
+    token_file: str | None = setting(None, help="file holding the token the server requires (its --control-token-file)", metavar="PATH")
+    tls_ca: str | None = setting(None, help="PEM certificate that signed the server's --tls-cert; turns TLS on", metavar="PATH")
+    timeout_s: float = setting(30.0, help="deadline of the call")
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")

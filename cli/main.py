@@ -1,0 +1,133 @@
+"""The command line: parses flags and environment into typed configs and hands off to a role.
+
+Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``local`` (a server plus N
+workers on this machine, supervised), ``ctl`` (a client of a running server's control plane).
+Every option is generated from the settings the config classes declare (``rpcps.settings``).
+Nothing but ``trainer_entry.py`` calls ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from cli.options import add_settings, resolve
+from rpcps import transport
+from rpcps.settings import Declared, build, declared
+
+
+@dataclass(frozen=True)
+class Role:
+    """One subcommand: its config class and the function that runs it, as 'module:name'.
+
+    They are imported only for the role that runs, so a worker process never loads the server's
+    modules (and the server never loads the worker's).
+    """
+
+    help: str
+    config: str
+    run: str
+    exclude: tuple[str, ...] = ()
+    """Flags of the config that this role sets itself."""
+
+    def settings(self) -> list[Declared]:
+        return declared(_load(self.config), self.exclude)
+
+
+ROLES: dict[str, Role] = {
+    "ps": Role("run a parameter server (one per shard)", "ps.config:ServerRunConfig", "ps.runner:run_server"),
+    "worker": Role("run one training worker against a server", "worker.config:WorkerRunConfig", "worker.runner:run_worker"),
+    "local": Role(
+        "run a server and N workers on this machine, supervised, with progress",
+        "cli.config:LocalConfig",
+        "cli.local:run_local",
+        # local picks these for each child itself: loopback addresses, free ports, slots.
+        exclude=(
+            "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--worker-index",
+            "--num-workers",
+        ),
+    ),
+    "ctl": Role(
+        "talk to a running server's control plane: status, checkpoint, pause, resume, shutdown",
+        "cli.config:CtlConfig",
+        "cli.ctl:run",
+    ),
+}
+
+
+def _load(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags get one line on stderr that says where help is, not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser(role: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser; only ``role``'s subcommand gets its options (the others only their help line)."""
+    parser = _Parser(
+        prog="rpcps",
+        description="rpcps: a fault-tolerant parameter server for PyTorch on torch.distributed.rpc. "
+        "Precedence of settings: flag > RPCPS_* environment variable > torchrun's variables > default.",
+    )
+    sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE", parser_class=_Parser)
+    parsers = {}
+    for name, spec in ROLES.items():
+        p = sub.add_parser(name, help=spec.help, description=spec.help)
+        if name == role:
+            if name == "ctl":
+                p.add_argument("action", choices=_load("cli.ctl:ACTIONS"), help="what to ask the server")
+                p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+            add_settings(p, spec.settings())
+        parsers[name] = p
+    return parser, parsers
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Any]:
+    """The role's arguments and its validated config; exits 2 with one line for a bad flag or value."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, parsers = build_parser(argv[0] if argv and argv[0] in ROLES else None)
+    args = parser.parse_args(argv)
+    spec, sub = ROLES[args.role], parsers[args.role]
+    settings = spec.settings()
+    try:
+        return args, build(_load(spec.config), resolve(args, settings, sub))
+    except ValueError as e:  # a config's own validation: it names the setting and what it allows
+        sub.exit(2, f"{sub.prog}: error: {e}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, config = parse(argv)
+    run = _load(ROLES[args.role].run)
+    if args.role == "ctl":
+        return run(args.action, config, as_json=args.json)
+    _configure_logging(args.role, config)
+    try:
+        return run(config)
+    except ValueError as e:  # bad settings caught late (a plug-in spec, a refused resume)
+        print(f"rpcps {args.role}: error: {e}", file=sys.stderr)
+        return 2
+    except (transport.TransportError, OSError) as e:
+        print(f"rpcps {args.role}: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError:
+        logging.getLogger("rpcps").exception("failed")
+        return 1
+
+
+def _configure_logging(role: str, config: Any) -> None:
+    tag = f"worker{config.worker.worker_index}" if role == "worker" else role
+    logging.basicConfig(
+        level=config.process.log_level,
+        format=f"%(asctime)s %(levelname)s [{tag} pid %(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

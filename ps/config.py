@@ -1,0 +1,212 @@
+"""The server's settings (flags, environment and defaults are generated from these declarations)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ps.optim import OPTIMIZERS, SCHEDULES, check_kwargs
+from rpcps.address import Address
+from rpcps.messages import Mode
+from rpcps.process import ProcessOptions, model_setting
+from rpcps.settings import setting
+from rpcps.signature import DEFAULT_CHUNK_BYTES
+from rpcps.transport.config import TransportOptions
+from rpcps.wire import WIRE_DTYPES
+
+DEFAULT_LR = 3e-3
+_MIB = 1024 * 1024
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """Optimizer (one, on the server)."""
+
+    name: str = setting("adam", flag="--optimizer", help="the server's optimizer", choices=lambda: sorted(OPTIMIZERS))
+    kwargs: dict[str, Any] | None = setting(
+        None,
+        flag="--optimizer-args",
+        help="keyword arguments of the torch.optim class as JSON, e.g. '{\"lr\":0.1,\"momentum\":0.9,\"nesterov\":true}' "
+        f"(unset: {{\"lr\": {DEFAULT_LR}}})",
+        metavar="JSON",
+    )
+    lr: float | None = setting(None, help="learning rate; overrides lr in --optimizer-args")
+    schedule: str | None = setting(
+        None, flag="--lr-schedule", help="learning-rate schedule stepped once per applied update", choices=lambda: sorted(SCHEDULES)
+    )
+    schedule_kwargs: dict[str, Any] | None = setting(
+        None, flag="--lr-schedule-args", help="schedule keyword arguments as JSON, e.g. '{\"T_max\":1000}'", metavar="JSON"
+    )
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.name!r} is not supported; choose one of {sorted(OPTIMIZERS)}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_kwargs(OPTIMIZERS[self.name], self.optimizer_kwargs, f"optimizer {self.name!r}")
+        if self.schedule is not None:
+            if self.schedule not in SCHEDULES:
+                raise ValueError(f"lr schedule {self.schedule!r} is not supported; choose one of {sorted(SCHEDULES)}")
+            check_kwargs(SCHEDULES[self.schedule], self.schedule_kwargs or {}, f"lr schedule {self.schedule!r}")
+        elif self.schedule_kwargs:
+            raise ValueError("schedule_kwargs given without a schedule (--lr-schedule-args needs --lr-schedule)")
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """What the torch.optim class is built with: the JSON arguments, with --lr on top."""
+        kwargs = dict(self.kwargs) if self.kwargs is not None else {"lr": DEFAULT_LR}
+        if self.lr is not None:
+            kwargs["lr"] = self.lr
+        return kwargs
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerCoreConfig:
+    """Parameters and updates."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mode: Mode = setting(
+        Mode.ASYNC,
+        help="async: apply every push; bounded: refuse pushes staler than --max-staleness (the worker recomputes them); "
+        "sync: one step per round from the averaged gradients of the live workers",
+    )
+    max_staleness: int | None = setting(
+        None, help="with --mode bounded: the largest staleness (in updates) an applied gradient may have", metavar="K"
+    )
+    round_timeout_s: float = setting(30.0, help="with --mode sync: close a round this long after it opened, with whoever contributed")
+    min_workers: int = setting(
+        1, help="with --mode sync: rounds wait (up to --round-timeout-s) for this many workers; local sets it to --workers"
+    )
+    wire_dtype: str = setting(
+        "fp32",
+        help="dtype of gradients and parameters on the wire; the server keeps fp32 masters and optimizer state",
+        choices=lambda: list(WIRE_DTYPES),
+    )
+    on_nonfinite: str = setting(
+        "reject", help="NaN/Inf gradients: reject (an error on the worker) or skip (drop and count)", choices=lambda: ["reject", "skip"]
+    )
+    chunk_bytes: int = setting(
+        DEFAULT_CHUNK_BYTES,
+        flag="--chunk-mb",
+        help="largest wire chunk in MiB (parameters are packed into chunks of at most this size)",
+        parse=lambda text: int(float(text) * _MIB),
+        show=lambda value: f"{value / _MIB:g}",
+    )
+    max_workers: int = setting(256, help="worker slots 0..N-1 this server accepts")
+    shard_index: int = setting(0, help="this server's shard (shard 0 hosts the group's store at --listen)")
+    shard_count: int = setting(1, flag="--shards", help="number of server shards the parameters are split over")
+
+    def __post_init__(self) -> None:
+        if self.mode not in set(Mode):
+            raise ValueError(f"mode must be async, bounded or sync, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode(self.mode))  # a plain string from code becomes the enum
+        if self.mode == Mode.BOUNDED and self.max_staleness is None:
+            raise ValueError("mode 'bounded' needs max_staleness (--max-staleness K)")
+        if self.mode != Mode.BOUNDED and self.max_staleness is not None:
+            raise ValueError("max_staleness applies to mode 'bounded' only (--mode bounded --max-staleness K)")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype {self.wire_dtype!r} is not supported; choose one of {sorted(WIRE_DTYPES)}")
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
+        if self.round_timeout_s <= 0:
+            raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
+        if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
+            raise ValueError(f"shard_index must be in [0, shards), got {self.shard_index} of {self.shard_count}")
+        if self.on_nonfinite not in ("reject", "skip"):
+            raise ValueError(f"on_nonfinite must be 'reject' or 'skip', got {self.on_nonfinite!r}")
+        if self.chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be >= 1024 (--chunk-mb 0.001), got {self.chunk_bytes}")
+        if not 1 <= self.max_workers <= 32000:
+            raise ValueError(f"max_workers must be in [1, 32000], got {self.max_workers}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """Checkpoints."""
+
+    directory: str | None = setting(
+        None, flag="--checkpoint-dir", help="directory for snapshots; unset disables checkpointing", metavar="DIR"
+    )
+    every_updates: int | None = setting(
+        None, flag="--checkpoint-every-updates", help="snapshot after this many applied updates", metavar="N"
+    )
+    every_seconds: float | None = setting(
+        60.0, flag="--checkpoint-every-seconds", help="snapshot at most this often while updates arrive", metavar="T"
+    )
+    keep: int = setting(3, flag="--keep-checkpoints", help="newest snapshots to keep", metavar="K")
+    resume: str = setting(
+        "auto", help="auto (the newest valid snapshot), never, or a snapshot directory", metavar="auto|never|PATH"
+    )
+
+    def __post_init__(self) -> None:
+        if self.every_updates is not None and self.every_updates < 1:
+            raise ValueError(f"checkpoint every_updates must be >= 1, got {self.every_updates}")
+        if self.every_seconds is not None and self.every_seconds <= 0:
+            raise ValueError(f"checkpoint every_seconds must be > 0, got {self.every_seconds}")
+        if self.keep < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ControlConfig:
+    """Control plane (gRPC: status, checkpoint, pause, resume, shutdown; docs/CONTROL.md)."""
+
+    addr: str = setting("0.0.0.0", flag="--control-addr", help="address the gRPC control plane listens on")
+    port: int = setting(9500, flag="--control-port", help="control-plane port; 0 picks a free one (logged)")
+    token_file: str | None = setting(
+        None, flag="--control-token-file", help="file holding the bearer token every control call must carry (recommended)",
+        metavar="PATH",
+    )
+    tls_cert: str | None = setting(None, help="PEM certificate; with --tls-key the control plane speaks TLS only", metavar="PATH")
+    tls_key: str | None = setting(None, help="PEM private key of --tls-cert", metavar="PATH")
+    threads: int = 4
+    """Threads answering control calls; a slow checkpoint holds one of them."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"control port must be in [0, 65535], got {self.port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: pass both for TLS, or neither for plaintext")
+        if not 1 <= self.threads <= 64:
+            raise ValueError(f"control threads must be in [1, 64], got {self.threads}")
+        if not self.addr:
+            raise ValueError("control addr must not be empty (use 0.0.0.0 for all interfaces)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerRunConfig:
+    """Server process."""
+
+    listen: Address = setting(
+        Address("0.0.0.0", 29500), help="HOST:PORT of the server's rendezvous store; workers use it as --ps", metavar="HOST:PORT"
+    )
+    store: Address | None = setting(None, help="HOST:PORT of shard 0's --listen (shards > 0 only)", metavar="HOST:PORT")
+    model: str = model_setting()
+    metrics_port: int = setting(9400, help="server /metrics port; 0 picks a free one (logged)")
+    lease_s: float = setting(10.0, help="a worker silent this long is checked and removed if its process is gone")
+    progress_s: float = setting(5.0, help="seconds between progress log lines")
+    audit_log: str | None = setting(
+        None, help="append a ledger of every applied update to this file (fault-injection checks)", metavar="PATH"
+    )
+    finish_timeout_s: float = 60.0
+    """On a control-plane Shutdown: how long to wait for workers to finish before stopping anyway."""
+    process: ProcessOptions = field(default_factory=ProcessOptions)
+    transport: TransportOptions = field(default_factory=TransportOptions)
+    core: ServerCoreConfig = field(default_factory=ServerCoreConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.lease_s <= 0 or self.progress_s <= 0:
+            raise ValueError("lease_s and progress_s must be > 0")
+        if self.core.shard_index > 0 and self.store is None:
+            raise ValueError("--shard-index > 0 needs --store HOST:PORT (shard 0's --listen address)")
+
+    @property
+    def store_address(self) -> Address:
+        """Where the group's store is: this server's own --listen (shard 0) or shard 0's (--store)."""
+        return self.store if self.core.shard_index > 0 and self.store is not None else self.listen

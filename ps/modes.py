@@ -1,0 +1,163 @@
+"""The consistency modes, one strategy object each, chosen once at start-up.
+
+- ``async``: every valid push is applied as it arrives.
+- ``bounded``: like async, but a push more than ``max_staleness`` updates old is answered ``stale``
+  (not recorded as processed: the worker recomputes that step on fresh parameters).
+- ``sync``: pushes wait in a round; the round is applied as one step from the averaged gradients of
+  the live workers (``ps.sync_rounds``), and every push in it is answered when it closes.
+
+A mode gets admitted pushes (deduplicated, validated, fp32) and decides when the server applies
+them; it never touches the parameters itself. Its methods run on RPC threads, take the server's
+lock for what they change, and complete futures (which sends replies) outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+import torch
+from torch.futures import Future
+
+from ps.config import ServerCoreConfig
+from ps.server import Contribution, ParameterServer
+from ps.sync_rounds import RoundKeeper, SyncContribution
+from ps.workers import WorkerRecord
+from rpcps.errors import ServerStopping
+from rpcps.messages import ErrorReply, Mode, PushReply, PushStatus
+
+logger = logging.getLogger(__name__)
+
+_ROUND_TICK_S = 0.05
+
+
+class ConsistencyMode(Protocol):
+    mode: Mode
+
+    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
+        """Applies (now or with its round) an admitted push; the future gives its PushReply."""
+        ...
+
+    def drop_locked(self, slot: int) -> None:
+        """Under the lock: the slot left or died; nothing may wait for it any longer."""
+        ...
+
+    def start(self) -> None:
+        """Starts whatever runs in the background (sync rounds' timer)."""
+        ...
+
+
+def done(reply: PushReply | ErrorReply) -> Future:
+    future: Future = Future()
+    future.set_result(reply)
+    return future
+
+
+class AsyncMode:
+    """Apply every push at once; with ``max_staleness``, refuse older ones (bounded)."""
+
+    def __init__(self, server: ParameterServer, max_staleness: int | None = None) -> None:
+        self.server = server
+        self.max_staleness = max_staleness
+        self.mode = Mode.ASYNC if max_staleness is None else Mode.BOUNDED
+
+    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
+        server = self.server
+        with server.lock:
+            if server.stopping:
+                raise ServerStopping("the server is shutting down; the push was not applied")
+            refusal = server.refusal_locked(record, seq, base_version, self.max_staleness)
+            if refusal is not None:
+                return done(refusal)
+            staleness = server.version - base_version
+            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness)])
+        return done(PushReply(PushStatus.APPLIED, version, staleness))
+
+    def drop_locked(self, slot: int) -> None:
+        del slot  # nothing waits for a worker in async modes
+
+    def start(self) -> None:
+        pass
+
+
+class SyncMode:
+    """One optimizer step per round, from the average of the live workers' gradients."""
+
+    mode = Mode.SYNC
+
+    def __init__(self, server: ParameterServer, round_timeout_s: float, min_workers: int) -> None:
+        self.server = server
+        self.rounds = RoundKeeper(server.layout.chunk_numels, round_timeout_s, min_workers)
+        self._timer = threading.Thread(target=self._tick, name="sync-round-timer", daemon=True)
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
+        server = self.server
+        reply: Future = Future()
+        with server.lock:
+            if server.stopping:
+                raise ServerStopping("the server is shutting down; the push was not applied")
+            # A round's gradients must all be computed on the round's parameters: anything older is stale.
+            refusal = server.refusal_locked(record, seq, base_version, 0)
+            if refusal is not None:
+                return done(refusal)
+            live = {r.slot for r in server.workers.live()}
+            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0), reply), grads, len(server.workers.records))
+            record.last_seen = time.monotonic()
+            closed = self._close_locked(time.monotonic())
+        _answer(closed)
+        return reply
+
+    def drop_locked(self, slot: int) -> None:
+        self.rounds.drop(slot)  # the timer closes the round if it waited only for this slot
+
+    def _close_locked(self, now: float) -> list[tuple[Future, PushReply | ErrorReply]]:
+        """Under the lock: if the open round is complete (or timed out), applies it."""
+        if not self.rounds.ready(now):
+            return []
+        round_, waiting = self.rounds.take()
+        n = len(round_.contributions)
+        for total in round_.sums:
+            total.div_(n)
+        version = self.server.apply_locked(round_.sums, [c.contribution for c in round_.contributions.values()])
+        self.rounds.recycle(round_.sums)  # the step is done with them
+        self.server.metrics.count_round()
+        if round_.missing():
+            logger.warning("sync round %d closed after %.1fs without slots %s", version, now - round_.opened, sorted(round_.missing()))
+        answered = [(c.reply, PushReply(PushStatus.APPLIED, version, 0)) for c in round_.contributions.values()]
+        return answered + [(f, PushReply(PushStatus.STALE, version, 1)) for f in waiting]
+
+    def _tick(self) -> None:
+        while True:
+            time.sleep(_ROUND_TICK_S)
+            with self.server.lock:
+                stopping = self.server.stopping
+                closed = self._fail_all_locked() if stopping else self._close_locked(time.monotonic())
+            _answer(closed)
+            if stopping:
+                return
+
+    def _fail_all_locked(self) -> list[tuple[Future, PushReply | ErrorReply]]:
+        """At stop: every waiting push is answered ServerStopping (not applied)."""
+        futures = list(self.rounds.waiting)
+        if self.rounds.current is not None:
+            futures += [c.reply for c in self.rounds.current.contributions.values()]
+        self.rounds.current, self.rounds.waiting = None, []
+        stopping = ErrorReply("ServerStopping", "the server is shutting down; the push was not applied")
+        return [(f, stopping) for f in futures]
+
+
+def _answer(closed: list[tuple[Future, PushReply | ErrorReply]]) -> None:
+    """Outside the lock: completes futures (which sends the RPC replies)."""
+    for future, reply in closed:
+        future.set_result(reply)
+
+
+def make_mode(server: ParameterServer, config: ServerCoreConfig) -> ConsistencyMode:
+    if config.mode == Mode.SYNC:
+        return SyncMode(server, config.round_timeout_s, config.min_workers)
+    return AsyncMode(server, config.max_staleness if config.mode == Mode.BOUNDED else None)

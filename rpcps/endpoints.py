@@ -1,0 +1,137 @@
+"""The worker API: the only server operations a peer may call over RPC, one function each.
+
+A server process publishes the object that implements ``WorkerApi`` with ``publish``; workers fetch
+a reference to it with ``server_ref`` and pass that reference to every other call here, which runs
+on the server and forwards to the published object. Nothing is looked up by a name the peer sends:
+a reference that is not the published one is refused. Everything else a server can do (pause,
+resume, finish, stop, snapshot, restore) is reachable only through the authenticated control plane.
+
+Errors rpcps raises on purpose come back as ``ErrorReply`` values (torch RPC would lose their
+type); the worker's client raises the matching class again. ``ENDPOINTS`` lists every function
+here that may be called remotely (the transport's unpickler allows exactly these).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch.futures import Future
+
+from rpcps import transport
+from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
+from rpcps.messages import ErrorReply, PullReply, PushReply, Registration
+
+Chunks = list[Any]
+"""Gradient chunks as sent: dense tensors, or (indices, values) pairs of sparse ones."""
+
+
+def server_name(shard: int) -> str:
+    """The RPC name of server shard ``shard`` (shard 0 also hosts the group's store)."""
+    return f"ps{shard}"
+
+
+class WorkerApi(Protocol):
+    """What a server offers workers (implemented by ``ps``; called through the functions below)."""
+
+    def shard_count(self) -> int: ...
+
+    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration: ...
+
+    def submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None) -> Future: ...
+
+    def push_named(
+        self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
+    ) -> PushReply: ...
+
+    def pull(self, slot: int, incarnation: str, have_version: int) -> PullReply: ...
+
+    def heartbeat(self, slot: int, incarnation: str) -> int: ...
+
+    def leave(self, slot: int, incarnation: str) -> None: ...
+
+
+_published: transport.Ref | None = None
+
+
+def publish(api: WorkerApi) -> None:
+    """Makes ``api`` the object this process's endpoints serve."""
+    global _published
+    _published = transport.make_ref(api)
+
+
+def withdraw() -> None:
+    global _published
+    _published = None
+
+
+def _api(ref: Any) -> WorkerApi:
+    if _published is None:
+        raise ServerStarting("the parameter server is still starting (no model loaded yet); retry shortly")
+    if not transport.is_local(ref) or ref.local_value() is not _published.local_value():
+        raise UnknownWorker("the call named a server object this process does not serve; fetch it with server_ref")
+    return ref.local_value()
+
+
+def _reply(run: Any) -> Any:
+    try:
+        return run()
+    except RpcpsError as e:
+        return ErrorReply(_public_name(e), str(e))
+
+
+def _public_name(error: RpcpsError) -> str:
+    """The nearest class the client knows (internal subclasses exist to pick metric labels)."""
+    for cls in type(error).__mro__:
+        if cls.__name__ in ERROR_TYPES:
+            return cls.__name__
+    return "RpcpsError"
+
+
+# ---- the functions peers call ------------------------------------------------------------------
+
+
+def server_ref() -> transport.Ref | ErrorReply:
+    if _published is None:
+        return ErrorReply("ServerStarting", "the parameter server is still starting (no model loaded yet); retry shortly")
+    return _published
+
+
+def shard_count(ref: transport.Ref) -> int | ErrorReply:
+    return _reply(lambda: _api(ref).shard_count())
+
+
+def register(ref: transport.Ref, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Any:
+    return _reply(lambda: _api(ref).register(slot, rpc_name, signature))
+
+
+@transport.async_endpoint
+def submit(ref: transport.Ref, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None) -> Future:
+    """A push; its future completes at once, or in 'sync' mode when the round closes."""
+    try:
+        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss)
+    except RpcpsError as e:
+        future: Future = Future()
+        future.set_result(ErrorReply(_public_name(e), str(e)))
+        return future
+
+
+def push_named(
+    ref: transport.Ref, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
+) -> Any:
+    return _reply(lambda: _api(ref).push_named(slot, incarnation, seq, base_version, grads, loss))
+
+
+def pull(ref: transport.Ref, slot: int, incarnation: str, have_version: int) -> Any:
+    return _reply(lambda: _api(ref).pull(slot, incarnation, have_version))
+
+
+def heartbeat(ref: transport.Ref, slot: int, incarnation: str) -> Any:
+    return _reply(lambda: _api(ref).heartbeat(slot, incarnation))
+
+
+def leave(ref: transport.Ref, slot: int, incarnation: str) -> Any:
+    return _reply(lambda: _api(ref).leave(slot, incarnation))
+
+
+ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, leave)

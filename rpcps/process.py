@@ -1,0 +1,33 @@
+"""Settings every rpcps process has, whatever its role, declared once for all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rpcps import plugins
+from rpcps.settings import setting
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProcessOptions:
+    """Process."""
+
+    log_level: str = setting("INFO", help="logging level", choices=lambda: LOG_LEVELS)
+    summary_json: str | None = setting(None, help="write a JSON summary of the run to this file at the end", metavar="PATH")
+    metrics_addr: str = setting("0.0.0.0", help="address /metrics listens on")
+
+    def __post_init__(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+
+
+def model_setting() -> Any:
+    """The --model setting; every role that builds the model declares its field with this."""
+    return setting(
+        plugins.BUILTIN_MODEL,
+        help="model factory 'package.module:function' returning an nn.Module; the same on every role",
+        metavar="SPEC",
+    )

@@ -1,0 +1,36 @@
+"""Reads a Prometheus /metrics endpoint into plain numbers (``local``'s progress, tools and tests)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape_metrics(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> dict[str, float]:
+    """Reads ``http://host:port/metrics`` into {sample: value}.
+
+    Unlabelled samples are keyed by their name (``rpcps_server_updates_applied_total``), labelled ones
+    by name and sorted labels (``rpcps_server_pushes_rejected_total{reason="shape"}``).
+
+    Raises:
+        OSError: the endpoint did not answer.
+    """
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if sample.labels:
+                key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}"
+            values[key] = sample.value
+    return values
+
+
+def try_scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """``scrape_metrics``, or {} while the endpoint does not answer (a child still starting, or gone)."""
+    try:
+        return scrape_metrics(port, host)
+    except OSError:
+        return {}

@@ -1,0 +1,132 @@
+"""Calling other members of the group, and telling apart the ways a call can fail.
+
+torch RPC raises plain RuntimeErrors for every failure, so the message is all there is; this module
+turns them into classes the roles can act on, pinned by integration tests that kill and stop real
+processes:
+
+- ``PeerUnreachable``: the peer's process is gone (or removed us from its group); its connection
+  never works again, only a fresh process that rejoins can talk to it.
+- ``PeerTimeout``: the call ran past its deadline; the peer is hung or overloaded. Safe to retry
+  when the call is idempotent (rpcps pushes are: the server deduplicates them).
+- ``PeerUnknown``: this process's agent does not know the name yet (the peer has not joined).
+- ``CallFailed``: anything else the transport reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch.distributed import rpc
+from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
+from torch.futures import Future
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+Ref = rpc.RRef
+"""A remote reference to an object owned by one process (torch's RRef)."""
+
+
+class CallFailed(RuntimeError):
+    """A call failed in the transport (not an error the callee raised on purpose)."""
+
+
+class PeerUnreachable(CallFailed):
+    """The peer's process is gone or dropped us from its group; reconnecting needs a fresh process."""
+
+
+class PeerTimeout(CallFailed):
+    """The call ran past its deadline: the peer is hung or overloaded."""
+
+
+class PeerUnknown(CallFailed):
+    """This process's agent has no member of that name (it has not joined yet)."""
+
+
+_DEAD_MARKERS = (
+    "eof", "econnreset", "econnrefused", "connection reset", "connection refused", "broken pipe", "epipe",
+    "pipe closed", "rpc agent is not running", "shutdown",
+    # The peer is alive but removed us from its group (we were unreachable past the lease, e.g. a
+    # cut link that healed): seen by tests/integration/test_multihost.py as "could not find destination id 2".
+    "could not find destination id",
+)
+_TIMEOUT_MARKERS = ("ran for more than set timeout", "rpcerr:1", "timed out")
+_UNKNOWN_MARKERS = ("unknown destination worker", "unknown worker name")
+
+
+def classify(error: BaseException) -> BaseException:
+    """The classified form of a torch RPC failure (``error`` itself when it is not one)."""
+    if isinstance(error, CallFailed) or not isinstance(error, RuntimeError):
+        return error
+    text = str(error).lower()
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if any(m in text for m in _TIMEOUT_MARKERS):
+        return PeerTimeout(first)
+    if any(m in text for m in _UNKNOWN_MARKERS):
+        return PeerUnknown(first)
+    if any(m in text for m in _DEAD_MARKERS):
+        return PeerUnreachable(first)
+    return error
+
+
+class Pending:
+    """A call in flight. ``wait`` returns its value or raises the classified failure."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Any:
+        try:
+            return self._future.wait()
+        except RuntimeError as e:
+            raise classify(e) from e
+
+
+def call(to: str | rpc.WorkerInfo, fn: Callable[..., Any], args: tuple[Any, ...] = (), timeout_s: float | None = None) -> Any:
+    """Runs ``fn(*args)`` in member ``to`` and returns its value (blocking)."""
+    return call_async(to, fn, args, timeout_s).wait()
+
+
+def call_async(
+    to: str | rpc.WorkerInfo, fn: Callable[..., Any], args: tuple[Any, ...] = (), timeout_s: float | None = None
+) -> Pending:
+    """Starts ``fn(*args)`` in member ``to``; ``wait()`` on the result gives its value."""
+    try:
+        future = rpc.rpc_async(to, fn, args=args, timeout=timeout_s if timeout_s is not None else UNSET_RPC_TIMEOUT)
+    except RuntimeError as e:
+        raise classify(e) from e
+    return Pending(future)
+
+
+def alive() -> bool:
+    """The liveness probe every member answers (see ``ping``)."""
+    return True
+
+
+def ping(to: str, timeout_s: float) -> Pending:
+    """Asks member ``to`` whether it is alive; ``wait()`` raises the classified failure if not."""
+    return call_async(to, alive, (), timeout_s)
+
+
+def async_endpoint(fn: F) -> F:
+    """Marks a function callable over RPC that returns a torch Future the reply waits for."""
+    return rpc.functions.async_execution(fn)
+
+
+def make_ref(obj: Any) -> Ref:
+    """A reference to ``obj``, owned by this process, that other members can send calls through."""
+    return rpc.RRef(obj)
+
+
+def owner(ref: Ref) -> rpc.WorkerInfo:
+    return ref.owner()
+
+
+def is_local(ref: Any) -> bool:
+    """True for a reference owned by this process (the only kind ``local_value`` may read)."""
+    return isinstance(ref, rpc.PyRRef) and ref.is_owner()

@@ -1,0 +1,39 @@
+"""Settings of the torch RPC transport shared by every role (where to listen or connect is the role's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rpcps.address import Address
+from rpcps.settings import setting
+
+__all__ = ["Address", "TransportOptions"]
+
+KNOWN_TRANSPORTS = ("uv", "shm", "ibv")
+KNOWN_CHANNELS = ("basic", "cma", "mpt_uv", "xth", "cuda_ipc", "cuda_basic", "cuda_gdr", "cuda_xth")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TransportOptions:
+    """Transport (torch RPC over TensorPipe)."""
+
+    rpc_timeout_s: float = setting(30.0, help="deadline of one RPC call; a hung peer fails after this")
+    rpc_threads: int = setting(32, help="threads serving incoming RPCs in this process")
+    rpc_transports: tuple[str, ...] = setting(
+        ("uv",), help="TensorPipe transports, comma-separated (uv = TCP; shm busy-polls a core per process)"
+    )
+    rpc_channels: tuple[str, ...] = setting(("basic",), help="TensorPipe channels for tensor payloads, comma-separated")
+    connect_timeout_s: float = setting(60.0, help="how long a joining process waits for the rendezvous store to answer")
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 1 <= self.rpc_threads <= 1024:
+            raise ValueError(f"rpc_threads must be in [1, 1024], got {self.rpc_threads}")
+        for t in self.rpc_transports:
+            if t not in KNOWN_TRANSPORTS:
+                raise ValueError(f"unknown TensorPipe transport {t!r}; choose from {sorted(KNOWN_TRANSPORTS)}")
+        for c in self.rpc_channels:
+            if c not in KNOWN_CHANNELS:
+                raise ValueError(f"unknown TensorPipe channel {c!r}; choose from {sorted(KNOWN_CHANNELS)}")

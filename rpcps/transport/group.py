@@ -1,0 +1,136 @@
+"""Joining and leaving the torch RPC group: the process-level lifecycle of the transport.
+
+The group is *dynamic* (``world_size=None``): one process (the server's shard 0) is rank 0 and hosts
+the rendezvous store on its ``--listen`` address; every other process takes a fresh rank from a
+counter in that store, so a restarted process never collides with the rank of a dead one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+
+import torch.distributed as dist
+from torch.distributed import rpc
+
+from rpcps.address import Address
+from rpcps.transport import membership
+from rpcps.transport.config import TransportOptions
+
+logger = logging.getLogger(__name__)
+
+_RANK_COUNTER_KEY = "rpcps/next_rank"
+_MAX_RANK = 32767  # TensorPipe ranks are int16
+
+
+class TransportError(RuntimeError):
+    """The transport could not start (port in use, store unreachable)."""
+
+
+class JoinFailed(TransportError):
+    """The store answered but joining the RPC group failed; a fresh process may succeed."""
+
+
+def _backend_options(address: Address, options: TransportOptions) -> rpc.TensorPipeRpcBackendOptions:
+    return rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=options.rpc_threads,
+        rpc_timeout=options.rpc_timeout_s,
+        init_method=f"tcp://{address}",
+        _transports=list(options.rpc_transports),
+        _channels=list(options.rpc_channels),
+    )
+
+
+def serve(address: Address, name: str, options: TransportOptions) -> None:
+    """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``."""
+    try:
+        rpc.init_rpc(name, rank=0, world_size=None, rpc_backend_options=_backend_options(address, options))
+    except (RuntimeError, dist.DistError) as e:
+        text = str(e)
+        if "Address already in use" in text or "EADDRINUSE" in text:
+            raise TransportError(
+                f"port {address.port} on {address.host} is already in use; stop whatever holds it or pick another --listen port"
+            ) from e
+        raise TransportError(f"could not start the RPC server on {address}: {text.splitlines()[0]}") from e
+
+
+def join(address: Address, base_name: str, options: TransportOptions, fixed_name: bool = False) -> str:
+    """Waits for the store at ``address``, takes a fresh rank and joins the group. Returns the RPC name.
+
+    Without ``fixed_name`` the name is ``<base_name>_r<rank>``, fresh for every process; with it,
+    ``base_name`` itself (a server shard keeps its name: workers look it up).
+    """
+    unreachable = TransportError(
+        f"no parameter server answered at {address} within {options.connect_timeout_s:g}s; "
+        "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
+    )
+    deadline = time.monotonic() + options.connect_timeout_s
+    if not _wait_for_listener(address, deadline):
+        raise unreachable
+    try:
+        store = dist.TCPStore(
+            address.host, address.port, is_master=False,
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
+        )
+        rank = int(store.add(_RANK_COUNTER_KEY, 1))
+    except (RuntimeError, dist.DistError) as e:
+        raise unreachable from e
+    if rank > _MAX_RANK:
+        raise TransportError(f"the server at {address} has handed out {rank} ranks; restart it to reset the counter")
+    # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
+    name = base_name if fixed_name else f"{base_name}_r{rank}"
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options))
+    except (RuntimeError, dist.DistError) as e:
+        raise JoinFailed(f"could not join the server at {address}: {str(e).splitlines()[0]}") from e
+    return name
+
+
+def _wait_for_listener(address: Address, deadline: float) -> bool:
+    """Polls with plain TCP connects until something listens on the store's port.
+
+    c10d's store client prints a C++ stack trace to stderr for every failed connect; waiting here
+    first keeps a process started before its server (or pointed at the wrong port) quiet, with one
+    clear error at the deadline. This probes the store's port only: a bare connect to TensorPipe's
+    own listening port can wedge that agent (shared/research/torch-rpc-facts.md).
+    """
+    while True:
+        try:
+            with socket.create_connection((address.host, address.port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.1)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
+def leave(name: str, store_host: str, timeout_s: float = 5.0) -> bool:
+    """Asks the store's host (``store_host``, an RPC name) to drop member ``name`` before this process exits.
+
+    A process that exits while still listed makes every join in the meantime fail (and then hold
+    the group token for the store's timeout), until the host's reaper notices it is gone. Returns
+    True when the host confirmed; False (logged at debug) when it could not be asked in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            answer = rpc.rpc_sync(store_host, membership.forget_me, args=(name,), timeout=max(deadline - time.monotonic(), 0.5))
+        except RuntimeError as e:
+            logger.debug("could not leave the RPC group: %s", str(e).splitlines()[0])
+            return False
+        if answer != "busy":
+            return True
+        if time.monotonic() > deadline:
+            logger.debug("could not leave the RPC group: a join held the group token for %.0fs", timeout_s)
+            return False
+        time.sleep(0.05)  # a join holds the token for milliseconds
+
+
+def shutdown() -> None:
+    """Local, non-graceful shutdown: a graceful one waits forever on any dead peer."""
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception as e:  # noqa: BLE001 - shutting down must not raise over the real error
+        logger.debug("rpc shutdown: %s", e)
