@@ -53,6 +53,19 @@ def run(action: str, config: CtlConfig, as_json: bool = False) -> int:
     return 0
 
 
+class CallFailed(RuntimeError):
+    """A control call got no answer or an error (the message says which)."""
+
+
+def status(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
+    """One plaintext, token-less status call (``local`` asking its own servers on loopback)."""
+    try:
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            return call("status", channel, (), timeout_s)
+    except grpc.RpcError as e:
+        raise CallFailed(describe_error(f"{host}:{port}", e.code(), e.details(), timeout_s)) from e  # type: ignore[attr-defined]
+
+
 def call(action: str, channel: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> dict[str, Any]:
     """Makes one control call and returns its answer as plain data (what --json prints)."""
     stub = ControlStub(channel)
@@ -94,6 +107,17 @@ def status_dict(r: Any) -> dict[str, Any]:
         "checkpointing_enabled": r.checkpointing_enabled,
         "newest_checkpoint": newest,
         "checkpoint_error": r.checkpoint_error or None,
+        "shard": f"{r.shard_index}/{r.shard_count}",
+        "slots": [
+            {
+                "slot": p.slot,
+                "next_step": p.next_step,
+                "durable_next_step": p.durable_next_step if p.HasField("durable_next_step") else None,
+                "finished_steps": p.finished_steps or None,
+                "live": p.live,
+            }
+            for p in r.slots
+        ],
     }
 
 
@@ -128,7 +152,7 @@ def format_status(d: dict[str, Any]) -> str:
         c = d["newest_checkpoint"]
         checkpoint = f"{c['path']} (version {c['version']}, {format_age(c['age_seconds'])} ago)"
     lines = [
-        f"server        {d.get('address', '?')} (id {d['server_id']})",
+        f"server        {d.get('address', '?')} (id {d['server_id']}, shard {d['shard']})",
         f"health        {d.get('health', '?')}",
         f"state         {state}",
         f"model version {d['model_version']}",
@@ -141,6 +165,15 @@ def format_status(d: dict[str, Any]) -> str:
     for w in d["workers"]:
         age = w["last_push_age_seconds"]
         lines.append(f"  slot {w['slot']:<5} last push {'never' if age is None else format_age(age) + ' ago'}")
+    if d["slots"]:
+        lines.append("slot progress (steps held / durable in the newest checkpoint / finished with)")
+        for p in d["slots"]:
+            durable = "-" if p["durable_next_step"] is None else str(p["durable_next_step"])
+            finished = p["finished_steps"]
+            note = ""
+            if finished is not None and p["next_step"] < finished:
+                note = f"  ROLLED BACK: its worker finished {finished} steps; run slot {p['slot']} again"
+            lines.append(f"  slot {p['slot']:<5} {p['next_step']:>8} / {durable:>8} / {'running' if finished is None else finished}{note}")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cli import ctl
 from cli.config import LocalConfig
 from ps.config import ServerRunConfig
 from rpcps.address import Address
@@ -32,6 +33,9 @@ from worker.config import WorkerRunConfig
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 30.0
+_END_CHECK_S = 120.0
+"""How long the end-of-run check waits for servers to answer (one may be restarting from a crash)."""
+_DONE, _WAIT, _FAILED = "done", "wait", "failed"
 _ENTRY = Path(__file__).resolve().parents[1] / "trainer_entry.py"
 
 
@@ -42,6 +46,8 @@ class Child:
     log_path: Path
     summary_path: Path
     metrics_port: int
+    control_port: int | None = None
+    """A server's control-plane port (None for workers)."""
     restarts: int = 0
     process: subprocess.Popen | None = None
     done: bool = False
@@ -73,6 +79,7 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.port = config.port or free_port()
         self.interrupted = False
+        self._end_deadline: float | None = None
         self.control_port = free_port()
         store = Address("127.0.0.1", self.port)
         server = config.server
@@ -81,16 +88,17 @@ class Supervisor:
         self.servers: list[Child] = []
         for k in range(server.core.shard_count):
             name, metrics_port = ("ps" if k == 0 else f"ps{k}"), free_port()
+            control_port = self.control_port if k == 0 else free_port()
             child = replace(
                 server,
                 listen=store,
                 store=store,
                 metrics_port=metrics_port,
                 core=replace(server.core, shard_index=k),
-                control=replace(server.control, addr="127.0.0.1", port=self.control_port if k == 0 else free_port()),
+                control=replace(server.control, addr="127.0.0.1", port=control_port),
                 process=replace(server.process, summary_json=str(self._summary_path(name))),
             )
-            self.servers.append(self._child(name, "ps", child, metrics_port))
+            self.servers.append(self._child(name, "ps", child, metrics_port, control_port))
         self.server = self.servers[0]
         self.workers: list[Child] = []
         for i in range(config.workers):
@@ -107,10 +115,12 @@ class Supervisor:
     def _summary_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.summary.json"
 
-    def _child(self, name: str, role: str, config: ServerRunConfig | WorkerRunConfig, metrics_port: int) -> Child:
+    def _child(
+        self, name: str, role: str, config: ServerRunConfig | WorkerRunConfig, metrics_port: int, control_port: int | None = None
+    ) -> Child:
         """A child process running ``role`` with ``config`` (as the command line that reproduces it)."""
         argv = [sys.executable, str(_ENTRY), role, *to_argv(config, declared(type(config)))]
-        return Child(name, argv, self.run_dir / f"{name}.log", self._summary_path(name), metrics_port)
+        return Child(name, argv, self.run_dir / f"{name}.log", self._summary_path(name), metrics_port, control_port)
 
     @property
     def children(self) -> list[Child]:
@@ -159,7 +169,10 @@ class Supervisor:
         try:
             while not self.interrupted:
                 if all(w.done for w in self.workers):
-                    break
+                    verdict = self._check_end()
+                    if verdict != _WAIT:
+                        failed = verdict == _FAILED
+                        break
                 failed = not self._supervise()
                 if failed:
                     break
@@ -183,6 +196,56 @@ class Supervisor:
             flush=True,
         )
         return 0
+
+    def _check_end(self) -> str:
+        """Every worker exited 0: do the servers hold every step of every slot?
+
+        A slot is short when a server resumed from a checkpoint older than the one its finished
+        worker made durable (the newer one was lost). Its worker is started again (it resumes where
+        the server is), as a restart. Returns _DONE, _WAIT (servers not answering yet, or a worker
+        restarted) or _FAILED (a slot stays short, or the servers never answer; said on stderr).
+        """
+        now = time.monotonic()
+        if self._end_deadline is None:
+            self._end_deadline = now + _END_CHECK_S
+        held = self._slot_progress()
+        if held is None:
+            if now < self._end_deadline:
+                return _WAIT
+            print(f"rpcps local: the servers did not answer within {_END_CHECK_S:.0f}s after the workers finished; "
+                  "cannot tell whether every step is held", file=sys.stderr)
+            return _FAILED
+        steps = self.config.worker.steps
+        short = {slot: n for slot, n in held.items() if n < steps}
+        if not short:
+            return _DONE
+        for slot, n in sorted(short.items()):
+            worker = self.workers[slot]
+            if worker.restarts >= self.config.max_restarts:
+                print(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished, and {worker.name} is "
+                      f"out of restarts; the model is short by {steps - n} steps", file=sys.stderr)
+                return _FAILED
+            worker.restarts += 1
+            worker.done = False
+            worker.next_start = now
+            print(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished (a server resumed from an "
+                  f"older checkpoint); running {worker.name} again, restart {worker.restarts}/{self.config.max_restarts}",
+                  flush=True)
+        self._end_deadline = None
+        return _WAIT
+
+    def _slot_progress(self) -> dict[int, int] | None:
+        """Per worker slot, the fewest of its steps any server shard holds; None while a server does not answer."""
+        held = {slot: self.config.worker.steps for slot in range(len(self.workers))}
+        for server in self.servers:
+            assert server.control_port is not None
+            try:
+                status = ctl.status("127.0.0.1", server.control_port)
+            except ctl.CallFailed:
+                return None
+            progress = {s["slot"]: s["next_step"] for s in status["slots"]}
+            held = {slot: min(n, progress.get(slot, 0)) for slot, n in held.items()}
+        return held
 
     def _supervise(self) -> bool:
         """Restarts children that died; marks finished workers. False when a child is out of restarts."""

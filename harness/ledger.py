@@ -1,6 +1,14 @@
 """Replays a server's audit ledger (``ps.audit``) and checks the recovery promises of
-docs/FAULT_TOLERANCE.md: versions only go up by one, except back to a snapshot at a resume; no
-(slot, step) is applied twice within the history that survived; how many updates each crash lost.
+docs/FAULT_TOLERANCE.md:
+
+- versions only go up by one, except back to a snapshot at a resume;
+- no (slot, step) is applied twice within the history that survived;
+- a resume goes back to the newest snapshot committed before the crash (the newest whose ledger
+  line was written, or the one before it when the crash came between that line and the rename);
+- snapshots are captured on time: each capture at most ``max(N, W) + slack`` updates after the
+  previous one, where N is --checkpoint-every-updates and W the updates applied while the previous
+  one was written (a trigger that fires during a write is served right after it). That is what bounds
+  what a crash loses: at most ``max(N, W) + W`` updates (plus pushes in flight).
 """
 
 from __future__ import annotations
@@ -10,36 +18,64 @@ from pathlib import Path
 
 
 @dataclass
+class Crash:
+    version: int
+    """The last version applied before the crash."""
+    resumed_to: int
+    newest_prepared: int
+    """The newest snapshot whose ledger line was written before the crash (0: none)."""
+
+    @property
+    def lost(self) -> int:
+        return self.version - self.resumed_to
+
+
+@dataclass
 class LedgerReport:
     final_version: int = 0
     restarts: int = 0
     applies: list[tuple[float, int]] = field(default_factory=list)
     """(unix time, version) of every apply line, in order."""
-    updates_lost: list[int] = field(default_factory=list)
-    """Per crash: updates applied after the snapshot it resumed from."""
+    crashes: list[Crash] = field(default_factory=list)
+    write_updates: list[int] = field(default_factory=list)
+    """Per committed snapshot: updates applied while it was written (capture to ledger line)."""
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def updates_lost(self) -> list[int]:
+        """Per crash: updates applied after the snapshot it resumed from."""
+        return [c.lost for c in self.crashes]
 
-def check_ledger(path: str | Path) -> LedgerReport:
+    @property
+    def worst_write_updates(self) -> int:
+        return max(self.write_updates, default=0)
+
+
+def check_ledger(path: str | Path, every_updates: int | None = None, slack: int = 0) -> LedgerReport:
+    """Replays the ledger at ``path``. With ``every_updates`` (the run's --checkpoint-every-updates),
+    also checks that snapshots were captured on time, allowing ``slack`` updates for pushes in flight
+    between a trigger and its capture."""
     report = LedgerReport()
     version = 0
     history: dict[int, tuple[int, int]] = {}  # version -> (slot, seq) in the surviving history
     applied: set[tuple[int, int]] = set()
-    snapshots: set[int] = {0}
+    prepared: list[int] = [0]  # snapshot versions whose ledger line was written, in order
+    open_captures: dict[int, int] = {}  # captured version -> the version when it was captured (pending its line)
+    last_capture: int | None = None
+    last_write_updates = 0
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         kind, *args, stamp = line.split()
         if kind == "start":
             report.restarts += 1
+            open_captures.clear()
         elif kind == "resume":
             target = int(args[0])
-            if target not in snapshots:
-                report.problems.append(f"line {n}: resumed to version {target}, for which no snapshot was ever written")
-            if target > version:
-                report.problems.append(f"line {n}: resumed to version {target}, ahead of the last applied {version}")
-            report.updates_lost.append(version - target)
+            _check_resume(report, n, target, version, prepared)
+            report.crashes.append(Crash(version, target, prepared[-1]))
             for v in range(target + 1, version + 1):
                 applied.discard(history.pop(v))
             version = target
+            last_capture, last_write_updates = target, 0  # the resumed server counts its interval from here
         elif kind == "apply":
             v, slot, seq = (int(a) for a in args)
             if v != version + 1:
@@ -50,12 +86,45 @@ def check_ledger(path: str | Path) -> LedgerReport:
             history[v] = (slot, seq)
             report.applies.append((float(stamp), v))
             version = v
+        elif kind == "capture":
+            captured = int(args[0])
+            if every_updates is not None and last_capture is not None:
+                allowed = max(every_updates, last_write_updates) + slack
+                if captured - last_capture > allowed:
+                    report.problems.append(
+                        f"line {n}: snapshot captured at version {captured}, {captured - last_capture} updates after the "
+                        f"previous one at {last_capture}; at most max(N={every_updates}, W={last_write_updates}) + "
+                        f"{slack} allowed"
+                    )
+            open_captures[captured] = version
+            last_capture = captured
         elif kind == "snapshot":
-            snapshots.add(int(args[0]))
+            snapshot = int(args[0])
+            if snapshot in open_captures:
+                open_captures.pop(snapshot)
+                last_write_updates = version - snapshot
+                report.write_updates.append(last_write_updates)
+            prepared.append(snapshot)
         else:
             report.problems.append(f"line {n}: unknown event {kind!r}")
     report.final_version = version
     return report
+
+
+def _check_resume(report: LedgerReport, n: int, target: int, version: int, prepared: list[int]) -> None:
+    if target > version:
+        report.problems.append(f"line {n}: resumed to version {target}, ahead of the last applied {version}")
+    if target not in prepared:
+        report.problems.append(f"line {n}: resumed to version {target}, for which no snapshot was ever written")
+        return
+    # The newest prepared snapshot may or may not have been renamed into place before the crash.
+    newest = sorted(set(prepared))
+    acceptable = set(newest[-2:])
+    if target not in acceptable:
+        report.problems.append(
+            f"line {n}: resumed to version {target}, but snapshots up to {newest[-1]} had been written: an older one "
+            "than the newest committed"
+        )
 
 
 def first_apply_after(report: LedgerReport, when: float) -> float | None:

@@ -2,8 +2,9 @@
 
 One line per event, written with a single ``write`` each (line-buffered), so a SIGKILL loses nothing
 already recorded: ``start PID``, ``resume V``, ``apply V SLOT SEQ`` (update V applied SLOT's step SEQ),
-``snapshot V`` (written just before snapshot V is committed, so a crash can never leave a committed
-snapshot the ledger does not know); each line ends with its unix time. ``harness.ledger`` replays it
+``capture V`` (snapshot V was copied from the live state; its write starts), ``snapshot V`` (written
+just before snapshot V is committed, so a crash can never leave a committed snapshot the ledger does
+not know); each line ends with its unix time. ``harness.ledger`` replays it
 and checks the recovery promises of docs/FAULT_TOLERANCE.md.
 """
 
@@ -29,6 +30,9 @@ class AuditLog:
         """An ``on_applied`` listener of the server: runs under its lock, so lines are in version order."""
         for slot, seq, _ in event.applied:
             self.write(f"apply {event.version} {slot} {seq}")
+
+    def captured(self, version: int) -> None:
+        self.write(f"capture {version}")
 
     def snapshot(self, version: int) -> None:
         self.write(f"snapshot {version}")

@@ -11,6 +11,7 @@ previous snapshots untouched, and is retried at the next trigger.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,7 +19,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ps.audit import AuditLog
 from ps.config import CheckpointConfig
@@ -29,11 +30,19 @@ from ps.snapshot_files import (
     leftover_tmp_dirs,
     list_snapshots,
     load_snapshot,
+    write_json_durably,
     write_snapshot,
 )
+from rpcps import failpoints
 from rpcps.signature import ModelSignature
 
+if TYPE_CHECKING:
+    from ps.server import UpdateApplied
+
 logger = logging.getLogger(__name__)
+
+FINISHED_FILE = "finished.json"
+"""Beside the snapshots: the worker slots that finished and their step counts (outlives any one snapshot)."""
 
 
 class Snapshottable(Protocol):
@@ -42,6 +51,8 @@ class Snapshottable(Protocol):
     version: int
 
     def capture_state(self) -> tuple[int, dict[str, Any]]: ...
+
+    def capture_state_locked(self) -> tuple[int, dict[str, Any]]: ...
 
 
 class CheckpointUnavailable(RuntimeError):
@@ -67,11 +78,21 @@ class Checkpointer:
         self.ledger = ledger
         """Told of each snapshot just before it is committed (fault-injection checks)."""
         self._write_lock = threading.Lock()
+        """One write at a time."""
         self._due = threading.Event()
         self._stop = threading.Event()
         self._last_version = server.version
         self._armed_from = server.version
+        self._handoff = threading.Lock()
+        """Guards the three fields below between the apply path and the writer (never held across I/O)."""
+        self._capture_wanted = False
+        self._captured: tuple[int, dict[str, Any]] | None = None
+        self._writing = False
         self._newest: SnapshotInfo | None = None
+        self.durable_progress: dict[int, int] = {}
+        """Per worker slot, its first step the newest committed snapshot does not hold."""
+        self._finished_lock = threading.Lock()
+        self._finished = _read_finished(self.directory / FINISHED_FILE)
         self._thread = threading.Thread(target=self._loop, name="checkpointer", daemon=True)
 
     # ---- public API ----------------------------------------------------------------------------
@@ -79,12 +100,28 @@ class Checkpointer:
     def start(self) -> None:
         self._thread.start()
 
-    def notify_update(self, version: int) -> None:
-        """Called after each applied update; cheap: at most sets an event."""
+    def on_applied(self, event: UpdateApplied) -> None:
+        """An ``on_applied`` listener (under the server's lock): captures the state every N updates.
+
+        The copy is taken right here, at the update that makes it due, rather than by the writer
+        thread: on a busy server that thread can wait behind a queue of pushes for the lock while
+        hundreds of updates go by, which would stretch the interval (and what a crash can lose).
+        While a write is under way the capture waits for the first update after it commits.
+        """
         every = self.config.every_updates
-        if every is not None and version - self._armed_from >= every:
-            self._armed_from = version  # one trigger per interval, even while the write is running
-            self._due.set()
+        if every is not None and event.version - self._armed_from >= every:
+            self._capture_wanted = True
+        if not self._capture_wanted:
+            return
+        with self._handoff:
+            if self._writing or self._captured is not None:
+                return
+            self._capture_wanted = False
+            self._armed_from = event.version
+            self._captured = self.server.capture_state_locked()
+        if self.ledger is not None:
+            self.ledger.captured(event.version)
+        self._due.set()
 
     def checkpoint_now(self) -> tuple[str, int]:
         """Writes a snapshot now (waiting for a write in progress) and returns (path, version).
@@ -94,6 +131,31 @@ class Checkpointer:
         info = self._write(force=True)
         assert info is not None
         return str(info.path), info.version
+
+    def ensure_durable(self, version: int) -> SnapshotInfo:
+        """A committed snapshot holding at least ``version``: the newest one, or one written now.
+
+        Raises OSError when the write fails (earlier snapshots stay intact).
+        """
+        newest = self._newest
+        if newest is not None and newest.version >= version:
+            return newest
+        info = self._write(force=True, at_least=version)
+        assert info is not None
+        return info
+
+    def record_finished(self, slot: int, steps: int) -> None:
+        """Notes durably that ``slot``'s worker finished all ``steps`` (after ``ensure_durable``)."""
+        with self._finished_lock:
+            if self._finished.get(slot) == steps:
+                return
+            self._finished[slot] = steps
+            write_json_durably(self.directory / FINISHED_FILE, {str(k): v for k, v in sorted(self._finished.items())})
+
+    def finished_slots(self) -> dict[int, int]:
+        """Slot -> steps of every worker slot that finished (recorded in finished.json)."""
+        with self._finished_lock:
+            return dict(self._finished)
 
     def newest(self) -> tuple[str, int, float] | None:
         info = self._newest
@@ -111,9 +173,10 @@ class Checkpointer:
             except OSError as e:
                 logger.error("final snapshot failed: %s", e)
 
-    def adopt(self, info: SnapshotInfo) -> None:
-        """Records the snapshot the server resumed from as the newest."""
+    def adopt(self, info: SnapshotInfo, state: dict[str, Any]) -> None:
+        """Records the snapshot the server resumed from (and its captured ``state``) as the newest."""
         self._newest = info
+        self.durable_progress = _progress(state)
         self._last_version = self._armed_from = info.version
         self._publish(info)
 
@@ -130,33 +193,80 @@ class Checkpointer:
             except OSError:
                 pass  # logged and counted in _write; the next trigger retries
 
-    def _write(self, force: bool) -> SnapshotInfo | None:
+    def _take_capture(self, force: bool, at_least: int | None) -> tuple[int, dict[str, Any]] | None:
+        """What to write now: the copy the apply path took, or a fresh one; None when nothing is new."""
+        with self._handoff:
+            captured, self._captured = self._captured, None
+            self._writing = True
+        if captured is not None and (at_least is None or captured[0] >= at_least):
+            return captured
+        if not force and self.server.version == self._last_version:
+            return None  # nothing new since the last snapshot (a timed trigger on an idle server)
+        captured = self.server.capture_state()
+        if self.ledger is not None:
+            self.ledger.captured(captured[0])
+        return captured
+
+    def _write(self, force: bool, at_least: int | None = None) -> SnapshotInfo | None:
         with self._write_lock:
-            if not force and self.server.version == self._last_version:
-                return None  # nothing new since the last snapshot
-            if force and self._newest is not None and self._newest.version == self.server.version:
-                return self._newest
-            started = time.perf_counter()
-            version, state = self.server.capture_state()
-            # The ledger hears of the snapshot before the rename that commits it: a crash in between
-            # may leave it committed, so a resume to it must find the ledger line already there.
-            before_commit = None if self.ledger is None else (lambda: self.ledger.snapshot(version))
+            newest = self._newest
+            if force and newest is not None and newest.version >= (self.server.version if at_least is None else at_least):
+                return newest  # a write that finished while we waited for the lock already holds it
             try:
-                info = write_snapshot(self.directory, version, state, self.meta, before_commit=before_commit)
-            except OSError as e:
-                self.metrics.checkpoint_failures.inc()
-                logger.error(
-                    "snapshot of version %d in %s failed: %s; training goes on, previous snapshots are intact, "
-                    "the next trigger retries", version, self.directory, e,
-                )
-                raise
-            self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
-            self._newest = info
-            self._last_version = version
-            self._publish(info)
-            logger.info("snapshot of version %d written to %s in %.2fs", version, info.path, time.perf_counter() - started)
-            self._purge(info)
-            return info
+                return self._write_captured(force, at_least)
+            finally:
+                with self._handoff:
+                    self._writing = False
+
+    def _write_captured(self, force: bool, at_least: int | None) -> SnapshotInfo | None:
+        """Under the write lock: captures (or takes the apply path's copy) and writes one snapshot."""
+        started = time.perf_counter()
+        captured = self._take_capture(force, at_least)
+        if captured is None:
+            return None
+        version, state = captured
+
+        def before_commit() -> None:
+            # The ledger hears of the snapshot before the rename that commits it: a crash in
+            # between may leave it committed, so a resume to it must find its line already there.
+            if self.ledger is not None:
+                self.ledger.snapshot(version)
+            failpoints.hit("snapshot.before_commit")
+
+        try:
+            info = write_snapshot(self.directory, version, state, self.meta, before_commit=before_commit)
+        except OSError as e:
+            self.metrics.checkpoint_failures.inc()
+            logger.error(
+                "snapshot of version %d in %s failed: %s; training goes on, previous snapshots are intact, "
+                "the next trigger retries", version, self.directory, e,
+            )
+            raise
+        failpoints.hit("snapshot.after_commit")
+        seconds = time.perf_counter() - started
+        self.metrics.checkpoint_seconds.observe(seconds)
+        self._newest = info
+        self.durable_progress = _progress(state)
+        self._last_version = version
+        self._publish(info)
+        self._note_lag(version, seconds)
+        logger.info("snapshot of version %d written to %s in %.2fs", version, info.path, seconds)
+        self._purge(info)
+        return info
+
+    def _note_lag(self, version: int, seconds: float) -> None:
+        """Counts the updates applied while this snapshot was written: a crash just before its commit
+        loses them on top of the interval (docs/FAULT_TOLERANCE.md), so say when they outgrow it."""
+        during = self.server.version - version
+        self.metrics.checkpoint_write_updates.set(during)
+        every = self.config.every_updates
+        if every is not None and during > every:
+            self.metrics.checkpoint_behind.inc()
+            logger.warning(
+                "writing the snapshot of version %d took %.2fs, during which %d updates were applied (more than "
+                "--checkpoint-every-updates %d): a crash now can lose up to %d updates; use faster storage or a "
+                "larger interval", version, seconds, during, every, every + during,
+            )
 
     def _publish(self, info: SnapshotInfo) -> None:
         self.metrics.checkpoint_bytes.set(info.size_bytes)
@@ -178,6 +288,22 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             except OSError as e:
                 logger.warning("could not delete leftover %s: %s", tmp, e)
+
+
+def _read_finished(path: Path) -> dict[int, int]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.error("cannot read %s (%s): which worker slots finished is unknown; ctl status will not show them", path, e)
+        return {}
+    return {int(slot): int(steps) for slot, steps in data.items()}
+
+
+def _progress(state: dict[str, Any]) -> dict[int, int]:
+    """Per worker slot, its first step a captured state does not hold."""
+    return {int(slot): int(tracker["floor"]) + 1 for slot, tracker in state["workers"].items()}
 
 
 def _writer_alive(tmp: Path) -> bool:

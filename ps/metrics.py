@@ -84,6 +84,11 @@ class ServerMetrics:
         self.resumes = Counter("rpcps_server_resumes", "Times this server resumed from a checkpoint.", registry=r)
         self.resumed_version = Gauge("rpcps_server_resumed_from_version", "Model version of the checkpoint resumed from (-1: none).", registry=r)
         self.resumed_version.set(-1)
+        self.slots_rolled_back = Gauge(
+            "rpcps_server_slots_rolled_back",
+            "Worker slots that finished but whose steps the server no longer holds all of (their checkpoint was lost).",
+            registry=r,
+        )
         self.checkpoint_seconds = Histogram(
             "rpcps_checkpoint_duration_seconds", "Time to write one checkpoint.", buckets=_LATENCY_BUCKETS + (30.0, 60.0), registry=r
         )
@@ -93,6 +98,16 @@ class ServerMetrics:
             "rpcps_checkpoint_last_success_timestamp_seconds", "When the newest checkpoint was committed (0: never).", registry=r
         )
         self.checkpoint_version = Gauge("rpcps_checkpoint_last_version", "Model version in the newest checkpoint.", registry=r)
+        self.checkpoint_write_updates = Gauge(
+            "rpcps_checkpoint_write_updates",
+            "Updates applied while the newest checkpoint was written (a crash just before a commit loses them too).",
+            registry=r,
+        )
+        self.checkpoint_behind = Counter(
+            "rpcps_checkpoint_behind",
+            "Checkpoint writes during which more updates were applied than --checkpoint-every-updates.",
+            registry=r,
+        )
 
     def count_received(self) -> None:
         with self._stats_lock:

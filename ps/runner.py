@@ -65,17 +65,18 @@ def run_server(config: ServerRunConfig) -> int:
     try:
         checkpointer = _resume(server, config, ledger)
         control.attach_checkpointer(checkpointer)
+        service.durability = checkpointer
         _join_group(config)
     except BaseException:
         control.stop(grace_s=0)
         http.shutdown()  # type: ignore[attr-defined]
         raise
+    if checkpointer is not None:
+        server.on_applied(checkpointer.on_applied)
+        checkpointer.start()
     endpoints.publish(service)
     reaper = MembershipReaper(service, metrics, config.lease_s, owns_group=config.core.shard_index == 0)
     reaper.start()
-    if checkpointer is not None:
-        server.on_applied(lambda event: checkpointer.notify_update(event.version))
-        checkpointer.start()
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
     control.set_serving(True)
     logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.listen)
@@ -195,12 +196,38 @@ def _resume(server: ParameterServer, config: ServerRunConfig, ledger: AuditLog |
         server.metrics.resumed_version.set(info.version)
         logger.info("resumed from %s at version %d", info.path, info.version)
     if checkpoint_config.directory is None:
+        logger.warning(
+            "checkpointing is off (no --checkpoint-dir): a server crash loses all training, and finishing "
+            "workers cannot make their steps durable"
+        )
         return None
     Path(checkpoint_config.directory).mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger)
     if point is not None:
-        checkpointer.adopt(point[0])
+        checkpointer.adopt(*point)
+    _report_rolled_back(server, checkpointer)
     return checkpointer
+
+
+def _report_rolled_back(server: ParameterServer, checkpointer: Checkpointer) -> None:
+    """Says loudly when a worker slot that finished (its steps were durable) is behind after a resume.
+
+    That happens only when the snapshot holding its last steps was lost (corrupt, deleted) and an
+    older one was resumed: its worker exited long ago, so nobody recomputes those steps unless the
+    slot is run again (``rpcps local`` does it by itself; docs/FAULT_TOLERANCE.md says how elsewhere).
+    """
+    server.metrics.slots_rolled_back.set_function(lambda: len(_rolled_back(server, checkpointer)))
+    for slot, (held, steps) in sorted(_rolled_back(server, checkpointer).items()):
+        logger.error(
+            "worker slot %d finished %d steps, but the checkpoint this server resumed from holds only %d: the newer one "
+            "was lost; run worker slot %d again (it resumes at step %d)", slot, steps, held, slot, held,
+        )
+
+
+def _rolled_back(server: ParameterServer, checkpointer: Checkpointer) -> dict[int, tuple[int, int]]:
+    """Finished slots the server now holds fewer steps of: slot -> (steps held, steps finished)."""
+    progress = {w.slot: w.next_step for w in server.status().workers}
+    return {slot: (progress.get(slot, 0), steps) for slot, steps in checkpointer.finished_slots().items() if progress.get(slot, 0) < steps}
 
 
 def _meta(server: ParameterServer, config: ServerRunConfig) -> dict[str, Any]:

@@ -184,14 +184,18 @@ class ParameterServer:
         writes the copy to disk without holding anything.
         """
         with self.lock:
-            state = {
-                "masters": [m.detach().clone() for m in self._masters],
-                "optimizer": _clone_tensors(self.optimizer.state_dict()),
-                "schedule": self.schedule.state_dict() if self.schedule is not None else None,
-                "version": self.version,
-                "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
-            }
-            return self.version, state
+            return self.capture_state_locked()
+
+    def capture_state_locked(self) -> tuple[int, dict[str, Any]]:
+        """``capture_state`` for a caller that holds the lock already (an ``on_applied`` listener)."""
+        state = {
+            "masters": [m.detach().clone() for m in self._masters],
+            "optimizer": _clone_tensors(self.optimizer.state_dict()),
+            "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+            "version": self.version,
+            "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
+        }
+        return self.version, state
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Loads a captured state (from a verified snapshot) before any worker registers."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.futures import Future
@@ -18,18 +18,30 @@ from torch.futures import Future
 from ps.admission import Admission, Refused, RejectReason, SkipNonfinite
 from ps.modes import ConsistencyMode, done, make_mode
 from ps.server import ParameterServer
+from ps.snapshot_files import SnapshotInfo
 from ps.workers import WorkerRecord
-from rpcps.errors import ServerStopping, SignatureMismatch, UnknownWorker
-from rpcps.messages import PullReply, PushReply, PushStatus, Registration
+from rpcps import failpoints
+from rpcps.errors import CheckpointFailed, ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps.messages import FinishReply, PullReply, PushReply, PushStatus, Registration
 from rpcps.signature import ModelSignature
 from rpcps.summary import run_summary
 
 logger = logging.getLogger(__name__)
 
 
+class Durability(Protocol):
+    """How a finishing worker's steps are made to survive a crash (``ps.checkpointer.Checkpointer``)."""
+
+    def ensure_durable(self, version: int) -> SnapshotInfo: ...
+
+    def record_finished(self, slot: int, steps: int) -> None: ...
+
+
 class WorkerService:
     def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None) -> None:
         self.server = server
+        self.durability: Durability | None = None
+        """Set once resume is done when the server checkpoints; None: nothing is durable."""
         self.mode = mode or make_mode(server, server.config)
         self.admission = Admission(server.layout, server.signature, server.wire, server.config.on_nonfinite)
         self.metrics = server.metrics
@@ -123,6 +135,29 @@ class WorkerService:
             record.last_seen = time.monotonic()
             record.live = True
             return self.server.version
+
+    def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply:
+        """A worker finished ``steps`` steps: returns once a committed checkpoint holds them all.
+
+        A worker only exits successfully after this, so a server crash after it never rolls back a
+        finished worker's steps (docs/FAULT_TOLERANCE.md, "Done means durable").
+        """
+        with self.server.lock:
+            record = self.server.workers.get(slot, incarnation)
+            next_step, version = record.tracker.floor + 1, self.server.version
+        if next_step < steps:
+            logger.warning("worker slot %d says it finished %d steps, but the server holds %d", slot, steps, next_step)
+            return FinishReply(complete=False, durable=False, next_step=next_step, version=version)
+        if self.durability is None:
+            return FinishReply(complete=True, durable=False, next_step=next_step, version=version)
+        try:
+            info = self.durability.ensure_durable(version)
+            self.durability.record_finished(slot, steps)
+        except OSError as e:
+            raise CheckpointFailed(f"could not make worker slot {slot}'s steps durable: {e}") from e
+        failpoints.hit("finish.after_snapshot")
+        logger.info("worker slot %d finished %d steps; durable in the checkpoint of version %d", slot, steps, info.version)
+        return FinishReply(complete=True, durable=True, next_step=next_step, version=version, checkpoint_version=info.version)
 
     def leave(self, slot: int, incarnation: str) -> None:
         with self.server.lock:

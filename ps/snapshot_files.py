@@ -98,6 +98,21 @@ def write_snapshot(
     return SnapshotInfo(final, version, created, manifest["files"][STATE_FILE]["size"])
 
 
+def write_json_durably(path: Path, data: Any) -> None:
+    """Replaces ``path`` with ``data`` as JSON so that a crash leaves the old file or the new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")  # one writer at a time (the caller holds a lock)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     """Returns the manifest after checking every file against it; raises InvalidSnapshot."""
     manifest_path = path / MANIFEST_FILE

@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
-from rpcps.messages import ErrorReply, PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
 
 Chunks = list[Any]
 """Gradient chunks as sent: dense tensors, or (indices, values) pairs of sparse ones."""
@@ -47,6 +47,8 @@ class WorkerApi(Protocol):
     def pull(self, slot: int, incarnation: str, have_version: int) -> PullReply: ...
 
     def heartbeat(self, slot: int, incarnation: str) -> int: ...
+
+    def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply: ...
 
     def leave(self, slot: int, incarnation: str) -> None: ...
 
@@ -130,8 +132,13 @@ def heartbeat(ref: transport.Ref, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).heartbeat(slot, incarnation))
 
 
+def finish(ref: transport.Ref, slot: int, incarnation: str, steps: int) -> Any:
+    """The worker is done with ``steps`` steps; returns once they are durable (or cannot be)."""
+    return _reply(lambda: _api(ref).finish(slot, incarnation, steps))
+
+
 def leave(ref: transport.Ref, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, leave)
+ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave)

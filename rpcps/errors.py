@@ -32,6 +32,11 @@ class ServerStarting(RpcpsError):
     """The server process is up but has not loaded its model yet; retry shortly."""
 
 
+class CheckpointFailed(RpcpsError):
+    """The server could not commit a checkpoint (full disk, I/O error); nothing committed was lost."""
+
+
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
-    cls.__name__: cls for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting)
+    cls.__name__: cls
+    for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting, CheckpointFailed)
 }

@@ -69,6 +69,20 @@ class PullReply:
 
 
 @dataclass(frozen=True)
+class FinishReply:
+    """The answer to a worker that finished its steps and asked for them to be made durable."""
+
+    complete: bool
+    """The server holds every step the worker says it finished (False: resume at ``next_step``)."""
+    durable: bool
+    """A committed checkpoint holds them all (False when the server checkpoints nothing)."""
+    next_step: int
+    version: int
+    checkpoint_version: int | None = None
+    """The version of the committed checkpoint that holds them."""
+
+
+@dataclass(frozen=True)
 class ErrorReply:
     kind: str
     message: str

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Kill the server and workers of a local run at chosen or random points, then check recovery.
+"""Crash the server and workers of a local run at chosen or random points, then check recovery.
 
-    python tools/chaos.py --kills 4 --seed 1               # random targets and points
-    python tools/chaos.py --kill ps@300 --kill worker1@700  # chosen ones
+    python tools/chaos.py --kills 4 --seed 1                 # random crashes from one seed
+    python tools/chaos.py --kills 8 --seeds 20 --seed 100   # 20 seeds in a row (100..119)
+    python tools/chaos.py --kill ps@300 --kill worker1@700   # chosen ones
 
-Runs an undisturbed baseline first (unless --no-baseline) and compares final losses. Exit status 0
-when every check of docs/FAULT_TOLERANCE.md holds.
+Runs an undisturbed baseline first (unless --no-baseline) and compares final losses. Prints each
+seed's plan and outcome; exit status 0 when every check of docs/FAULT_TOLERANCE.md held for every seed.
 """
 
 from __future__ import annotations
@@ -17,48 +18,59 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.faults import ChaosPlan, Kill, run_chaos
+from harness.faults import ChaosPlan, ChaosResult, Kill, run_chaos
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=600, help="steps per worker")
-    p.add_argument("--kills", type=int, default=3, help="random kills (ignored with --kill)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kills", type=int, default=3, help="random crashes per run (ignored with --kill)")
+    p.add_argument("--seed", type=int, default=0, help="the (first) seed of the random plans")
+    p.add_argument("--seeds", type=int, default=1, help="run this many seeds in a row, from --seed on")
     p.add_argument("--kill", action="append", default=[], metavar="TARGET@VERSION", help="e.g. ps@300, worker0@500")
     p.add_argument("--checkpoint-every-updates", type=int, default=100)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--run-dir", type=Path, default=None)
     args = p.parse_args()
     common = {"workers": args.workers, "steps": args.steps, "checkpoint_every_updates": args.checkpoint_every_updates}
-    if args.kill:
-        kills = []
-        for spec in args.kill:
-            target, _, version = spec.partition("@")
-            kills.append(Kill(target, int(version)))
-        plan = ChaosPlan(kills=tuple(kills), **common)
-    else:
-        plan = ChaosPlan.random(args.kills, args.seed, **common)
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="rpcps-chaos-"))
-    print(f"plan: {[f'{k.target}@{k.at_version}' for k in plan.kills]}; runs in {root}")
     baseline_loss = None
     if not args.no_baseline:
         base = run_chaos(ChaosPlan(**common), root / "baseline")
         baseline_loss = base.summary.get("final_loss")
-        print(f"baseline: exit {base.exit_code}, final loss {baseline_loss}")
-    result = run_chaos(plan, root / "chaos")
-    problems = result.problems(plan)
-    loss = result.summary.get("final_loss")
-    print(f"chaos: exit {result.exit_code}, final version {result.ledger.final_version}, final loss {loss}")
-    print(f"server starts {result.ledger.restarts}, updates lost per crash {result.ledger.updates_lost}")
-    print("recovery (server kill -> next applied update): " + ", ".join(f"{r:.2f}s" for r in result.recovery_s))
-    if baseline_loss is not None and loss is not None and abs(loss - baseline_loss) > 0.25 * baseline_loss:
-        problems.append(f"final loss {loss:.4f} is not close to the undisturbed {baseline_loss:.4f}")
+        print(f"baseline: exit {base.exit_code}, final loss {baseline_loss}", flush=True)
+    if args.kill:
+        kills = tuple(Kill(target, int(version)) for target, _, version in (spec.partition("@") for spec in args.kill))
+        plans = {args.seed: ChaosPlan(kills=kills, **common)}
+    else:
+        plans = {seed: ChaosPlan.random(args.kills, seed, **common) for seed in range(args.seed, args.seed + args.seeds)}
+    failed = []
+    for seed, plan in plans.items():
+        print(f"seed {seed}: plan {[str(k) for k in plan.kills]}; runs in {root / f'seed-{seed}'}", flush=True)
+        result = run_chaos(plan, root / f"seed-{seed}")
+        problems = result.problems(plan)
+        loss = result.summary.get("final_loss")
+        if baseline_loss is not None and loss is not None and abs(loss - baseline_loss) > 0.1 * baseline_loss:
+            problems.append(f"final loss {loss:.4f} is not within 10% of the undisturbed {baseline_loss:.4f}")
+        _report(seed, result, problems)
+        if problems:
+            failed.append(seed)
+    print(f"{len(plans) - len(failed)} of {len(plans)} seeds OK" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+def _report(seed: int, result: ChaosResult, problems: list[str]) -> None:
+    ledger = result.ledger
+    print(f"seed {seed}: exit {result.exit_code}, final version {ledger.final_version}, final loss {result.summary.get('final_loss')}")
+    print(f"seed {seed}: server starts {ledger.restarts}, updates lost per crash {ledger.updates_lost}, updates applied "
+          f"during a snapshot write: worst {ledger.worst_write_updates}")
+    print(f"seed {seed}: recovery (server crash -> next applied update): " + ", ".join(f"{r:.2f}s" for r in result.recovery_s))
+    for note in result.notes:
+        print(f"seed {seed}: note: {note}")
     for problem in problems:
-        print("PROBLEM:", problem)
-    print("OK" if not problems else f"{len(problems)} problems")
-    return 0 if not problems else 1
+        print(f"seed {seed}: PROBLEM: {problem}")
+    print(f"seed {seed}: " + ("OK" if not problems else f"{len(problems)} problems"), flush=True)
 
 
 if __name__ == "__main__":

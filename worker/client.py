@@ -15,7 +15,7 @@ import torch
 
 from rpcps import endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting
-from rpcps.messages import ErrorReply, PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
 
 
 def unwrap(value: Any) -> Any:
@@ -80,6 +80,11 @@ class ServerClient:
 
     def heartbeat(self, slot: int, incarnation: str) -> int:
         return result(self._call(endpoints.heartbeat, slot, incarnation, timeout=min(self.timeout_s, 10.0)))
+
+    def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply:
+        """Returns once the server committed a checkpoint holding the slot's ``steps`` (a disk write:
+        it may take a while, hence the full RPC timeout)."""
+        return result(self._call(endpoints.finish, slot, incarnation, steps))
 
     def leave(self, slot: int, incarnation: str) -> None:
         result(self._call(endpoints.leave, slot, incarnation, timeout=min(self.timeout_s, 10.0)))

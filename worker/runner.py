@@ -21,7 +21,7 @@ from rpcps.summary import write_summary
 from worker.client import ServerClient
 from worker.config import DEFAULT_METRICS_PORT, WorkerRunConfig
 from worker.metrics import WorkerMetrics
-from worker.trainer import TooManyRejects, Trainer, WorkerStats
+from worker.trainer import NotDurable, ServerBehind, TooManyRejects, Trainer, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ EXIT_OK = 0
 EXIT_SERVER_LOST = 3
 EXIT_BAD_GRADIENTS = 4
 EXIT_REFUSED = 5
+EXIT_NOT_DURABLE = 6
 
 
 def run_worker(config: WorkerRunConfig) -> int:
@@ -75,6 +76,9 @@ def run_worker(config: WorkerRunConfig) -> int:
             signal.signal(sig, on_signal)
         summary = trainer.run()
         summary["reconnects"] = reconnects
+        # Done means durable: a worker reports success only once a committed checkpoint holds every
+        # one of its steps, so a server crash after it exits cannot roll them back.
+        summary["durable"] = trainer.finish() if trainer.completed else False
         for link in trainer.shards:
             try:
                 link.client.leave(config.worker.worker_index, link.registration.incarnation)
@@ -83,7 +87,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         write_summary(config.process.summary_json, summary)
         logger.info("done: %d steps, final loss %s", summary["steps"], summary["final_loss"])
         return EXIT_OK
-    except (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping) as e:
+    except (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind) as e:
         if stopping:
             logger.info("stopped by signal while the server went away (%s)", e)
             return EXIT_OK
@@ -100,6 +104,9 @@ def run_worker(config: WorkerRunConfig) -> int:
     except TooManyRejects as e:
         logger.error("%s", e)
         return EXIT_BAD_GRADIENTS
+    except NotDurable as e:
+        logger.error("%s; this slot's last steps would not survive a server crash (exit %d)", e, EXIT_NOT_DURABLE)
+        return EXIT_NOT_DURABLE
     finally:
         if name is not None:
             transport.leave(name, endpoints.server_name(0))  # bounded: fails fast (or in 5 s) when the server is gone

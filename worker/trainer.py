@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from rpcps import plugins, transport
-from rpcps.errors import PushRejected
-from rpcps.messages import Mode, PushReply, PushStatus, Registration
+from rpcps.errors import CheckpointFailed, PushRejected
+from rpcps.messages import FinishReply, Mode, PushReply, PushStatus, Registration
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.summary import run_summary
@@ -45,6 +45,15 @@ _LOSS_WINDOW = 10
 
 class TooManyRejects(RuntimeError):
     pass
+
+
+class ServerBehind(RuntimeError):
+    """A shard holds fewer of this slot's steps than the worker computed (it resumed from an older
+    checkpoint in the meantime): rejoin and recompute from where the server is."""
+
+
+class NotDurable(RuntimeError):
+    """The server could not commit a checkpoint holding this slot's last steps (it kept failing)."""
 
 
 @dataclass
@@ -230,6 +239,44 @@ class Trainer:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def completed(self) -> bool:
+        """Every step of this slot was computed and acknowledged (not stopped early)."""
+        return self.step >= self.config.steps and not self._in_flight and not self._redo
+
+    def finish(self) -> bool:
+        """Asks every shard to make this slot's steps durable; returns once they are.
+
+        Returns False when a shard checkpoints nothing (then a server crash would lose them).
+        Raises ServerBehind when a shard holds fewer steps than computed here, and NotDurable when a
+        shard kept failing to commit a checkpoint.
+        """
+        durable = True
+        for link in self.shards:
+            reply = self._finish_on(link)
+            if not reply.complete:
+                raise ServerBehind(f"shard {link.index} holds this slot's steps up to {reply.next_step}, not {self.step}")
+            if reply.durable:
+                logger.info("shard %d: all %d steps durable in its checkpoint of version %d", link.index, self.step,
+                            reply.checkpoint_version)
+            else:
+                durable = False
+                logger.warning("shard %d checkpoints nothing (no --checkpoint-dir): a server crash would lose these steps",
+                               link.index)
+        return durable
+
+    def _finish_on(self, link: ShardLink) -> FinishReply:
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return self._with_retries(lambda: link.client.finish(self.slot, link.registration.incarnation, self.step))
+            except CheckpointFailed as e:
+                if attempt == self.config.max_retries:
+                    raise NotDurable(str(e)) from e
+                backoff = min(0.5 * 2**attempt, 5.0)
+                logger.warning("%s; asking again in %.1fs", e, backoff)
+                time.sleep(backoff)
+        raise AssertionError("unreachable")
 
     # ---- helpers -------------------------------------------------------------------------------
 

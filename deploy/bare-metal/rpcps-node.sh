@@ -281,6 +281,7 @@ meaning() {
         3) echo "lost the server and gave up reconnecting" ;;
         4) echo "too many pushes in a row rejected" ;;
         5) echo "refused by the server: different model, slot out of range or taken over" ;;
+        6) echo "finished, but the server could not make its last steps durable (checkpoint write failing)" ;;
         *) if (($1 > 128)); then echo "killed by signal $(($1 - 128))"; else echo "failed"; fi ;;
     esac
 }

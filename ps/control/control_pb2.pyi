@@ -18,6 +18,20 @@ class WorkerStatus(_message.Message):
     last_push_age_seconds: float
     def __init__(self, slot: _Optional[int] = ..., last_push_age_seconds: _Optional[float] = ...) -> None: ...
 
+class SlotProgress(_message.Message):
+    __slots__ = ("slot", "next_step", "durable_next_step", "finished_steps", "live")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    next_step: int
+    durable_next_step: int
+    finished_steps: int
+    live: bool
+    def __init__(self, slot: _Optional[int] = ..., next_step: _Optional[int] = ..., durable_next_step: _Optional[int] = ..., finished_steps: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+
 class CheckpointInfo(_message.Message):
     __slots__ = ("path", "version", "age_seconds")
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -29,7 +43,7 @@ class CheckpointInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model_version", "mode", "optimizer", "paused", "uptime_seconds", "workers", "newest_checkpoint", "checkpointing_enabled", "shutting_down", "server_id", "checkpoint_error")
+    __slots__ = ("model_version", "mode", "optimizer", "paused", "uptime_seconds", "workers", "newest_checkpoint", "checkpointing_enabled", "shutting_down", "server_id", "checkpoint_error", "slots", "shard_index", "shard_count")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +55,9 @@ class GetStatusResponse(_message.Message):
     SHUTTING_DOWN_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     model_version: int
     mode: str
     optimizer: str
@@ -52,7 +69,10 @@ class GetStatusResponse(_message.Message):
     shutting_down: bool
     server_id: str
     checkpoint_error: str
-    def __init__(self, model_version: _Optional[int] = ..., mode: _Optional[str] = ..., optimizer: _Optional[str] = ..., paused: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., newest_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., checkpointing_enabled: _Optional[bool] = ..., shutting_down: _Optional[bool] = ..., server_id: _Optional[str] = ..., checkpoint_error: _Optional[str] = ...) -> None: ...
+    slots: _containers.RepeatedCompositeFieldContainer[SlotProgress]
+    shard_index: int
+    shard_count: int
+    def __init__(self, model_version: _Optional[int] = ..., mode: _Optional[str] = ..., optimizer: _Optional[str] = ..., paused: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., newest_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., checkpointing_enabled: _Optional[bool] = ..., shutting_down: _Optional[bool] = ..., server_id: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotProgress, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

@@ -165,6 +165,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             if w.live
         ]
         reply = control_pb2.GetStatusResponse(
+            shard_index=status.shard_index,
+            shard_count=status.shard_count,
             model_version=status.version,
             mode=str(status.mode),
             optimizer=status.optimizer,
@@ -190,7 +192,27 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 reply.newest_checkpoint.CopyFrom(
                     control_pb2.CheckpointInfo(path=path, version=version, age_seconds=max(0.0, time.time() - committed))
                 )
+        reply.slots.extend(self._slots(status))
         return reply
+
+    def _slots(self, status: ServerStatus) -> list[control_pb2.SlotProgress]:
+        """Every slot the server or its checkpoints know of: progress, durable progress, finished steps."""
+        durable = self.checkpoint.durable_progress if self.checkpoint is not None else None
+        finished = self.checkpoint.finished_slots() if self.checkpoint is not None else {}
+        views = {w.slot: w for w in status.workers}
+        slots = []
+        for slot in sorted(set(views) | set(finished)):
+            view = views.get(slot)
+            progress = control_pb2.SlotProgress(
+                slot=slot,
+                next_step=view.next_step if view is not None else 0,
+                finished_steps=finished.get(slot, 0),
+                live=view is not None and view.live,
+            )
+            if durable is not None:
+                progress.durable_next_step = durable.get(slot, 0)
+            slots.append(progress)
+        return slots
 
     @_control_call
     def Checkpoint(self, request: control_pb2.CheckpointRequest, context: grpc.ServicerContext) -> control_pb2.CheckpointResponse:

@@ -47,3 +47,26 @@ def test_audit_log_writes_lines_the_checker_reads(tmp_path: Path) -> None:
     report = check_ledger(tmp_path / "a.log")
     assert report.problems == [] and report.final_version == 1
     assert first_apply_after(report, 0.0) is not None
+
+
+def test_resume_to_an_older_snapshot_than_the_newest_committed_is_caught(tmp_path: Path) -> None:
+    lines = ["start 1", "apply 1 0 0", "capture 1", "snapshot 1", "apply 2 0 1", "capture 2", "snapshot 2",
+             "apply 3 0 2", "capture 3", "snapshot 3", "apply 4 0 3", "start 2"]
+    assert check_ledger(ledger(tmp_path, [*lines, "resume 3"])).problems == []
+    # The crash may have come between snapshot 3's ledger line and its rename: 2 is fine too.
+    assert check_ledger(ledger(tmp_path, [*lines, "resume 2"])).problems == []
+    report = check_ledger(ledger(tmp_path, [*lines, "resume 1"]))
+    assert any("an older one than the newest committed" in p for p in report.problems)
+
+
+def test_a_late_capture_is_caught_and_a_long_write_excuses_it(tmp_path: Path) -> None:
+    applies = [f"apply {v} 0 {v - 1}" for v in range(1, 31)]
+    on_time = ["start 1", *applies[:10], "capture 10", "snapshot 10", *applies[10:20], "capture 20", *applies[20:]]
+    assert check_ledger(ledger(tmp_path, on_time), every_updates=10).problems == []
+    late = ["start 1", *applies[:10], "capture 10", "snapshot 10", *applies[10:25], "capture 25", *applies[25:]]
+    report = check_ledger(ledger(tmp_path, late), every_updates=10, slack=2)
+    assert any("captured at version 25, 15 updates after the previous one" in p for p in report.problems)
+    # The write of 10 took 14 updates (its line comes after apply 24): the trigger at 20 waited for it.
+    slow = ["start 1", *applies[:10], "capture 10", *applies[10:24], "snapshot 10", "capture 24", *applies[24:]]
+    report = check_ledger(ledger(tmp_path, slow), every_updates=10)
+    assert report.problems == [] and report.write_updates == [14]

@@ -1,0 +1,68 @@
+"""Named fail points: places where a fault-injection run can make this process crash on purpose.
+
+A window of microseconds (between a snapshot's ledger line and the rename that commits it, say) can
+never be hit reliably by a signal sent from outside, so the code names such places and a test asks
+for a crash there, the way TiKV's ``fail`` crate and etcd's gofail do. Production never sets the
+variable; an unset variable costs one dictionary lookup per point.
+
+    RPCPS_FAILPOINTS="snapshot.before_commit=kill@3:/run/fp-1.fired;finish.after_snapshot=kill@1:/run/fp-2.fired"
+
+Each entry is ``NAME=kill@N:MARKER``: the N-th time this process reaches NAME it creates the file
+MARKER and kills itself with SIGKILL; if MARKER already exists (a restarted process inherits the
+same environment), the point stays inert, so each planned crash happens once per run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+ENV = "RPCPS_FAILPOINTS"
+POINTS = {
+    "snapshot.before_commit": "a snapshot is durable under its temporary name and in the ledger, not yet renamed into place",
+    "snapshot.after_commit": "a snapshot was just committed",
+    "finish.after_snapshot": "a finishing worker's steps were just made durable; its reply is not sent yet",
+}
+
+
+@dataclass
+class _Point:
+    hit_at: int
+    marker: str
+    hits: int = 0
+
+
+def _parse(text: str) -> dict[str, _Point]:
+    points: dict[str, _Point] = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        name, _, action = entry.partition("=")
+        kind, _, rest = action.partition("@")
+        count, _, marker = rest.partition(":")
+        if name not in POINTS or kind != "kill" or not count.isdigit() or not marker:
+            raise ValueError(f"{ENV}: bad entry {entry!r}; expected NAME=kill@N:MARKER with NAME in {sorted(POINTS)}")
+        points[name] = _Point(int(count), marker)
+    return points
+
+
+_points = _parse(os.environ.get(ENV, ""))
+
+
+def hit(name: str) -> None:
+    """Marks that this process reached fail point ``name``; crashes here if a run asked for it."""
+    point = _points.get(name)
+    if point is None:
+        return
+    point.hits += 1
+    if point.hits != point.hit_at:
+        return
+    try:
+        fd = os.open(point.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return  # this planned crash already happened (in an earlier incarnation of this process)
+    os.close(fd)
+    logger.warning("fail point %s: killing this process on purpose (%s)", name, ENV)
+    os.kill(os.getpid(), signal.SIGKILL)
