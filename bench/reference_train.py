@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ps.optim import OPTIMIZERS, OptimizerConfig, build_optimizer
+from ps.config import OptimizerConfig
+from ps.optim import OPTIMIZERS, build_optimizer
 from rpcps import examples, plugins
 from rpcps.examples.stream import Batch
 
