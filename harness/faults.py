@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.ledger import LedgerReport, check_ledger, first_apply_after
+from harness.ledger import LedgerReport, check_ledger, recovery_after
 from harness.procs import pid_alive
 from harness.snapshots import verify_all
 from rpcps.failpoints import POINTS
@@ -98,7 +98,7 @@ class ChaosPlan:
             elif roll < 0.4 and points:
                 name = points.pop(rng.randrange(len(points)))
                 # Every snapshot passes the snapshot points (one every N updates); each finish the finish one.
-                most = workers if name.startswith("finish.") else max(1, total // (2 * every))
+                most = workers if name.startswith("finish.") else max(1, total // (2 * every))  # hits counted across restarts
                 kills.append(FailPoint(name, rng.randint(1, most)))
             else:
                 kills.append(Kill(rng.choice(targets), rng.randint(total // 10, total * 8 // 10)))
@@ -180,7 +180,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     reports = [check_ledger(path, plan.checkpoint_every_updates, plan.in_flight) for path in shards]
     report = reports[0]
     server_crashes = [when for fault, when in driver.fired if _hits_server(fault)]
-    recovery = [t - when for when in server_crashes if (t := first_apply_after(report, when)) is not None]
+    recovery = [r for when in sorted(server_crashes) if (r := recovery_after(report, when)) is not None]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     roots = [run_dir / "checkpoints"] + sorted((run_dir / "checkpoints").glob("shard-*"))
     invalid = {str(p): why for root in roots for p, why in verify_all(root).items() if why is not None}

@@ -36,6 +36,8 @@ class LedgerReport:
     restarts: int = 0
     applies: list[tuple[float, int]] = field(default_factory=list)
     """(unix time, version) of every apply line, in order."""
+    starts: list[float] = field(default_factory=list)
+    """Unix time of every start line (each server process), in order."""
     crashes: list[Crash] = field(default_factory=list)
     write_updates: list[int] = field(default_factory=list)
     """Per committed snapshot: updates applied while it was written (capture to ledger line)."""
@@ -67,6 +69,7 @@ def check_ledger(path: str | Path, every_updates: int | None = None, slack: int 
         kind, *args, stamp = line.split()
         if kind == "start":
             report.restarts += 1
+            report.starts.append(float(stamp))
             open_captures.clear()
         elif kind == "resume":
             target = int(args[0])
@@ -128,5 +131,16 @@ def _check_resume(report: LedgerReport, n: int, target: int, version: int, prepa
 
 
 def first_apply_after(report: LedgerReport, when: float) -> float | None:
-    """Unix time of the first update applied after ``when`` (for recovery times)."""
+    """Unix time of the first update applied after ``when``."""
     return next((t for t, _ in report.applies if t > when), None)
+
+
+def recovery_after(report: LedgerReport, crash: float) -> float | None:
+    """Seconds from a server crash at ``crash`` to the first update its successor applied.
+
+    Counted from the next server start rather than from ``crash`` itself: other threads of the
+    dying process may still write a ledger line in the microseconds before SIGKILL lands.
+    """
+    start = next((t for t in report.starts if t > crash), None)
+    applied = None if start is None else first_apply_after(report, start)
+    return None if applied is None else applied - crash

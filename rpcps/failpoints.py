@@ -7,9 +7,10 @@ variable; an unset variable costs one dictionary lookup per point.
 
     RPCPS_FAILPOINTS="snapshot.before_commit=kill@3:/run/fp-1.fired;finish.after_snapshot=kill@1:/run/fp-2.fired"
 
-Each entry is ``NAME=kill@N:MARKER``: the N-th time this process reaches NAME it creates the file
-MARKER and kills itself with SIGKILL; if MARKER already exists (a restarted process inherits the
-same environment), the point stays inert, so each planned crash happens once per run.
+Each entry is ``NAME=kill@N:MARKER``: the N-th time NAME is reached, counted over every process
+of the run that inherits the variable (a restarted server goes on counting, in ``MARKER.count``),
+the process creates the file MARKER and kills itself with SIGKILL. Once MARKER exists the point is
+inert, so each planned crash happens once per run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,18 @@ POINTS = {
 class _Point:
     hit_at: int
     marker: str
-    hits: int = 0
+
+    def count(self) -> int:
+        """This hit's number across the run (the count lives beside the marker, so it survives restarts)."""
+        path = f"{self.marker}.count"
+        try:
+            with open(path) as f:
+                hits = int(f.read() or 0) + 1
+        except FileNotFoundError:
+            hits = 1
+        with open(path, "w") as f:
+            f.write(str(hits))
+        return hits
 
 
 def _parse(text: str) -> dict[str, _Point]:
@@ -54,10 +66,7 @@ _points = _parse(os.environ.get(ENV, ""))
 def hit(name: str) -> None:
     """Marks that this process reached fail point ``name``; crashes here if a run asked for it."""
     point = _points.get(name)
-    if point is None:
-        return
-    point.hits += 1
-    if point.hits != point.hit_at:
+    if point is None or os.path.exists(point.marker) or point.count() != point.hit_at:
         return
     try:
         fd = os.open(point.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
