@@ -40,7 +40,7 @@ class LedgerReport:
     """Unix time of every start line (each server process), in order."""
     crashes: list[Crash] = field(default_factory=list)
     write_updates: list[int] = field(default_factory=list)
-    """Per committed snapshot: updates applied while it was written (capture to ledger line)."""
+    """Per committed snapshot: updates applied while it was written (capture to commit)."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -102,12 +102,12 @@ def check_ledger(path: str | Path, every_updates: int | None = None, slack: int 
             open_captures[captured] = version
             last_capture = captured
         elif kind == "snapshot":
+            prepared.append(int(args[0]))
+        elif kind == "committed":
             snapshot = int(args[0])
-            if snapshot in open_captures:
-                open_captures.pop(snapshot)
+            if open_captures.pop(snapshot, None) is not None:
                 last_write_updates = version - snapshot
                 report.write_updates.append(last_write_updates)
-            prepared.append(snapshot)
         else:
             report.problems.append(f"line {n}: unknown event {kind!r}")
     report.final_version = version

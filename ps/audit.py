@@ -4,7 +4,8 @@ One line per event, written with a single ``write`` each (line-buffered), so a S
 already recorded: ``start PID``, ``resume V``, ``apply V SLOT SEQ`` (update V applied SLOT's step SEQ),
 ``capture V`` (snapshot V was copied from the live state; its write starts), ``snapshot V`` (written
 just before snapshot V is committed, so a crash can never leave a committed snapshot the ledger does
-not know); each line ends with its unix time. ``harness.ledger`` replays it
+not know), ``committed V`` (renamed into place; the next copy may be taken); each line ends with its
+unix time. ``harness.ledger`` replays it
 and checks the recovery promises of docs/FAULT_TOLERANCE.md.
 """
 
@@ -36,6 +37,9 @@ class AuditLog:
 
     def snapshot(self, version: int) -> None:
         self.write(f"snapshot {version}")
+
+    def committed(self, version: int) -> None:
+        self.write(f"committed {version}")
 
     def resumed(self, version: int) -> None:
         self.write(f"resume {version}")

@@ -242,6 +242,10 @@ class Checkpointer:
                 "the next trigger retries", version, self.directory, e,
             )
             raise
+        if self.ledger is not None:
+            self.ledger.committed(version)
+        with self._handoff:  # committed: the apply path may take the next copy now, not after the purge below
+            self._writing = False
         failpoints.hit("snapshot.after_commit")
         seconds = time.perf_counter() - started
         self.metrics.checkpoint_seconds.observe(seconds)

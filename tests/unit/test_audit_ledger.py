@@ -61,12 +61,14 @@ def test_resume_to_an_older_snapshot_than_the_newest_committed_is_caught(tmp_pat
 
 def test_a_late_capture_is_caught_and_a_long_write_excuses_it(tmp_path: Path) -> None:
     applies = [f"apply {v} 0 {v - 1}" for v in range(1, 31)]
-    on_time = ["start 1", *applies[:10], "capture 10", "snapshot 10", *applies[10:20], "capture 20", *applies[20:]]
+    on_time = ["start 1", *applies[:10], "capture 10", "snapshot 10", "committed 10", *applies[10:20], "capture 20",
+               *applies[20:]]
     assert check_ledger(ledger(tmp_path, on_time), every_updates=10).problems == []
-    late = ["start 1", *applies[:10], "capture 10", "snapshot 10", *applies[10:25], "capture 25", *applies[25:]]
+    late = ["start 1", *applies[:10], "capture 10", "snapshot 10", "committed 10", *applies[10:25], "capture 25", *applies[25:]]
     report = check_ledger(ledger(tmp_path, late), every_updates=10, slack=2)
     assert any("captured at version 25, 15 updates after the previous one" in p for p in report.problems)
-    # The write of 10 took 14 updates (its line comes after apply 24): the trigger at 20 waited for it.
-    slow = ["start 1", *applies[:10], "capture 10", *applies[10:24], "snapshot 10", "capture 24", *applies[24:]]
+    # The write of 10 took 14 updates (committed after apply 24): the trigger at 20 waited for it.
+    slow = ["start 1", *applies[:10], "capture 10", *applies[10:23], "snapshot 10", *applies[23:24], "committed 10",
+            "capture 24", *applies[24:]]
     report = check_ledger(ledger(tmp_path, slow), every_updates=10)
     assert report.problems == [] and report.write_updates == [14]
