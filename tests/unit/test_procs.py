@@ -85,13 +85,13 @@ _HANGING_TEST = textwrap.dedent(
 
 
 def _run_hanging_test(tmp_path: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], int]:
-    """Runs _HANGING_TEST under the repository's pytest settings with a 10 s timeout; returns (run, child pid)."""
+    """Runs _HANGING_TEST under the repository's pytest settings with a 5 s timeout; returns (run, child pid)."""
     test_file = tmp_path / "test_hang.py"
     test_file.write_text(_HANGING_TEST)
     pidfile = tmp_path / "child.pid"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
-         "-p", "tests.conftest", "-p", "no:cacheprovider", "--timeout", "10", *options, str(test_file)],
+         "-p", "tests.conftest", "-p", "no:cacheprovider", "--timeout", "5", *options, str(test_file)],
         cwd=tmp_path, env=child_env(HANG_PIDFILE=str(pidfile)), capture_output=True, text=True, timeout=120, check=False,
     )
     assert pidfile.exists(), f"the hanging test never started its child\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
