@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from harness.procs import REPO, ProcessGroup, child_env, descendants, free_ports, pid_alive, scrape_metrics, wait_until
+from harness.procs import ProcessGroup, descendants, free_ports, pid_alive, scrape_metrics, wait_until
+from tests.pytest_run import run_pytest
 
 
 def test_wait_until_returns_the_truthy_value_and_names_what_timed_out() -> None:
@@ -85,15 +85,9 @@ _HANGING_TEST = textwrap.dedent(
 
 
 def _run_hanging_test(tmp_path: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], int]:
-    """Runs _HANGING_TEST under the repository's pytest settings with a 5 s timeout; returns (run, child pid)."""
-    test_file = tmp_path / "test_hang.py"
-    test_file.write_text(_HANGING_TEST)
+    """Runs _HANGING_TEST with a 5 s timeout; returns (the run, the pid of the child it started)."""
     pidfile = tmp_path / "child.pid"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
-         "-p", "tests.conftest", "-p", "no:cacheprovider", "--timeout", "5", *options, str(test_file)],
-        cwd=tmp_path, env=child_env(HANG_PIDFILE=str(pidfile)), capture_output=True, text=True, timeout=120, check=False,
-    )
+    run = run_pytest(tmp_path, _HANGING_TEST, "--timeout", "5", *options, HANG_PIDFILE=str(pidfile))
     assert pidfile.exists(), f"the hanging test never started its child\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
     return run, int(pidfile.read_text())
 
