@@ -6,6 +6,11 @@ process, wait for a condition with a deadline, kill or stop a named process on p
 process it started (``local`` starts its children in sessions of their own), so a failing test never
 leaves a server holding a port behind it.
 
+A test that times out fails like any other (pytest-timeout's ``signal`` method, pyproject.toml), so
+the ``procs`` fixture's teardown reaps its processes. As a last resort, when the test process itself
+dies without running finalisers (SIGKILL, ``os._exit``), every process started here gets SIGTERM
+from the kernel (``dies_with_us``).
+
 Nothing here sleeps to synchronise: callers poll a predicate with ``wait_until``.
 """
 
@@ -31,6 +36,7 @@ __all__ = [
     "ProcessGroup",
     "child_env",
     "descendants",
+    "dies_with_us",
     "free_port",
     "free_ports",
     "pid_alive",
@@ -44,6 +50,28 @@ ENTRY = REPO / "trainer_entry.py"
 LOG_TAIL_LINES = 40
 
 T = TypeVar("T")
+
+# Sets PR_SET_PDEATHSIG (1), which survives exec, then execs the real command in the same process
+# (so its pid is the one Popen returned). A wrapper rather than Popen(preexec_fn=...), which can
+# deadlock in a multi-threaded parent. If the parent is already gone by the time prctl runs, no
+# signal would ever come, so it exits instead.
+_PDEATHSIG_WRAPPER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dies_with_us(argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped so that the kernel sends the process SIGTERM when the thread that starts it ends.
+
+    The kernel watches the starting *thread*: start such processes from a thread that lives as long
+    as they should (the test's main thread), never from a short-lived helper thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-c", _PDEATHSIG_WRAPPER, str(os.getpid()), *argv]
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
@@ -199,7 +227,8 @@ class ProcessGroup:
         """Starts ``python script args...`` (``python args...`` when ``script`` is None) in the repo root.
 
         ``program`` replaces ``python script`` with any command (a shell script, ``ip netns exec ...``).
-        stdout and stderr go to ``<name>.out`` and ``<name>.err`` in the log folder.
+        stdout and stderr go to ``<name>.out`` and ``<name>.err`` in the log folder. The process dies
+        with the test process (``dies_with_us``); ``Proc.argv`` is the command without that wrapper.
         """
         if name in self.procs and self.procs[name].alive():
             raise ValueError(f"a process named {name!r} is still running in this test")
@@ -208,7 +237,7 @@ class ProcessGroup:
         out = open(self.log_dir / f"{name}.out", "ab")  # noqa: SIM115 - closed by reap
         err = open(self.log_dir / f"{name}.err", "ab")  # noqa: SIM115 - closed by reap
         popen = subprocess.Popen(
-            argv,
+            dies_with_us(argv),
             cwd=REPO,
             env=dict(env) if env is not None else child_env(extra_pythonpath),
             stdin=subprocess.DEVNULL,

@@ -1,19 +1,56 @@
-"""Fixtures shared by every test tier. The reusable machinery itself lives in ``tests/procs.py``."""
+"""Fixtures and hooks shared by every test tier. The reusable machinery itself lives in ``harness/``."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from harness.procs import ProcessGroup
+from tests.must_run import MustRunList
+
+_MUST_RUN = pytest.StashKey[MustRunList]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--must-run", metavar="FILE", default=None,
+        help="node ids that must not skip (tests/must_run.txt in CI): a skip of one of them fails the run",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--must-run")
+    if path is None:
+        return
+    try:
+        config.stash[_MUST_RUN] = MustRunList.read(Path(path))
+    except OSError as e:
+        raise pytest.UsageError(f"--must-run {path}: {e.strerror}") from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # tryfirst: sees every collected test before -m/-k deselect some (a deselected test is not skipped).
+    must_run = config.stash.get(_MUST_RUN, None)
+    if must_run is None:
+        return
+    stale = must_run.stale((item.nodeid for item in items), config.rootpath)
+    if stale:
+        raise pytest.UsageError(f"{must_run.source} lists tests that do not exist (renamed or removed?): {stale}")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    # Keeps each phase's report on the test item so fixtures can tell, at teardown, whether it failed.
     report = yield
+    must_run = item.config.stash.get(_MUST_RUN, None)
+    if report.skipped and not hasattr(report, "wasxfail") and must_run is not None and must_run.covers(item.nodeid):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} must run here ({must_run.source} lists it) but skipped: {reason}"
+    # Kept on the item so fixtures can tell, at teardown, whether a phase failed.
     setattr(item, f"rep_{report.when}", report)
     return report
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up rpcps in ./.venv on a fresh machine (Python 3.11+). With --test, also what the tests need:
-# the test extras and Debian's prometheus package (prometheus + promtool; needs root or sudo).
+# the test extras and Debian packages (needs root or sudo). CI fails when a test that needs one of
+# them skips (tests/must_run.txt), so whatever a listed test needs is installed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -12,12 +13,15 @@ python=${PYTHON:-python3}
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==${RPCPS_TORCH_VERSION:-2.13.0}"
 if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
-  # iproute2: the multi-host test's network namespaces; systemd: systemd-analyze for deploy/validate.sh.
+  # prometheus: prometheus + promtool; iproute2: `ip netns` for the multi-host test and `ss`;
+  # systemd: systemd-analyze for deploy/validate.sh; openssl: the TLS tests' certificates.
   if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v shellcheck >/dev/null \
-      || ! command -v ip >/dev/null || ! command -v systemd-analyze >/dev/null; then
+      || ! command -v ip >/dev/null || ! command -v ss >/dev/null || ! command -v systemd-analyze >/dev/null \
+      || ! command -v openssl >/dev/null; then
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -q
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus shellcheck iproute2 systemd
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus shellcheck iproute2 \
+      systemd openssl
   fi
 else
   .venv/bin/python -m pip install -q -e .

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from harness.procs import Proc, try_scrape, wait_until
+from harness.procs import ENTRY, REPO, Proc, child_env, try_scrape, wait_until
 
 
 def model_version(metrics_port: int) -> float:
     """The server's model version from its /metrics, or -1 while it does not answer."""
     return try_scrape(metrics_port).get("rpcps_server_model_version", -1)
+
+
+def run_ctl(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``rpcps ctl ARGS --addr ADDRESS``: the real command-line client, as a subprocess."""
+    return subprocess.run(
+        [sys.executable, str(ENTRY), "ctl", *args, "--addr", address, "--timeout-s", "20"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60, check=False,
+    )
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Processes for the monitoring integration tests: a supervised local run and a real Prometheus.
 
-Both are context managers that reap what they started even when a test fails. As a last resort,
-when pytest itself dies (pytest-timeout's os._exit skips every finaliser), each process runs with
-PR_SET_PDEATHSIG so the kernel sends it SIGTERM; the local supervisor then stops its own children.
+Both are context managers that reap what they started even when a test fails or times out. As a
+last resort, when pytest itself dies without running finalisers, each process runs with
+PR_SET_PDEATHSIG (``harness.procs.dies_with_us``) so the kernel sends it SIGTERM; the local
+supervisor then stops its own children.
 """
 
 from __future__ import annotations
@@ -22,27 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from harness.procs import dies_with_us
+
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "prometheus"
 T = TypeVar("T")
-
-# Sets PR_SET_PDEATHSIG (1), which survives exec, then execs the real command. A wrapper process
-# rather than Popen(preexec_fn=...), which can deadlock in a multi-threaded parent. If the parent
-# is already gone by the time prctl runs, no signal would ever come, so it exits instead.
-_PDEATHSIG_WRAPPER = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def _dies_with_us(argv: list[str]) -> list[str]:
-    if not sys.platform.startswith("linux"):
-        return argv
-    return [sys.executable, "-c", _PDEATHSIG_WRAPPER, str(os.getpid()), *argv]
 
 
 def free_port() -> int:
@@ -103,7 +90,7 @@ class LocalRun:
         self.started_at = time.time()
         with open(self.output, "wb") as out:
             self.process = subprocess.Popen(
-                _dies_with_us(self.argv), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                dies_with_us(self.argv), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         return self
 
@@ -187,7 +174,7 @@ class Prometheus:
         config_file.write_text(json.dumps(self.config, indent=2))  # JSON is YAML
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
-                _dies_with_us([
+                dies_with_us([
                     self.binary,
                     f"--config.file={config_file}",
                     f"--storage.tsdb.path={self.workdir / 'data'}",

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,10 +27,11 @@ from ps.control.control_pb2_grpc import ControlStub
 from ps.control.hooks import CheckpointHook
 from ps.control.service import CONTROL_SERVICE, ControlServer, start_control_server
 from rpcps.tasks import teacher_student_model
+from tests.integration.certs import self_signed
+from tests.integration.conftest import run_ctl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "0123456789abcdef-test-token"
 CALL_TIMEOUT_S = 10.0
 
@@ -282,44 +280,8 @@ def test_a_taken_port_is_a_clear_error(start: Callable[..., Any], ps_server: InP
         )
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for localhost / 127.0.0.1 with its key, via openssl or else `cryptography`."""
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    if shutil.which("openssl"):
-        subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-             "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-            check=True, capture_output=True, timeout=60,
-        )
-        return cert, key
-    try:
-        import datetime
-        import ipaddress
-
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import rsa
-        from cryptography.x509.oid import NameOID
-    except ImportError:
-        pytest.skip("TLS test needs the openssl command or the cryptography package to make a certificate; neither is here")
-    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                       critical=False)
-        .sign(private, hashes.SHA256())
-    )
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    return cert, key
-
-
 def test_tls_round_trip(start: Callable[..., Any], channel_to: Callable[..., Any], tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     handle, _ = start(tls_cert=str(cert), tls_key=str(key))
     secure = channel_to(handle.address, grpc.ssl_channel_credentials(root_certificates=cert.read_bytes()))
     assert ControlStub(secure).GetStatus(pb.GetStatusRequest(), timeout=CALL_TIMEOUT_S).mode == "async"
@@ -327,13 +289,6 @@ def test_tls_round_trip(start: Callable[..., Any], channel_to: Callable[..., Any
     # A plaintext client gets nothing out of a TLS server.
     code, _ = _code(lambda: ControlStub(channel_to(handle.address)).GetStatus(pb.GetStatusRequest(), timeout=5))
     assert code == grpc.StatusCode.UNAVAILABLE
-
-
-def _ctl(address: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "trainer_entry.py"), "ctl", *args, "--addr", address, "--timeout-s", "20"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )
 
 
 def test_ctl_cli_against_a_live_server(
@@ -348,32 +303,32 @@ def test_ctl_cli_against_a_live_server(
     assert _push(ps_server, 0, w0, seq=1) == "applied"
     auth = ("--token-file", str(token_file))
 
-    human = _ctl(handle.address, "status", *auth)
+    human = run_ctl(handle.address, "status", *auth)
     assert human.returncode == 0, human.stderr
     assert "model version 1" in human.stdout and "health        SERVING" in human.stdout
     assert "slot 0" in human.stdout and "checkpoint    none yet" in human.stdout
 
-    ck = _ctl(handle.address, "checkpoint", *auth, "--json")
+    ck = run_ctl(handle.address, "checkpoint", *auth, "--json")
     assert ck.returncode == 0, ck.stderr
     answer = json.loads(ck.stdout)
     assert answer["version"] == 1 and Path(answer["path"]).exists()
 
-    status = json.loads(_ctl(handle.address, "status", *auth, "--json").stdout)
+    status = json.loads(run_ctl(handle.address, "status", *auth, "--json").stdout)
     assert status["newest_checkpoint"]["path"] == answer["path"]
     assert status["workers"][0]["slot"] == 0 and status["health"] == "SERVING"
 
-    paused = _ctl(handle.address, "pause", *auth)
+    paused = run_ctl(handle.address, "pause", *auth)
     assert paused.returncode == 0 and paused.stdout.startswith("paused at version 1") and ps_server.paused
-    assert _ctl(handle.address, "resume", *auth).stdout.startswith("resumed at version 1") and not ps_server.paused
+    assert run_ctl(handle.address, "resume", *auth).stdout.startswith("resumed at version 1") and not ps_server.paused
 
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-token")
-    refused = _ctl(handle.address, "shutdown", "--token-file", str(wrong))
+    refused = run_ctl(handle.address, "shutdown", "--token-file", str(wrong))
     assert refused.returncode == 1 and not shutdown.is_set()
     assert refused.stderr.strip().count("\n") == 0 and "wrong token" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    done = _ctl(handle.address, "shutdown", *auth)
+    done = run_ctl(handle.address, "shutdown", *auth)
     assert done.returncode == 0 and done.stdout.startswith("shutdown requested") and shutdown.is_set()
 
 
@@ -381,7 +336,7 @@ def test_ctl_cli_unreachable_server_is_one_line(start: Callable[..., Any]) -> No
     handle, _ = start()
     address = handle.address
     handle.stop(grace_s=0)  # the port was ours a moment ago; nothing listens there now
-    result = _ctl(address, "status")
+    result = run_ctl(address, "status")
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "unavailable" in result.stderr and "Traceback" not in result.stderr

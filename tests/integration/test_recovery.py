@@ -6,6 +6,7 @@ synchronise: they poll metrics or files with deadlines.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -14,29 +15,69 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.faults import ChaosPlan, Kill, run_chaos
-from harness.procs import ProcessGroup, free_port, try_scrape, wait_until
+from harness.procs import Proc, ProcessGroup, free_port, try_scrape, wait_until
 from harness.snapshots import verify_all
 from ps.snapshot_files import list_snapshots
+from tests.integration.checkpoints import newest_snapshot, tensors_of
+from tests.integration.conftest import UNTRAINED_LOSS
 from tests.integration.conftest import model_version as version
 
 pytestmark = pytest.mark.integration
 
 
 
-@pytest.mark.timeout(420)
+# Recovery takes 3-4 s here (docs/BENCHMARKS.md, tools/chaos.py); the tests promise only that it
+# happens, with a limit a loaded two-core machine keeps (a recovery once took 13.4 s under load).
+RECOVERY_LIMIT_S = 60.0
+EXACT = ("--mode", "sync", "--optimizer", "sgd", "--optimizer-args", '{"lr": 0.05, "momentum": 0.9}')
+"""Deterministic training: one worker in sync mode computes every step on the parameters of the step
+before it, so two runs of the same job end bit-identical, and anything a resume gets wrong shows."""
+
+
+@pytest.mark.timeout(300)
 def test_kill_9_of_server_and_worker_mid_training_recovers_with_nothing_applied_twice(tmp_path: Path) -> None:
     plan = ChaosPlan(workers=2, steps=600, checkpoint_every_updates=100,
-                     kills=(Kill("ps", 300), Kill("worker1", 600), Kill("ps", 900)), timeout_s=300)
+                     kills=(Kill("ps", 300), Kill("worker1", 600), Kill("ps", 900)), timeout_s=240)
     result = run_chaos(plan, tmp_path / "chaos")
     assert result.problems(plan) == [], (tmp_path / "chaos" / "local.log").read_text()[-3000:]
     assert result.ledger.restarts == 3, "the server was started once and restarted after each of its two kills"
-    assert len(result.recovery_s) == 2 and all(r < 10.0 for r in result.recovery_s), result.recovery_s
-    baseline = run_chaos(ChaosPlan(workers=2, steps=600, checkpoint_every_updates=100), tmp_path / "baseline")
-    assert baseline.problems(plan) == [] or baseline.exit_code == 0
-    assert abs(result.summary["final_loss"] - baseline.summary["final_loss"]) < 0.25 * baseline.summary["final_loss"]
+    assert len(result.recovery_s) == 2 and all(r < RECOVERY_LIMIT_S for r in result.recovery_s), result.recovery_s
     assert result.summary["restarts"] == {"ps": 2, "worker0": 0, "worker1": 1}
+    # Catches a run that recovered into garbage (NaN, diverged). It cannot catch a resume that lost
+    # the trained state: the built-in task's loss is on its plateau (~1.2) within ~100 updates, so a
+    # model reset at update 900 ends as low. The exact test below holds resume to the state itself.
+    assert result.summary["final_loss"] < 0.75 * UNTRAINED_LOSS, result.summary
+
+
+@pytest.mark.timeout(240)
+def test_a_server_killed_mid_run_ends_bit_identical_to_an_undisturbed_run(tmp_path: Path) -> None:
+    """kill -9 of the server, resume from its snapshot, the lost steps recomputed: the final parameters
+    and momentum equal those of a run never disturbed, bit for bit.
+
+    Catches a resume that restores the version but not the parameters or the optimizer state, a
+    worker that resumes its data at another step than the snapshot recorded, and a step applied
+    twice or skipped around the crash.
+    """
+    common = {"workers": 1, "steps": 200, "checkpoint_every_updates": 100, "extra_args": EXACT, "timeout_s": 180}
+    baseline_plan = ChaosPlan(**common)
+    baseline = run_chaos(baseline_plan, tmp_path / "baseline")
+    assert baseline.problems(baseline_plan) == [], (tmp_path / "baseline" / "local.log").read_text()[-3000:]
+    plan = ChaosPlan(**common, kills=(Kill("ps", 130),))
+    killed = run_chaos(plan, tmp_path / "killed")
+    assert killed.problems(plan) == [], (tmp_path / "killed" / "local.log").read_text()[-3000:]
+    assert killed.ledger.restarts == 2 and killed.ledger.updates_lost[0] > 0, "resumed from the snapshot at 100, then recomputed"
+
+    _, expected = newest_snapshot(tmp_path / "baseline" / "checkpoints")
+    _, actual = newest_snapshot(tmp_path / "killed" / "checkpoints")
+    assert actual["version"] == expected["version"] == 200
+    expected_tensors, actual_tensors = tensors_of(expected), tensors_of(actual)
+    assert any("momentum_buffer" in key for key in expected_tensors), "the optimizer state is compared too"
+    assert actual_tensors.keys() == expected_tensors.keys()
+    differ = [key for key, value in expected_tensors.items() if not torch.equal(actual_tensors[key], value)]
+    assert differ == [], f"the resumed run ended elsewhere in {differ}"
 
 
 @pytest.mark.timeout(120)
@@ -96,7 +137,30 @@ def test_stray_connections_to_every_port_do_not_take_the_system_down(procs: Proc
     assert w1.wait(90) == 0, "a new worker must still be able to join"
     assert w0.wait(120) == 0
     assert ps.alive()
-    assert try_scrape(mport).get("rpcps_server_rpc_listener_lost_total") is not None
+    # The restarted server went on from the snapshot it took, not from scratch: catches a restart
+    # that loses the trained state (it would resume nothing, or from an older periodic snapshot).
+    metrics = try_scrape(mport)
+    assert metrics["rpcps_server_resumes_total"] == 1 and metrics["rpcps_server_resumed_from_version"] >= before + 20
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "runtime bug: the server bumps rpcps_server_rpc_listener_lost_total and then re-executes itself, which "
+    "starts the counter from 0 again; Prometheus (15 s scrapes) never sees it, so the RpcpsRpcListenerLost alert "
+    "cannot fire, and the server always restarts itself (ps/runner.py _on_listener_lost)"))
+@pytest.mark.timeout(90)
+def test_a_lost_rpc_listener_stays_counted_after_the_server_restarts_itself(procs: ProcessGroup) -> None:
+    ps, port, mport = procs.ps("ps")
+    wait_until(lambda: "serving on" in ps.stderr(), 60, "the server to serve")
+    tp_port = _tensorpipe_port(ps.pid, exclude={port, mport, _control_port(ps)})
+    socket.create_connection(("127.0.0.1", tp_port), timeout=5).close()
+    wait_until(lambda: try_scrape(mport).get("rpcps_server_resumes_total", 0) == 1, 60, "the server to restart itself")
+    assert try_scrape(mport)["rpcps_server_rpc_listener_lost_total"] == 1, "the loss must stay visible to Prometheus"
+
+
+def _control_port(ps: Proc) -> int:
+    found = re.search(r"control plane on 127\.0\.0\.1:(\d+)", ps.stderr())
+    assert found, ps.stderr()
+    return int(found.group(1))
 
 
 def _tensorpipe_port(pid: int, exclude: set[int]) -> int:
@@ -126,6 +190,34 @@ def test_resume_into_a_different_model_is_refused_with_a_clear_message(procs: Pr
     assert other.wait(60) == 2
     err = other.stderr()
     assert "different model" in err and "'0.weight'" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(120)
+def test_resume_skips_a_corrupt_newest_snapshot_and_says_so(procs: ProcessGroup, tmp_path: Path) -> None:
+    """A real server resumes from the newest snapshot that verifies, names the one it skipped and why,
+    and moves that one aside. Catches a resume that loads a corrupt file, gives up, or starts fresh."""
+    ckpt = tmp_path / "ckpt"
+    ps, port, _ = procs.ps("ps", "--checkpoint-dir", str(ckpt), "--checkpoint-every-updates", "10", "--keep-checkpoints", "5")
+    worker, _ = procs.worker("w0", port, 0, 1, "--steps", "30")
+    assert worker.wait(90) == 0, worker.tail()
+    ps.send(signal.SIGTERM)
+    assert ps.wait(30) == 0
+    newest, older = list_snapshots(ckpt)[:2]
+    assert newest.name == "step-000000000030", list_snapshots(ckpt)
+    older_version = int(older.name.removeprefix("step-"))
+    state = newest / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: the size still matches, only the checksum can tell
+    state.write_bytes(bytes(data))
+
+    resumed, _, mport = procs.ps("ps2", "--checkpoint-dir", str(ckpt))
+    wait_until(lambda: "serving on" in resumed.stderr(), 60, "the second server to resume and serve")
+    metrics = try_scrape(mport)
+    assert metrics["rpcps_server_resumed_from_version"] == metrics["rpcps_server_model_version"] == older_version
+    err = resumed.stderr()
+    assert f"skipping snapshot {newest}: {state} fails its SHA-256 checksum (corrupted)" in err, err
+    assert f"resumed from {older} at version {older_version}" in err, err
+    assert not newest.exists() and [p.name.startswith(".invalid-step-000000000030") for p in ckpt.iterdir()].count(True) == 1
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from harness.procs import ProcessGroup, descendants, free_ports, pid_alive, scrape_metrics, wait_until
+from tests.pytest_run import run_pytest
 
 
 def test_wait_until_returns_the_truthy_value_and_names_what_timed_out() -> None:
@@ -65,3 +67,49 @@ def test_reap_ends_a_stubborn_tree_and_a_stopped_process(tmp_path: Path) -> None
     assert not parent.alive() and not sleeper.alive()
     assert sleeper.returncode == -signal.SIGTERM  # continued, then ended by SIGTERM
     wait_until(lambda: not pid_alive(child_pid), timeout=10, what="the grandchild to die")
+
+
+# Run by a pytest in a subprocess: starts a sleeping child through the procs fixture, records its
+# pid, then hangs until pytest-timeout ends it.
+_HANGING_TEST = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+
+    def test_hangs(procs):
+        child = procs.start("sleeper", ["-c", "import time; time.sleep(600)"], script=None)
+        Path(os.environ["HANG_PIDFILE"]).write_text(str(child.pid))
+        time.sleep(600)
+    """
+)
+
+
+def _run_hanging_test(tmp_path: Path, *options: str) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Runs _HANGING_TEST with a 5 s timeout; returns (the run, the pid of the child it started)."""
+    pidfile = tmp_path / "child.pid"
+    run = run_pytest(tmp_path, _HANGING_TEST, "--timeout", "5", *options, HANG_PIDFILE=str(pidfile))
+    assert pidfile.exists(), f"the hanging test never started its child\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
+    return run, int(pidfile.read_text())
+
+
+@pytest.mark.timeout(150)
+def test_a_timed_out_test_fails_and_its_teardown_reaps_its_processes(tmp_path: Path) -> None:
+    """The configured timeout method fails the test and runs its fixtures' teardown.
+
+    Catches pyproject.toml going back to timeout_method="thread" (os._exit: no teardown, no report).
+    """
+    run, pid = _run_hanging_test(tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1 and "Timeout" in output and "1 failed" in output, output[-3000:]
+    assert "===== process logs" in output, "the procs fixture's teardown did not run"
+    wait_until(lambda: not pid_alive(pid), timeout=10, what=f"the timed-out test's child {pid} to be gone")
+
+
+@pytest.mark.timeout(150)
+def test_processes_die_with_a_test_process_that_exits_without_teardown(tmp_path: Path) -> None:
+    """The last resort: pytest-timeout's "thread" method os._exits pytest, skipping every finaliser;
+    the kernel still ends the children (PR_SET_PDEATHSIG). Catches ProcessGroup.start losing it."""
+    run, pid = _run_hanging_test(tmp_path, "-o", "timeout_method=thread")
+    output = run.stdout + run.stderr
+    assert "Timeout" in output and "===== process logs" not in output, output[-3000:]
+    wait_until(lambda: not pid_alive(pid), timeout=10, what=f"the orphaned child {pid} to be gone")

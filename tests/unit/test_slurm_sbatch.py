@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -63,11 +64,11 @@ done
 exit $rc
 """
 
-# The node launcher: records its arguments; a server (and a worker when HANG_WORKERS is set) runs
+# The node launcher: records its arguments and the interpreter it was handed; a server (and a worker when HANG_WORKERS is set) runs
 # until SIGTERM and records that it was stopped.
 NODE = """
 #!/usr/bin/env bash
-echo "node $* ckpt=$RPCPS_CHECKPOINT_DIR logs=$RPCPS_LOG_DIR" >> "$RECORD"
+echo "node $* ckpt=$RPCPS_CHECKPOINT_DIR logs=$RPCPS_LOG_DIR python=$RPCPS_PYTHON" >> "$RECORD"
 [ -n "${STANDIN_SRUN:-}" ] && : > "$RECORD.started.$STANDIN_SRUN.${SLURM_PROCID:-0}"
 if [ "$1" = server ] || [ -n "${HANG_WORKERS:-}" ]; then
     trap 'echo "stopped $1" >> "$RECORD"; exit 0' TERM
@@ -88,7 +89,8 @@ def slurm(tmp_path: Path) -> dict[str, str]:
     env.update(
         PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(tmp_path / "record"), SLURM_JOB_ID="42", SLURM_JOB_NAME="train",
         SLURM_JOB_NODELIST="n[0-2]", SLURM_SUBMIT_DIR=str(tmp_path), RPCPS_NODE_SH=str(bin_dir / "rpcps-node.sh"),
-        RPCPS_NODE_WORKERS="2", RPCPS_PYTHON="python3",
+        # The interpreter running these tests, never whatever python3 PATH finds (it may lack rpcps).
+        RPCPS_NODE_WORKERS="2", RPCPS_PYTHON=sys.executable,
     )
     return env
 
@@ -103,13 +105,11 @@ def test_server_on_the_first_node_workers_on_the_others_with_their_slots(slurm: 
     assert result.returncode == 0, result.stdout + result.stderr
     lines = record(slurm)
     run_dir = tmp_path / "rpcps-runs" / "train"
+    tail = f"ckpt={run_dir}/checkpoints logs={run_dir}/logs python={sys.executable}"
     server = [line for line in lines if line.startswith("node server")]
-    assert server == [f"node server --listen n0:29500 ckpt={run_dir}/checkpoints logs={run_dir}/logs"]
+    assert server == [f"node server --listen n0:29500 {tail}"]
     workers = sorted(line for line in lines if line.startswith("node workers"))
-    assert workers == [
-        f"node workers --ps n0:29500 --count 2 --first-index {k} --num-workers 4 ckpt={run_dir}/checkpoints logs={run_dir}/logs"
-        for k in (0, 2)
-    ]
+    assert workers == [f"node workers --ps n0:29500 --count 2 --first-index {k} --num-workers 4 {tail}" for k in (0, 2)]
     worker_srun = next(line for line in lines if line.startswith("srun") and "workers" in line)
     assert "--nodes=2 --ntasks=2 --ntasks-per-node=1 --exclude=n0" in worker_srun
     assert lines[-1] == "stopped server", "the server is stopped once the workers are done"
