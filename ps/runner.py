@@ -30,6 +30,8 @@ from rpcps.summary import write_summary
 logger = logging.getLogger(__name__)
 
 RESTART_FROM_ENV = "RPCPS_RESTART_FROM"
+LISTENER_LOST_ENV = "RPCPS_LISTENER_LOST"
+"""How often earlier incarnations of this server lost their RPC listener (the counter outlives the restart)."""
 JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
 
 
@@ -38,6 +40,7 @@ def run_server(config: ServerRunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = ServerMetrics()
+    metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
     build_info(metrics.registry, "ps", _flat_config(config))
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
@@ -108,7 +111,8 @@ def run_server(config: ServerRunConfig) -> int:
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
     if restart_from is not None:
-        restart_self({RESTART_FROM_ENV: restart_from})
+        lost = metrics.registry.get_sample_value("rpcps_server_rpc_listener_lost_total") or 0
+        restart_self({RESTART_FROM_ENV: restart_from, LISTENER_LOST_ENV: str(int(lost))})
     return 0
 
 

@@ -7,6 +7,12 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def metrics_text(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> str:
+    """The exposition text of ``http://host:port/metrics``. Raises OSError when it does not answer."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
+        return reply.read().decode()
+
+
 def scrape_metrics(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> dict[str, float]:
     """Reads ``http://host:port/metrics`` into {sample: value}.
 
@@ -16,10 +22,8 @@ def scrape_metrics(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> 
     Raises:
         OSError: the endpoint did not answer.
     """
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
-        text = reply.read().decode()
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metrics_text(port, host, timeout)):
         for sample in family.samples:
             key = sample.name
             if sample.labels:

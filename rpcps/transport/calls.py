@@ -51,7 +51,11 @@ _DEAD_MARKERS = (
     "could not find destination id",
 )
 _TIMEOUT_MARKERS = ("ran for more than set timeout", "rpcerr:1", "timed out")
-_UNKNOWN_MARKERS = ("unknown destination worker", "unknown worker name")
+_UNKNOWN_MARKERS = (
+    "unknown destination worker", "unknown worker name",
+    # A name this agent has not heard of yet (a shard that has not joined): "could not find destination name ps1".
+    "could not find destination name",
+)
 
 
 def classify(error: BaseException) -> BaseException:

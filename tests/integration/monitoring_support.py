@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from harness.procs import dies_with_us
+from rpcps.ports import free_port
 
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "prometheus"
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(fetch: Callable[[], T], accept: Callable[[T], bool], timeout_s: float, what: str,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from rpcps.scrape import metrics_text
 
 try:
     from monitoring_support import LocalRun, wait_for
@@ -36,8 +37,8 @@ def lint(text: str) -> tuple[int, str]:
 
 
 def scrape(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        return r.read().decode()
+    host, _, port = address.rpartition(":")
+    return metrics_text(int(port), host, timeout=5)
 
 
 def samples(text: str) -> dict[str, float]:

@@ -143,10 +143,6 @@ def test_stray_connections_to_every_port_do_not_take_the_system_down(procs: Proc
     assert metrics["rpcps_server_resumes_total"] == 1 and metrics["rpcps_server_resumed_from_version"] >= before + 20
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime bug: the server bumps rpcps_server_rpc_listener_lost_total and then re-executes itself, which "
-    "starts the counter from 0 again; Prometheus (15 s scrapes) never sees it, so the RpcpsRpcListenerLost alert "
-    "cannot fire, and the server always restarts itself (ps/runner.py _on_listener_lost)"))
 @pytest.mark.timeout(90)
 def test_a_lost_rpc_listener_stays_counted_after_the_server_restarts_itself(procs: ProcessGroup) -> None:
     ps, port, mport = procs.ps("ps")

@@ -108,10 +108,6 @@ def test_hand_started_shards_and_workers_train_together(procs: ProcessGroup, tmp
     assert all(json.loads((tmp_path / f"w{i}.json").read_text())["final_loss"] < 1.8 for i in range(2))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime bug: a worker that joins before shard 1 has joined the group fails at once with a traceback "
-    "(RuntimeError 'could not find destination name ps1' is not classified as PeerUnknown by "
-    "rpcps/transport/calls.py, so ServerClient's wait for the shard never happens)"))
 @pytest.mark.timeout(150)
 def test_a_worker_started_before_shard_1_waits_for_it(procs: ProcessGroup, tmp_path: Path) -> None:
     """README: start servers and workers in any order; a worker waits up to --connect-timeout-s."""
