@@ -317,7 +317,7 @@ def run_client(args: argparse.Namespace) -> int:
         )
     finally:
         if args.kind == "ours":
-            transport.leave(name, server_name(0))
+            transport.leave(name, transport.store_host())
         transport.shutdown()
     return 0
 

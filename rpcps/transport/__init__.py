@@ -2,9 +2,10 @@
 
 Roles see: ``serve``/``join``/``leave``/``shutdown`` (the process's membership in the group),
 ``call``/``call_async``/``ping`` (calls on other members, failing with the classified errors of
-``calls``), ``async_endpoint`` and ``make_ref`` (what a server exposes), and ``membership`` (the
-store host's upkeep of the member list). torch RPC is in maintenance mode upstream; keeping it
-behind this seam is what lets another transport replace it later.
+``calls``), ``async_endpoint`` and ``make_ref`` (what a server exposes), ``group_registry`` (the group's
+shared facts: which process serves each shard), and ``membership`` (the upkeep of the member list).
+torch RPC is in maintenance mode upstream; keeping it behind this seam is what lets another
+transport replace it later.
 """
 
 from rpcps.transport import membership
@@ -25,7 +26,8 @@ from rpcps.transport.calls import (
     ping,
 )
 from rpcps.transport.config import Address, TransportOptions
-from rpcps.transport.group import JoinFailed, TransportError, join, leave, serve, shutdown
+from rpcps.transport.group import JoinFailed, TransportError, group_registry, join, leave, serve, shutdown, store_host
+from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
 
 __all__ = [
     "Address",
@@ -36,12 +38,16 @@ __all__ = [
     "PeerUnreachable",
     "Pending",
     "Ref",
+    "Registry",
+    "StoreUnavailable",
     "TransportError",
     "TransportOptions",
+    "ViewRecord",
     "async_endpoint",
     "call",
     "call_async",
     "classify",
+    "group_registry",
     "is_local",
     "join",
     "leave",
@@ -51,4 +57,5 @@ __all__ = [
     "ping",
     "serve",
     "shutdown",
+    "store_host",
 ]

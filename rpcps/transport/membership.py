@@ -1,9 +1,11 @@
 """Private torch RPC internals, in one place: removing departed members from a dynamic group.
 
 In a dynamic group a joining process calls every member listed in the store. A member that died
-stays listed, so every later join would fail (and leak the group's join token). The server
-therefore removes dead or departed members itself: from its own agent's view and from the store's
-member list, holding the same token that joins hold. Both steps use private torch APIs (pinned by
+stays listed, so every later join would fail (and leak the group's join token). The group janitor
+(``rpcps.transport.coordinator``) therefore removes dead or departed members: from its own agent's
+view and from the store's member list, holding the same token that joins hold; a replica that
+promotes itself removes the primary it replaces the same way, from any member (every agent has a
+client of the store). Both steps use private torch APIs (pinned by
 tests/integration/test_membership.py); nothing else in rpcps touches them.
 """
 
@@ -63,8 +65,8 @@ def store_members() -> dict[str, int]:
 def forget_member(name: str) -> bool:
     """Makes this process's agent and the group's store forget RPC member ``name``.
 
-    Returns False when the member was not known to either. Must run on the store's host (the
-    server). Raises TokenBusy while a join is in progress.
+    Returns False when the member was not known to either. Runs in any member (the store's
+    list is shared; the agent is this process's). Raises TokenBusy while a join is in progress.
     """
     with _holding_token():
         return _forget_locked(name)
@@ -105,7 +107,7 @@ def _forget_locked(name: str) -> bool:
 
 
 def forget_me(name: str) -> str:
-    """Runs on the server at a departing worker's request (see ``transport.leave_group``).
+    """Runs on the store's host at a departing member's request (see ``group.leave``).
 
     Returns 'done', 'unknown' or 'busy' rather than raising, so the caller can retry a busy token
     without parsing a remote traceback.
@@ -114,8 +116,6 @@ def forget_me(name: str) -> str:
         return "done" if forget_member(name) else "unknown"
     except TokenBusy:
         return "busy"
-
-
 
 
 class JoinTokenWatch:
