@@ -32,11 +32,16 @@ class ServerStarting(RpcpsError):
     """The server process is up but has not loaded its model yet; retry shortly."""
 
 
+class NotPrimary(RpcpsError):
+    """This server process does not serve its shard now (a standby, or a primary that was replaced):
+    read the shard's view and call the primary it names."""
+
+
 class CheckpointFailed(RpcpsError):
     """The server could not commit a checkpoint (full disk, I/O error); nothing committed was lost."""
 
 
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
     cls.__name__: cls
-    for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting, CheckpointFailed)
+    for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting, NotPrimary, CheckpointFailed)
 }
