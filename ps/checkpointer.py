@@ -327,6 +327,10 @@ def _writer_alive(tmp: Path) -> bool:
     return True
 
 
+ResumePoint = tuple[SnapshotInfo, dict[str, Any]]
+"""A snapshot chosen to resume from, and the state it holds."""
+
+
 class ResumeRefused(ValueError):
     """The chosen snapshot cannot be resumed into this server (different model or optimizer)."""
 
@@ -358,7 +362,7 @@ def shard_checkpoint_config(config: CheckpointConfig, shard_index: int, shard_co
 
 def find_resume_point(
     config: CheckpointConfig, signature: ModelSignature, optimizer: str, partition: str | None = None
-) -> tuple[SnapshotInfo, dict[str, Any]] | None:
+) -> ResumePoint | None:
     """Picks the snapshot to resume from per ``config.resume``; None to start fresh.
 
     ``auto`` walks from the newest snapshot to older ones, skipping (and logging why) any that is

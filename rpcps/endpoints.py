@@ -8,7 +8,8 @@ resume, finish, stop, snapshot, restore) is reachable only through the authentic
 
 Errors rpcps raises on purpose come back as ``ErrorReply`` values (torch RPC would lose their
 type); the worker's client raises the matching class again. ``ENDPOINTS`` lists every function
-here that may be called remotely (the transport's unpickler allows exactly these).
+that may be called remotely (the transport's unpickler allows exactly these): the worker API here,
+and the replication API of ``rpcps.replica_endpoints``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch.futures import Future
 
-from rpcps import transport
+from rpcps import replica_endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
 from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
 
@@ -27,7 +28,8 @@ Chunks = list[Any]
 
 
 def server_name(shard: int) -> str:
-    """The RPC name of server shard ``shard`` (shard 0 also hosts the group's store)."""
+    """The base of the RPC names of shard ``shard``'s server processes: each joins as
+    ``ps<shard>_r<rank>``, fresh per process; workers find the current one through the shard's view."""
     return f"ps{shard}"
 
 
@@ -141,4 +143,5 @@ def leave(ref: transport.Ref, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave)
+WORKER_ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave)
+ENDPOINTS = (*WORKER_ENDPOINTS, *replica_endpoints.ENDPOINTS)
