@@ -45,6 +45,11 @@ class WorkerConfig:
         None, help="send only this share of each gradient chunk (largest first), with error feedback", metavar="R"
     )
     prefetch_pull: bool = setting(True, help="async mode: fetch the next step's parameters while this step computes")
+    failover_timeout_s: float = setting(
+        15.0,
+        help="a shard whose primary failed while its view named a standby: how long to wait for that standby to take "
+        "over before restarting this worker to rejoin",
+    )
     pause_poll_s: float = 0.5
     """How often a paused worker asks whether training resumed."""
 
@@ -65,6 +70,8 @@ class WorkerConfig:
             raise ValueError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.failover_timeout_s <= 0:
+            raise ValueError(f"failover_timeout_s must be > 0, got {self.failover_timeout_s}")
         if self.max_consecutive_rejects < 1:
             raise ValueError(f"max_consecutive_rejects must be >= 1, got {self.max_consecutive_rejects}")
 

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 
-from rpcps import endpoints, plugins, transport
+from rpcps import plugins, replica_endpoints, transport
 from rpcps.errors import ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -58,6 +58,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         signal.signal(sig, signal.SIG_DFL)
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
     name: str | None = None
+    store_host = ""
     try:
         assert config.ps is not None  # WorkerRunConfig requires it
         try:
@@ -66,12 +67,14 @@ def run_worker(config: WorkerRunConfig) -> int:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.
             raise transport.PeerUnreachable(str(e)) from e
+        store_host = transport.store_host()
         options = config.transport
         first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s)
         clients = [first] + [
             ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s) for k in range(1, first.shard_count())
         ]
         trainer = Trainer(config.worker, clients, name, metrics, stats)
+        replica_endpoints.publish_listener(trainer)  # a shard's new primary announces itself here
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
         summary = trainer.run()
@@ -108,8 +111,8 @@ def run_worker(config: WorkerRunConfig) -> int:
         logger.error("%s; this slot's last steps would not survive a server crash (exit %d)", e, EXIT_NOT_DURABLE)
         return EXIT_NOT_DURABLE
     finally:
-        if name is not None:
-            transport.leave(name, endpoints.server_name(0))  # bounded: fails fast (or in 5 s) when the server is gone
+        if store_host:
+            transport.leave(name, store_host)  # bounded: fails fast (or in 5 s) when the store's host is gone
         transport.shutdown()
     raise AssertionError("unreachable")
 
