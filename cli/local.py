@@ -3,6 +3,10 @@
 The supervisor restarts a crashed child (up to --max-restarts, with backoff), prints progress read
 from the children's own /metrics endpoints, and on Ctrl-C or SIGTERM stops the workers, then the
 server, and reaps every child before it returns.
+
+With ``--replicas 2`` it also starts the group's coordinator (``rpcps store``) first and two server
+processes per shard with the same command line: the first to claim the shard serves it, the other
+follows it as a hot standby. A restarted replica attaches to whichever one serves by then.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cli import ctl
-from cli.config import LocalConfig
+from cli.config import LocalConfig, StoreConfig
 from ps.config import ServerRunConfig
 from rpcps.address import Address
 from rpcps.messages import Mode
@@ -85,20 +89,28 @@ class Supervisor:
         server = config.server
         if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
             server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
+        replicas = self.replicas = server.replication.replicas
+        self.coordinator: Child | None = None
+        if replicas > 1:  # a standby cannot take over from a primary that hosts the store every join needs
+            metrics_port = free_port()
+            coordinator = StoreConfig(listen=store, metrics_port=metrics_port, process=server.process, transport=server.transport)
+            self.coordinator = self._child("store", "store", coordinator, metrics_port)
         self.servers: list[Child] = []
         for k in range(server.core.shard_count):
-            name, metrics_port = ("ps" if k == 0 else f"ps{k}"), free_port()
-            control_port = self.control_port if k == 0 else free_port()
-            child = replace(
-                server,
-                listen=store,
-                store=store,
-                metrics_port=metrics_port,
-                core=replace(server.core, shard_index=k),
-                control=replace(server.control, addr="127.0.0.1", port=control_port),
-                process=replace(server.process, summary_json=str(self._summary_path(name))),
-            )
-            self.servers.append(self._child(name, "ps", child, metrics_port, control_port))
+            for r in range(replicas):
+                name = ("ps" if k == 0 else f"ps{k}") + ("" if r == 0 else f"_{'abcdefgh'[r]}")
+                metrics_port = free_port()
+                control_port = self.control_port if (k, r) == (0, 0) else free_port()
+                child = replace(
+                    server,
+                    listen=store,
+                    store=None if (k, replicas) == (0, 1) else store,  # without replicas shard 0 hosts the group's store
+                    metrics_port=metrics_port,
+                    core=replace(server.core, shard_index=k),
+                    control=replace(server.control, addr="127.0.0.1", port=control_port),
+                    process=replace(server.process, summary_json=str(self._summary_path(name))),
+                )
+                self.servers.append(self._child(name, "ps", child, metrics_port, control_port))
         self.server = self.servers[0]
         self.workers: list[Child] = []
         for i in range(config.workers):
@@ -116,7 +128,12 @@ class Supervisor:
         return self.run_dir / f"{name}.summary.json"
 
     def _child(
-        self, name: str, role: str, config: ServerRunConfig | WorkerRunConfig, metrics_port: int, control_port: int | None = None
+        self,
+        name: str,
+        role: str,
+        config: ServerRunConfig | WorkerRunConfig | StoreConfig,
+        metrics_port: int,
+        control_port: int | None = None,
     ) -> Child:
         """A child process running ``role`` with ``config`` (as the command line that reproduces it)."""
         argv = [sys.executable, str(_ENTRY), role, *to_argv(config, declared(type(config)))]
@@ -124,13 +141,20 @@ class Supervisor:
 
     @property
     def children(self) -> list[Child]:
-        return [*self.servers, *self.workers]
+        return [*([self.coordinator] if self.coordinator is not None else []), *self.servers, *self.workers]
+
+    def _shard0_primary(self) -> Child:
+        """The process serving shard 0 now (with replicas, whichever reports itself primary)."""
+        for child in self.servers[: self.replicas]:
+            if try_scrape(child.metrics_port).get("rpcps_replica_role") == 2:
+                return child
+        return self.server
 
     def write_scrape_targets(self) -> Path:
         """Writes the children's /metrics addresses as a Prometheus file_sd targets file."""
         path = self.run_dir / "prometheus_targets.json"
         groups = [
-            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": "ps" if c in self.servers else "worker", "child": c.name}}
+            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": _role(self, c), "child": c.name}}
             for c in self.children
         ]
         tmp = path.with_suffix(".tmp")
@@ -159,6 +183,8 @@ class Supervisor:
             f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}",
             flush=True,
         )
+        if self.coordinator is not None:
+            self.coordinator.start()
         for server in self.servers:
             server.start()
         for w in self.workers:
@@ -272,9 +298,10 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> None:
-        # Workers first (their final pushes land), then shards > 0, then shard 0: it hosts the
-        # group's store, and the others would take its loss for a crash and restart themselves.
-        for group in (self.workers, self.servers[1:], [self.server]):
+        # Workers first (their final pushes land), then shards > 0, then shard 0 (without replicas it
+        # hosts the group's store, and the others would take its loss for a crash and restart
+        # themselves), then the coordinator.
+        for group in (self.workers, self.servers[1:], [self.server], [self.coordinator] if self.coordinator else []):
             for c in group:
                 c.signal(signal.SIGTERM)
             deadline = time.monotonic() + _STOP_GRACE_S
@@ -292,7 +319,7 @@ class Supervisor:
                 c.log_file.close()
 
     def _print_progress(self, started: float) -> None:
-        server = try_scrape(self.server.metrics_port)
+        server = try_scrape(self._shard0_primary().metrics_port)
         steps = losses = 0.0
         n = 0
         for w in self.workers:
@@ -310,8 +337,9 @@ class Supervisor:
         )
 
     def _summary(self, wall: float) -> dict[str, Any]:
-        server = read_summary(self.server.summary_path)
         shards = [read_summary(s.summary_path) for s in self.servers]
+        # With replicas, the process that served shard 0 last applied the most updates.
+        server = max(shards[: self.replicas], key=lambda summary: summary.get("updates_applied", -1) if summary else -1)
         workers = [read_summary(w.summary_path) for w in self.workers]
         done = [w for w in workers if w]
         firsts = [w["initial_loss"] for w in done if w.get("initial_loss") is not None]
@@ -333,6 +361,12 @@ class Supervisor:
             workers=workers,
             run_dir=str(self.run_dir),
         )
+
+
+def _role(supervisor: Supervisor, child: Child) -> str:
+    if child is supervisor.coordinator:
+        return "store"
+    return "ps" if child in supervisor.servers else "worker"
 
 
 def _fmt(x: float | None) -> str:
