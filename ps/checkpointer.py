@@ -34,6 +34,7 @@ from ps.snapshot_files import (
     write_snapshot,
 )
 from rpcps import failpoints
+from rpcps.errors import NotPrimary
 from rpcps.signature import ModelSignature
 
 if TYPE_CHECKING:
@@ -49,6 +50,11 @@ class Snapshottable(Protocol):
     """What the checkpointer needs of the server (``ps.server.ParameterServer``)."""
 
     version: int
+    mirroring: bool
+    """A standby: it writes no snapshots of its own (its primary does)."""
+    deposed: bool
+    """A replaced primary: it writes nothing more."""
+    not_primary_reason: str
 
     def capture_state(self) -> tuple[int, dict[str, Any]]: ...
 
@@ -126,8 +132,11 @@ class Checkpointer:
     def checkpoint_now(self) -> tuple[str, int]:
         """Writes a snapshot now (waiting for a write in progress) and returns (path, version).
 
-        Raises OSError when the write fails; earlier snapshots stay intact.
+        Raises OSError when the write fails; earlier snapshots stay intact. Raises NotPrimary on a
+        standby or a replaced primary: only the process serving the shard writes its snapshots.
         """
+        if self.server.mirroring or self.server.deposed:
+            raise NotPrimary(self.server.not_primary_reason or "this process does not serve its shard now")
         info = self._write(force=True)
         assert info is not None
         return str(info.path), info.version

@@ -30,6 +30,7 @@ from ps.config import ControlConfig
 from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
 from ps.control.hooks import CheckpointHook, ReplicaState
+from rpcps.errors import NotPrimary
 
 if TYPE_CHECKING:
     from ps.server import ServerStatus
@@ -112,6 +113,10 @@ def _control_call(method: _Handler) -> _Handler:
             logger.warning("control %s refused (%s): %s", name, e.code.name, e.message)
             self.metrics.count(name, e.code)
             context.abort(e.code, e.message)
+        except NotPrimary as e:  # a standby (or a replaced primary) changes nothing on its own
+            logger.warning("control %s refused: %s", name, e)
+            self.metrics.count(name, grpc.StatusCode.FAILED_PRECONDITION)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}; send {name} to the shard's primary (ctl status names it)")
         except Exception as e:  # the client gets a clean line; the traceback stays in the server log
             logger.exception("control %s failed", name)
             self.metrics.count(name, grpc.StatusCode.INTERNAL)
