@@ -185,7 +185,11 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     shards = [Path(f"{ledger}.shard{k}") for k in range(plan.shards)] if plan.shards > 1 else [ledger]
     reports = [check_ledger(path, plan.checkpoint_every_updates, plan.in_flight) for path in shards]
     report = reports[0]
-    server_crashes = sorted((when, driver.killed_pids.get(i)) for i, (fault, when) in enumerate(driver.fired) if _hits_server(fault))
+    # With a standby, recovery is the first update applied by another process; without, the restarted
+    # server may take the killed one's name again (shard 0 hosting the store is always rank 0), so it
+    # is counted from the next server start as before.
+    pids = driver.killed_pids if plan.replicas > 1 else {}
+    server_crashes = sorted((when, pids.get(i)) for i, (fault, when) in enumerate(driver.fired) if _hits_server(fault))
     recovery = [r for when, pid in server_crashes if (r := recovery_after(report, when, pid)) is not None]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     roots = [run_dir / "checkpoints"] + sorted((run_dir / "checkpoints").glob("shard-*"))
