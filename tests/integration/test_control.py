@@ -56,6 +56,13 @@ class DirCheckpointer:
     def newest(self) -> tuple[str, int, float] | None:
         return self._newest
 
+    @property
+    def durable_progress(self) -> dict[int, int]:
+        return {}
+
+    def finished_slots(self) -> dict[int, int]:
+        return {}
+
 
 class BrokenStorage:
     """A checkpointer whose storage fails the way a full or vanished disk does."""
@@ -65,6 +72,13 @@ class BrokenStorage:
 
     def newest(self) -> tuple[str, int, float] | None:
         raise OSError(2, "checkpoint directory /ck is gone")
+
+    @property
+    def durable_progress(self) -> dict[int, int]:
+        return {}
+
+    def finished_slots(self) -> dict[int, int]:
+        return {}
 
 
 @pytest.fixture
