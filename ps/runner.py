@@ -21,7 +21,7 @@ from ps.metrics import ServerMetrics
 from ps.reaper import MembershipReaper
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, plugins, transport
+from rpcps import endpoints, plugins, threads, transport
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -38,6 +38,7 @@ def run_server(config: ServerRunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = ServerMetrics()
+    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads)))
     build_info(metrics.registry, "ps", _flat_config(config))
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)

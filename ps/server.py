@@ -82,6 +82,8 @@ class ServerStatus:
     shard_index: int
     shard_count: int
     workers: tuple[WorkerView, ...]
+    intra_op_threads: int
+    """torch's intra-op threads in this process (rpcps.threads chose them at start-up)."""
 
     @property
     def live_workers(self) -> int:
@@ -254,6 +256,7 @@ class ParameterServer:
                 version=self.version, mode=self.config.mode, optimizer=self.config.optimizer.name, paused=self.paused,
                 finishing=self.finishing, uptime_s=now - self.started, server_id=self.server_id,
                 shard_index=self.config.shard_index, shard_count=self.config.shard_count, workers=workers,
+                intra_op_threads=torch.get_num_threads(),
             )
 
 
