@@ -18,6 +18,7 @@ from ps.checkpointer import Checkpointer, find_resume_point, shard_checkpoint_co
 from ps.config import CheckpointConfig, ServerRunConfig
 from ps.control.service import start_control_server
 from ps.metrics import ServerMetrics
+from ps.optim import torch_kwargs
 from ps.reaper import MembershipReaper
 from ps.server import ParameterServer
 from ps.service import WorkerService
@@ -52,7 +53,7 @@ def run_server(config: ServerRunConfig) -> int:
     logger.info(
         "model %s: %d parameters in %d chunks; optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), config.core.optimizer.name,
-        config.core.optimizer.optimizer_kwargs,
+        torch_kwargs(config.core.optimizer),
     )
     finish_workers = threading.Event()
 

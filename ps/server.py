@@ -28,7 +28,7 @@ import torch
 from ps.config import ServerCoreConfig
 from ps.dedup import SequenceTracker
 from ps.metrics import ServerMetrics
-from ps.optim import build_optimizer
+from ps.optim import build_optimizer, load_state
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.messages import Mode, PushReply, PushStatus
 from rpcps.partition import partition_digest, shard_signature
@@ -207,7 +207,7 @@ class ParameterServer:
         with self.lock, torch.no_grad():
             for mine, saved in zip(self._masters, masters):
                 mine.copy_(saved)
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_state(self.optimizer, state["optimizer"])
             if self.schedule is not None and state.get("schedule") is not None:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
