@@ -23,10 +23,6 @@ from torch.futures import Future
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-Ref = rpc.RRef
-"""A remote reference to an object owned by one process (torch's RRef)."""
-
-
 class CallFailed(RuntimeError):
     """A call failed in the transport (not an error the callee raised on purpose)."""
 
@@ -116,17 +112,3 @@ def ping(to: str, timeout_s: float) -> Pending:
 def async_endpoint(fn: F) -> F:
     """Marks a function callable over RPC that returns a torch Future the reply waits for."""
     return rpc.functions.async_execution(fn)
-
-
-def make_ref(obj: Any) -> Ref:
-    """A reference to ``obj``, owned by this process, that other members can send calls through."""
-    return rpc.RRef(obj)
-
-
-def owner(ref: Ref) -> rpc.WorkerInfo:
-    return ref.owner()
-
-
-def is_local(ref: Any) -> bool:
-    """True for a reference owned by this process (the only kind ``local_value`` may read)."""
-    return isinstance(ref, rpc.PyRRef) and ref.is_owner()
