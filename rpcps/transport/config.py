@@ -22,7 +22,11 @@ class TransportOptions:
     rpc_transports: tuple[str, ...] = setting(
         ("uv",), help="TensorPipe transports, comma-separated (uv = TCP; shm busy-polls a core per process)"
     )
-    rpc_channels: tuple[str, ...] = setting(("basic",), help="TensorPipe channels for tensor payloads, comma-separated")
+    rpc_channels: tuple[str, ...] = setting(
+        ("cma", "basic"),
+        help="TensorPipe channels for tensor payloads, comma-separated, preferred first (cma: one copy between processes "
+        "on one host; TensorPipe falls back to basic where it cannot be used)",
+    )
     connect_timeout_s: float = setting(60.0, help="how long a joining process waits for the rendezvous store to answer")
 
     def __post_init__(self) -> None:
