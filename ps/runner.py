@@ -22,7 +22,7 @@ from ps.optim import torch_kwargs
 from ps.reaper import MembershipReaper
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, plugins, threads, transport
+from rpcps import endpoints, memory, plugins, threads, transport
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -35,6 +35,7 @@ JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
 
 
 def run_server(config: ServerRunConfig) -> int:
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

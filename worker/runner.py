@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 
-from rpcps import endpoints, plugins, threads, transport
+from rpcps import endpoints, memory, plugins, threads, transport
 from rpcps.errors import ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -38,6 +38,7 @@ EXIT_NOT_DURABLE = 6
 
 
 def run_worker(config: WorkerRunConfig) -> int:
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
     metrics = WorkerMetrics()
     metrics.reconnects.set(reconnects)
