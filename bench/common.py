@@ -87,6 +87,10 @@ class Samples:
     """VmRSS of shard 0's process."""
     server_hwm_kb: int = 0
     server_pid: int | None = None
+    worker_rss_kb: list[tuple[float, int]] = field(default_factory=list)
+    """The largest VmRSS over the worker processes."""
+    worker_hwm_kb: int = 0
+    """The largest VmHWM over the worker processes."""
 
 
 @dataclass
@@ -191,6 +195,10 @@ def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: flo
             if mem:
                 samples.server_rss_kb.append((now, mem[0]))
                 samples.server_hwm_kb = max(samples.server_hwm_kb, mem[1])
+        worker_mem = [m for m in (proc_memory_kb(c["pid"]) for n, c in info.items() if n.startswith("worker") and c.get("pid")) if m]
+        if worker_mem:
+            samples.worker_rss_kb.append((now, max(m[0] for m in worker_mem)))
+            samples.worker_hwm_kb = max(samples.worker_hwm_kb, *(m[1] for m in worker_mem))
         updates = scrape(ps["metrics_port"]).get("rpcps_server_updates_applied_total") if ps.get("metrics_port") else None
         if updates is not None:
             samples.server_updates.append((now, updates))

@@ -63,6 +63,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (the example's)")
     p.add_argument("--steps", type=int, default=300, help="steps per worker")
     p.add_argument("--transport", choices=["default", "uv"], default="default", help="TensorPipe defaults, or uv + basic")
+    p.add_argument("--zero-compute", action="store_true", help="workers send one precomputed gradient again and again "
+                   "and drop the parameters they get back (server capacity, bench.push_throughput)")
     args = p.parse_args()
     torch.set_num_threads(1)
     transport: dict[str, Any] = {} if args.transport == "default" else {"_transports": ["uv"], "_channels": ["basic"]}
@@ -85,6 +87,13 @@ def _train(args: argparse.Namespace, model: torch.nn.Module) -> None:
     data = iter(plugins.load_data(args.data, args.rank - 1, args.world - 1))
     loss_fn = plugins.load_loss(args.loss)
     _load(model, rpc.rpc_sync(_SERVER, _fetch))  # start from the server's weights, like the example
+    if args.zero_compute:
+        x, y = next(data)
+        loss_fn(model(x), y).backward()
+        grads = [q.grad for q in model.parameters()]
+        for _ in range(args.steps):
+            rpc.rpc_sync(_SERVER, update_and_fetch, args=(grads,))
+        return
     for _ in range(args.steps):
         x, y = next(data)
         model.zero_grad(set_to_none=True)

@@ -20,7 +20,7 @@ number of updates:
 Nothing here sets threads, transports or any other setting for rpcps: it measures what a user
 who changes nothing gets. Every side is measured the same way (bench.common.steady_rate): updates
 per second between the moments it had applied 15 % and 85 % of its updates, from the server's
-``rpcps_server_updates_applied_total`` (sampled every 0.2 s) for rpcps and from the time of every
+``rpcps_server_updates_applied_total`` (sampled every 0.5 s: a scrape costs the server CPU) for rpcps and from the time of every
 update for the example and the one process. That leaves out start-up and the tail on every side.
 """
 
@@ -95,7 +95,7 @@ def example_design(p: Preset, workers: int, transport: str) -> float:
 def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
     run_dir = root / tag
     argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra)
-    return run_local(argv, run_dir, interval_s=0.2, scrape_workers=False).steady_updates_per_s()
+    return run_local(argv, run_dir, interval_s=0.5, scrape_workers=False).steady_updates_per_s()
 
 
 def main() -> int:
