@@ -47,7 +47,9 @@ _DEAD_MARKERS = (
     "could not find destination id",
 )
 _TIMEOUT_MARKERS = ("ran for more than set timeout", "rpcerr:1", "timed out")
-_UNKNOWN_MARKERS = ("unknown destination worker", "unknown worker name")
+# torch 2.13 says "could not find destination name <name>" for a member that has not joined yet
+# (a worker asking for shard 1 before that shard's process joined the group).
+_UNKNOWN_MARKERS = ("unknown destination worker", "unknown worker name", "could not find destination name")
 
 
 def classify(error: BaseException) -> BaseException:

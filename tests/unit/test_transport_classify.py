@@ -18,6 +18,7 @@ from rpcps.transport import PeerTimeout, PeerUnknown, PeerUnreachable, classify
         # next call after the link healed got this (tests/integration/test_multihost.py).
         ("Error on Node 0: RuntimeError: name:ps,rank:0 could not find destination id 2", PeerUnreachable),
         ("Unknown destination worker ps1", PeerUnknown),
+        ("name:worker1_r1,rank:1 could not find destination name ps1", PeerUnknown),
     ],
 )
 def test_transport_failures_are_classified(text: str, kind: type) -> None:
