@@ -45,6 +45,8 @@ def run_server(config: ServerRunConfig) -> int:
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    largest_chunk = max(server.layout.chunk_numels) * server.wire.itemsize
+    config = replace(config, transport=replace(config.transport, rpc_channels=config.transport.channels(largest_chunk)))
     ledger = None
     if config.audit_log:
         suffix = f".shard{config.core.shard_index}" if config.core.shard_count > 1 else ""
@@ -52,9 +54,9 @@ def run_server(config: ServerRunConfig) -> int:
         server.on_applied(ledger.on_applied)
     service = WorkerService(server)
     logger.info(
-        "model %s: %d parameters in %d chunks; optimizer %s %s",
-        config.model, server.signature.numel, len(server.layout), config.core.optimizer.name,
-        torch_kwargs(config.core.optimizer),
+        "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
+        config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),
+        config.core.optimizer.name, torch_kwargs(config.core.optimizer),
     )
     finish_workers = threading.Event()
 
