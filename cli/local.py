@@ -19,12 +19,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cli import ctl
 from cli.config import LocalConfig
 from ps.config import ServerRunConfig
+from rpcps import threads
 from rpcps.address import Address
 from rpcps.messages import Mode
 from rpcps.ports import free_port
+from rpcps.process import ProcessOptions
 from rpcps.scrape import try_scrape
 from rpcps.settings import declared, to_argv
 from rpcps.summary import read_summary, run_summary, write_summary
@@ -85,6 +89,8 @@ class Supervisor:
         server = config.server
         if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
             server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
+        server_process, worker_process = _thread_shares(config)
+        server = replace(server, process=server_process)
         self.servers: list[Child] = []
         for k in range(server.core.shard_count):
             name, metrics_port = ("ps" if k == 0 else f"ps{k}"), free_port()
@@ -106,7 +112,7 @@ class Supervisor:
             child = WorkerRunConfig(
                 ps=store,
                 metrics_port=metrics_port,
-                process=replace(server.process, summary_json=str(self._summary_path(name))),
+                process=replace(worker_process, summary_json=str(self._summary_path(name))),
                 transport=server.transport,
                 worker=replace(config.worker, worker_index=i, num_workers=config.workers),
             )
@@ -333,6 +339,24 @@ class Supervisor:
             workers=workers,
             run_dir=str(self.run_dir),
         )
+
+
+def _thread_shares(config: LocalConfig) -> tuple[ProcessOptions, ProcessOptions]:
+    """The process settings of the servers and of the workers, with the machine's cores divided between them.
+
+    ``--threads`` (or ``OMP_NUM_THREADS``, which the children inherit) wins; otherwise every child
+    gets its share (``rpcps.threads.split_cores``), so the processes of one run never ask for more
+    compute threads than there are cores.
+    """
+    process = config.server.process
+    if process.threads is not None or threads.omp_num_threads() is not None:
+        return process, process
+    device = config.worker.device
+    gpu_workers = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    cores = threads.usable_cores()
+    server_threads, worker_threads = threads.split_cores(cores, config.server.core.shard_count, config.workers, gpu_workers=gpu_workers)
+    logger.info("%d usable cores: %d intra-op threads per server, %d per worker", cores, server_threads, worker_threads)
+    return replace(process, threads=server_threads), replace(process, threads=worker_threads)
 
 
 def _fmt(x: float | None) -> str:

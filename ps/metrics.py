@@ -73,6 +73,9 @@ class ServerMetrics:
         )
         self.version = Gauge("rpcps_server_model_version", "Updates applied to the model since it was created.", registry=r)
         self.in_flight = Gauge("rpcps_server_pushes_in_flight", "Pushes being validated or applied now.", registry=r)
+        self.intra_op_threads = Gauge(
+            "rpcps_server_intra_op_threads", "Intra-op CPU threads the server computes with (--threads).", registry=r
+        )
         self.paused = Gauge("rpcps_server_paused", "1 while the server holds updates (paused by the control plane).", registry=r)
         self.registrations = Counter("rpcps_server_worker_registrations", "Worker registrations (joins and rejoins).", registry=r)
         self.workers_reaped = Counter(

@@ -18,10 +18,11 @@ from ps.checkpointer import Checkpointer, find_resume_point, shard_checkpoint_co
 from ps.config import CheckpointConfig, ServerRunConfig
 from ps.control.service import start_control_server
 from ps.metrics import ServerMetrics
+from ps.optim import torch_kwargs
 from ps.reaper import MembershipReaper
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, plugins, transport
+from rpcps import endpoints, memory, plugins, threads, transport
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -36,15 +37,19 @@ JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
 
 
 def run_server(config: ServerRunConfig) -> int:
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = ServerMetrics()
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
+    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads)))
     build_info(metrics.registry, "ps", _flat_config(config))
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    largest_chunk = max(server.layout.chunk_numels) * server.wire.itemsize
+    config = replace(config, transport=replace(config.transport, rpc_channels=config.transport.channels(largest_chunk)))
     ledger = None
     if config.audit_log:
         suffix = f".shard{config.core.shard_index}" if config.core.shard_count > 1 else ""
@@ -52,9 +57,9 @@ def run_server(config: ServerRunConfig) -> int:
         server.on_applied(ledger.on_applied)
     service = WorkerService(server)
     logger.info(
-        "model %s: %d parameters in %d chunks; optimizer %s %s",
-        config.model, server.signature.numel, len(server.layout), config.core.optimizer.name,
-        config.core.optimizer.optimizer_kwargs,
+        "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
+        config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),
+        config.core.optimizer.name, torch_kwargs(config.core.optimizer),
     )
     finish_workers = threading.Event()
 

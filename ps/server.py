@@ -28,7 +28,7 @@ import torch
 from ps.config import ServerCoreConfig
 from ps.dedup import SequenceTracker
 from ps.metrics import ServerMetrics
-from ps.optim import build_optimizer
+from ps.optim import build_optimizer, load_state
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.messages import Mode, PushReply, PushStatus
 from rpcps.partition import partition_digest, shard_signature
@@ -82,6 +82,8 @@ class ServerStatus:
     shard_index: int
     shard_count: int
     workers: tuple[WorkerView, ...]
+    intra_op_threads: int
+    """torch's intra-op threads in this process (rpcps.threads chose them at start-up)."""
 
     @property
     def live_workers(self) -> int:
@@ -205,7 +207,7 @@ class ParameterServer:
         with self.lock, torch.no_grad():
             for mine, saved in zip(self._masters, masters):
                 mine.copy_(saved)
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_state(self.optimizer, state["optimizer"])
             if self.schedule is not None and state.get("schedule") is not None:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
@@ -254,6 +256,7 @@ class ParameterServer:
                 version=self.version, mode=self.config.mode, optimizer=self.config.optimizer.name, paused=self.paused,
                 finishing=self.finishing, uptime_s=now - self.started, server_id=self.server_id,
                 shard_index=self.config.shard_index, shard_count=self.config.shard_count, workers=workers,
+                intra_op_threads=torch.get_num_threads(),
             )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,7 @@ from ps.server import ParameterServer
 from ps.snapshot_files import SnapshotInfo
 from ps.workers import WorkerRecord
 from rpcps import failpoints
-from rpcps.errors import CheckpointFailed, ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps.errors import CheckpointFailed, RpcpsError, ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.messages import FinishReply, PullReply, PushReply, PushStatus, Registration
 from rpcps.signature import ModelSignature
 from rpcps.summary import run_summary
@@ -74,8 +75,36 @@ class WorkerService:
             partition_digest=server.partition_digest, wire_dtype=config.wire_dtype,
         )
 
-    def submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None) -> Future:
-        """Admits one push and hands it to the mode; the future gives its PushReply (or raises)."""
+    def submit(
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: Any,
+        loss: float | None = None,
+        have_version: int | None = None,
+    ) -> Future:
+        """Admits one push and hands it to the mode; the future gives its PushReply (or raises).
+
+        With ``have_version`` the reply carries the parameters once the push is answered (what
+        ``pull(slot, incarnation, have_version)`` gives then): one call per step instead of a push
+        and a pull, the per-call cost that dominates small models.
+        """
+        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss)
+        if have_version is None:
+            return answered
+        return answered.then(lambda f: self._with_params(f.value(), slot, incarnation, have_version))
+
+    def _with_params(self, reply: Any, slot: int, incarnation: str, have_version: int) -> Any:
+        if not isinstance(reply, PushReply):
+            return reply  # an ErrorReply (the server is stopping)
+        try:
+            return replace(reply, pulled=self.pull(slot, incarnation, have_version))
+        except RpcpsError:  # the slot was taken over meanwhile: the push's own answer stands
+            return reply
+
+    def _submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None) -> Future:
         started = time.perf_counter()
         self.metrics.count_received()
         self.metrics.in_flight.inc()

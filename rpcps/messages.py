@@ -56,6 +56,9 @@ class PushReply:
     status: PushStatus
     version: int
     staleness: int
+    pulled: PullReply | None = None
+    """The server's parameters after this push, when the push asked for them (``have_version``):
+    what a pull at that moment would have answered, so a worker needs no pull call of its own."""
 
 
 @dataclass(frozen=True)

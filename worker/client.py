@@ -47,7 +47,7 @@ class ServerClient:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        self._owner = transport.owner(self._ref)
+        self._owner = endpoints.server_name(shard)
 
     def _call(self, fn: Any, *args: Any, timeout: float | None = None) -> transport.Pending:
         return transport.call_async(self._owner, fn, (self._ref, *args), timeout or self.timeout_s)
@@ -60,11 +60,19 @@ class ServerClient:
         return result(self._call(endpoints.register, slot, rpc_name, signature))
 
     def push(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: list[Any], loss: float | None
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: list[Any],
+        loss: float | None,
+        have_version: int | None = None,
     ) -> transport.Pending:
         """Starts a push; ``result(pending)`` gives a PushReply. In 'sync' mode the reply waits for
-        the round, which closes within the server's round timeout (below the RPC timeout)."""
-        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss)
+        the round, which closes within the server's round timeout (below the RPC timeout). With
+        ``have_version`` the reply brings the parameters too (``PushReply.pulled``)."""
+        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version)
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None

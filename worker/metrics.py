@@ -36,6 +36,9 @@ class WorkerMetrics:
         self.model_version = Gauge("rpcps_worker_model_version", "Model version the worker computes on.", registry=r)
         self.device_memory = Gauge("rpcps_worker_device_memory_bytes", "GPU memory allocated now (0 on CPU).", registry=r)
         self.device_memory_peak = Gauge("rpcps_worker_device_memory_peak_bytes", "Peak GPU memory allocated (0 on CPU).", registry=r)
+        self.intra_op_threads = Gauge(
+            "rpcps_worker_intra_op_threads", "Intra-op CPU threads the worker computes with (--threads).", registry=r
+        )
         self.last_step = Gauge("rpcps_worker_last_step_timestamp_seconds", "When the latest step finished.", registry=r)
 
         self.total_compute_s = 0.0

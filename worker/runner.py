@@ -13,13 +13,14 @@ import logging
 import os
 import signal
 
-from rpcps import endpoints, plugins, transport
+from rpcps import endpoints, memory, plugins, threads, transport
 from rpcps.errors import ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
 from worker.client import ServerClient
 from worker.config import DEFAULT_METRICS_PORT, WorkerRunConfig
+from worker.device import pick_device
 from worker.metrics import WorkerMetrics
 from worker.trainer import NotDurable, ServerBehind, TooManyRejects, Trainer, WorkerStats
 
@@ -37,9 +38,12 @@ EXIT_NOT_DURABLE = 6
 
 
 def run_worker(config: WorkerRunConfig) -> int:
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
     metrics = WorkerMetrics()
     metrics.reconnects.set(reconnects)
+    gpu = pick_device(config.worker.device).type == "cuda"
+    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads, gpu=gpu)))
     build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
     http = _serve_metrics(metrics, config)
     stats = WorkerStats.from_carry(os.environ.get(STATS_ENV))

@@ -176,6 +176,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             checkpointing_enabled=self.checkpoint is not None,
             shutting_down=self.shutdown_requested,
             server_id=status.server_id,
+            intra_op_threads=status.intra_op_threads,
         )
         if self.checkpoint is not None:
             # Status must answer even when the checkpoint directory is unreadable: that is exactly

@@ -2,7 +2,7 @@
 
 Roles see: ``serve``/``join``/``leave``/``shutdown`` (the process's membership in the group),
 ``call``/``call_async``/``ping`` (calls on other members, failing with the classified errors of
-``calls``), ``async_endpoint`` and ``make_ref`` (what a server exposes), and ``membership`` (the
+``calls``), ``async_endpoint`` (what a server exposes), and ``membership`` (the
 store host's upkeep of the member list). torch RPC is in maintenance mode upstream; keeping it
 behind this seam is what lets another transport replace it later.
 """
@@ -14,14 +14,10 @@ from rpcps.transport.calls import (
     PeerUnknown,
     PeerUnreachable,
     Pending,
-    Ref,
     async_endpoint,
     call,
     call_async,
     classify,
-    is_local,
-    make_ref,
-    owner,
     ping,
 )
 from rpcps.transport.config import Address, TransportOptions
@@ -35,19 +31,15 @@ __all__ = [
     "PeerUnknown",
     "PeerUnreachable",
     "Pending",
-    "Ref",
     "TransportError",
     "TransportOptions",
     "async_endpoint",
     "call",
     "call_async",
     "classify",
-    "is_local",
     "join",
     "leave",
-    "make_ref",
     "membership",
-    "owner",
     "ping",
     "serve",
     "shutdown",

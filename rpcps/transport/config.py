@@ -12,6 +12,9 @@ __all__ = ["Address", "TransportOptions"]
 KNOWN_TRANSPORTS = ("uv", "shm", "ibv")
 KNOWN_CHANNELS = ("basic", "cma", "mpt_uv", "xth", "cuda_ipc", "cuda_basic", "cuda_gdr", "cuda_xth")
 
+CMA_MIN_TENSOR_BYTES = 1 << 20
+"""A server whose largest chunk is smaller offers only the ``basic`` channel (see ``channels``)."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class TransportOptions:
@@ -22,7 +25,13 @@ class TransportOptions:
     rpc_transports: tuple[str, ...] = setting(
         ("uv",), help="TensorPipe transports, comma-separated (uv = TCP; shm busy-polls a core per process)"
     )
-    rpc_channels: tuple[str, ...] = setting(("basic",), help="TensorPipe channels for tensor payloads, comma-separated")
+    rpc_channels: tuple[str, ...] | None = setting(
+        None,
+        help="TensorPipe channels for tensor payloads, comma-separated, preferred first; unset: cma,basic (cma copies a "
+        "tensor once between processes on one host; TensorPipe falls back to basic where it cannot), except on a server "
+        "whose largest chunk is under 1 MiB, which offers basic only (cma's extra control message per tensor costs more "
+        "than it saves on small ones)",
+    )
     connect_timeout_s: float = setting(60.0, help="how long a joining process waits for the rendezvous store to answer")
 
     def __post_init__(self) -> None:
@@ -34,6 +43,15 @@ class TransportOptions:
         for t in self.rpc_transports:
             if t not in KNOWN_TRANSPORTS:
                 raise ValueError(f"unknown TensorPipe transport {t!r}; choose from {sorted(KNOWN_TRANSPORTS)}")
-        for c in self.rpc_channels:
+        for c in self.rpc_channels or ():
             if c not in KNOWN_CHANNELS:
                 raise ValueError(f"unknown TensorPipe channel {c!r}; choose from {sorted(KNOWN_CHANNELS)}")
+
+    def channels(self, largest_tensor_bytes: int | None = None) -> tuple[str, ...]:
+        """The channels to offer: ``rpc_channels`` when set; else by the largest tensor this process
+        sends and receives (None: not known, as on a worker; the server's offer decides a pipe's channel)."""
+        if self.rpc_channels is not None:
+            return self.rpc_channels
+        if largest_tensor_bytes is not None and largest_tensor_bytes < CMA_MIN_TENSOR_BYTES:
+            return ("basic",)
+        return ("cma", "basic")

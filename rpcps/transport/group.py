@@ -39,7 +39,7 @@ def _backend_options(address: Address, options: TransportOptions) -> rpc.TensorP
         rpc_timeout=options.rpc_timeout_s,
         init_method=f"tcp://{address}",
         _transports=list(options.rpc_transports),
-        _channels=list(options.rpc_channels),
+        _channels=list(options.channels()),
     )
 
 

@@ -177,6 +177,7 @@ def test_status_reports_version_workers_and_newest_checkpoint(
     assert (first.model_version, first.mode, first.optimizer, first.paused) == (0, "async", "adam", False)
     assert first.checkpointing_enabled and not first.HasField("newest_checkpoint")
     assert list(first.workers) == [] and first.server_id == ps_server.server_id
+    assert first.intra_op_threads == torch.get_num_threads() >= 1
 
     w0, _w1 = _register(ps_server, 0), _register(ps_server, 1)
     assert _push(ps_server, 0, w0, seq=1) == "applied"

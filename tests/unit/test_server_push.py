@@ -297,6 +297,25 @@ def test_pull_returns_a_snapshot_only_when_the_version_changed(server: Parameter
     assert second.version == 1 and not torch.equal(second.chunks[0], first.chunks[0])
 
 
+def test_a_push_that_asks_brings_back_what_a_pull_would(server: ParameterServer) -> None:
+    incarnation = _register(server)
+    reply = server.submit(0, incarnation, 0, 0, _good_chunks(server), 1.0, have_version=0).wait()
+    assert reply.status == "applied" and reply.pulled is not None and reply.pulled.version == 1
+    got = dict(zip(server.master_tensors(), server.layout.views(reply.pulled.chunks)))
+    assert_bit_identical(got, server.master_tensors())
+    assert server.pull(0, incarnation, 0).version == reply.pulled.version  # the same answer as a pull
+    assert server.submit(0, incarnation, 1, 1, _good_chunks(server)).wait().pulled is None  # not asked: no parameters
+    unchanged = server.submit(0, incarnation, 1, 1, _good_chunks(server), have_version=2).wait()
+    assert unchanged.status == "duplicate" and unchanged.pulled is not None and unchanged.pulled.chunks is None
+
+
+def test_a_push_that_asks_while_paused_hears_paused(server: ParameterServer) -> None:
+    incarnation = _register(server)
+    server.pause()
+    reply = server.submit(0, incarnation, 0, 0, _good_chunks(server), have_version=-1).wait()
+    assert reply.status == "paused" and reply.pulled is not None and reply.pulled.paused
+
+
 def test_paused_server_answers_paused_without_applying(server: ParameterServer) -> None:
     incarnation = _register(server)
     server.pause()
