@@ -83,15 +83,19 @@ class WorkerService:
             record = self._record_for_push(slot, incarnation, seq)
             if record is None:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
+            chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
                 grads = self.admission.check(slot, seq, chunks)
+                if buffers is not None and not isinstance(grads, SkipNonfinite):
+                    buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
             except Refused as e:
                 self._refused(record, seq, e)
                 raise
-            if isinstance(grads, SkipNonfinite):
-                self._skipped(record, seq, grads.where)
-                return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
-            return self.mode.submit(record, seq, loss, base_version, grads)
+            for skip in (grads, buffers):
+                if isinstance(skip, SkipNonfinite):
+                    self._skipped(record, seq, skip.where)
+                    return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
+            return self.mode.submit(record, seq, loss, base_version, grads, buffers)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
@@ -123,7 +127,7 @@ class WorkerService:
             if have_version == server.version or server.finishing:
                 self.metrics.pulls.labels("unchanged").inc()
                 return PullReply(server.version, None, server.paused, server.finishing)
-            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused)
+            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused, buffers=server.buffers.for_pull_locked())
         self.metrics.pulls.labels("full").inc()
         self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)

@@ -66,6 +66,9 @@ class PullReply:
     paused: bool = False
     stop: bool = False
     """The server is shutting down for good: finish in-flight pushes, leave and exit cleanly."""
+    buffers: list[torch.Tensor] | None = None
+    """The model's buffers in signature order and their own dtypes, with every full pull from the
+    shard that holds them (shard 0); None for a model without buffers."""
 
 
 @dataclass(frozen=True)
