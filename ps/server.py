@@ -28,6 +28,7 @@ import torch
 from ps.buffers import BufferStore
 from ps.config import ServerCoreConfig
 from ps.dedup import SequenceTracker
+from ps.export import named_state
 from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer
 from ps.workers import WorkerRecord, WorkerTable
@@ -223,10 +224,12 @@ class ParameterServer:
             self._pull_copy_version = -1
         self.metrics.version.set(self.version)
 
-    def model_state(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
-        """(version, copies of the master chunks, buffers by name), consistent with each other (export)."""
+    def model_state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The version and this server's part of the model as a state_dict: parameters in the model's
+        own dtypes, then buffers (export; ``ps.export``). Copied under the lock, converted after it."""
         with self.lock:
-            return self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
+            version, masters, buffers = self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
+        return version, named_state(self.layout, masters, buffers)
 
     def master_tensors(self) -> dict[str, torch.Tensor]:
         """Named copies of the current parameters (for evaluation and tests)."""
