@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from evaluator.config import EvaluatorConfig
 from ps.config import ServerRunConfig
 from rpcps.address import Address
 from rpcps.model_file import FORMATS
@@ -29,6 +30,8 @@ class LocalConfig:
     process: ProcessOptions = field(default_factory=ProcessOptions)
     server: ServerRunConfig = field(default_factory=ServerRunConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    """Used when --eval-data is given: an evaluator runs beside the workers."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -2,7 +2,7 @@
 
 Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``local`` (a server plus N
 workers on this machine, supervised), ``ctl`` (a client of a running server's control plane),
-``export`` (a checkpoint to the model's own state_dict file).
+``evaluate`` (the sidecar evaluator), ``export`` (a checkpoint to the model's own state_dict file).
 Every option is generated from the settings the config classes declare (``rpcps.settings``).
 Nothing but ``trainer_entry.py`` calls ``main``.
 """
@@ -57,6 +57,11 @@ ROLES: dict[str, Role] = {
         "talk to a running server's control plane: status, checkpoint, pause, resume, shutdown",
         "cli.config:CtlConfig",
         "cli.ctl:run",
+    ),
+    "evaluate": Role(
+        "the sidecar evaluator: score the newest model on held-out data every few seconds, export the scores as metrics",
+        "evaluator.config:EvaluatorRunConfig",
+        "evaluator.runner:run_evaluator",
     ),
     "export": Role(
         "write the model a checkpoint holds as a plain PyTorch state_dict (or safetensors) file",

@@ -22,7 +22,7 @@ from ps.snapshot_files import SnapshotInfo
 from ps.workers import WorkerRecord
 from rpcps import failpoints
 from rpcps.errors import CheckpointFailed, ServerStopping, SignatureMismatch, UnknownWorker
-from rpcps.messages import FinishReply, PullReply, PushReply, PushStatus, Registration
+from rpcps.messages import FinishReply, Observation, PullReply, PushReply, PushStatus, Registration
 from rpcps.signature import ModelSignature
 from rpcps.summary import run_summary
 
@@ -132,6 +132,19 @@ class WorkerService:
         self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         return reply
+
+    def observe(self, have_version: int) -> Observation:
+        """A read-only look at the newest model (the sidecar evaluator): no slot, no record, no effect."""
+        server, config = self.server, self.server.config
+        with server.lock:
+            fresh = have_version != server.version
+            chunks = server.params_for_pull_locked() if fresh else None
+            buffers = server.buffers.for_pull_locked() if fresh else None
+            version = server.version
+        return Observation(
+            version, chunks, buffers, server.model_signature.to_wire(), config.chunk_bytes,
+            shard_index=config.shard_index, shard_count=config.shard_count,
+        )
 
     def heartbeat(self, slot: int, incarnation: str) -> int:
         with self.server.lock:

@@ -3,7 +3,8 @@
 A server process publishes the object that implements ``WorkerApi`` with ``publish``; workers fetch
 a reference to it with ``server_ref`` and pass that reference to every other call here, which runs
 on the server and forwards to the published object. Nothing is looked up by a name the peer sends:
-a reference that is not the published one is refused. Everything else a server can do (pause,
+a reference that is not the published one is refused. ``observe`` is the one read-only call: it
+needs no worker slot (the sidecar evaluator reads the model with it). Everything else a server can do (pause,
 resume, finish, stop, snapshot, restore) is reachable only through the authenticated control plane.
 
 Errors rpcps raises on purpose come back as ``ErrorReply`` values (torch RPC would lose their
@@ -20,7 +21,7 @@ from torch.futures import Future
 
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration
 
 Chunks = list[Any]
 """Gradient chunks as sent: dense tensors, or (indices, values) pairs of sparse ones."""
@@ -51,6 +52,8 @@ class WorkerApi(Protocol):
     def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply: ...
 
     def leave(self, slot: int, incarnation: str) -> None: ...
+
+    def observe(self, have_version: int) -> Observation: ...
 
 
 _published: transport.Ref | None = None
@@ -141,4 +144,10 @@ def leave(ref: transport.Ref, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave)
+def observe(ref: transport.Ref, have_version: int) -> Any:
+    """Read-only: the newest parameters and buffers (None when ``have_version`` is current), for an
+    observer that holds no worker slot and changes nothing (the sidecar evaluator)."""
+    return _reply(lambda: _api(ref).observe(have_version))
+
+
+ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave, observe)

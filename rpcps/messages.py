@@ -72,6 +72,21 @@ class PullReply:
 
 
 @dataclass(frozen=True)
+class Observation:
+    """What an observer (the sidecar evaluator) reads: the newest parameters and buffers, without a slot."""
+
+    version: int
+    chunks: list[torch.Tensor] | None
+    """None when the observer already holds ``version``."""
+    buffers: list[torch.Tensor] | None
+    model_signature: list[tuple[str, list[int], str] | tuple[str, list[int], str, str]]
+    """The whole model's signature (wire form): the observer checks its own model against it."""
+    chunk_bytes: int
+    shard_index: int = 0
+    shard_count: int = 1
+
+
+@dataclass(frozen=True)
 class FinishReply:
     """The answer to a worker that finished its steps and asked for them to be made durable."""
 

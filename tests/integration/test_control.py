@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -58,7 +58,7 @@ class DirCheckpointer:
     def newest(self) -> tuple[str, int, float] | None:
         return self._newest
 
-    durable_progress: dict[int, int] = {}  # what ps.control.hooks.CheckpointHook asks for; nothing here is durable
+    durable_progress: ClassVar[dict[int, int]] = {}  # what CheckpointHook asks for; nothing here is durable
 
     def finished_slots(self) -> dict[int, int]:
         return {}
@@ -73,7 +73,7 @@ class BrokenStorage:
     def newest(self) -> tuple[str, int, float] | None:
         raise OSError(2, "checkpoint directory /ck is gone")
 
-    durable_progress: dict[int, int] = {}
+    durable_progress: ClassVar[dict[int, int]] = {}
 
     def finished_slots(self) -> dict[int, int]:
         return {}
