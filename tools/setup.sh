@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Sets up rpcps in ./.venv on a fresh machine (Python 3.11+). With --test, also what the tests need:
-# the test extras and Debian's prometheus package (prometheus + promtool; needs root or sudo).
+# Sets up rpcps in ./.venv on a fresh machine (Python 3.11+), with the examples' extra (scikit-learn,
+# whose bundled digits the digits example trains on) and safetensors (`rpcps export --out X.safetensors`).
+# With --test, also what the tests need: the test extras and Debian's prometheus package
+# (prometheus + promtool; needs root or sudo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -11,7 +13,7 @@ python=${PYTHON:-python3}
 # build; pyproject.toml keeps a version range so a newer torch still satisfies it.
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==${RPCPS_TORCH_VERSION:-2.13.0}"
 if [ "${1:-}" = "--test" ]; then
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -e '.[examples,safetensors,test]'
   # iproute2: the multi-host test's network namespaces; systemd: systemd-analyze for deploy/validate.sh.
   if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v shellcheck >/dev/null \
       || ! command -v ip >/dev/null || ! command -v systemd-analyze >/dev/null; then
@@ -20,6 +22,6 @@ if [ "${1:-}" = "--test" ]; then
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus shellcheck iproute2 systemd
   fi
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e '.[examples,safetensors]'
 fi
 echo "rpcps is set up in $(pwd)/.venv"
