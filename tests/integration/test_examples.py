@@ -16,7 +16,9 @@ from tests.integration.conftest import read_json
 
 pytestmark = pytest.mark.integration
 
-DIGITS = ["--model", "rpcps.examples.digits:model", "--data", "rpcps.examples.digits:data", "--loss", "cross_entropy"]
+DIGITS_MODEL = ["--model", "rpcps.examples.digits:model"]
+"""What the server and the evaluator take (they read no training data)."""
+DIGITS = [*DIGITS_MODEL, "--data", "rpcps.examples.digits:data", "--loss", "cross_entropy"]
 DIGITS_EVAL = ["--eval-data", "rpcps.examples.digits:eval_batches", "--eval-fn", "rpcps.examples.digits:evaluate"]
 CHARLM = ["--model", "rpcps.examples.charlm:model", "--data", "rpcps.examples.charlm:data", "--loss", "cross_entropy"]
 
@@ -81,11 +83,11 @@ def test_charlm_through_local_learns(procs: ProcessGroup, tmp_path: Path) -> Non
 def test_hand_started_server_worker_and_evaluator(procs: ProcessGroup, tmp_path: Path) -> None:
     digits = _digits()
     control = free_port()
-    _, port, _ = procs.ps("ps", *DIGITS, "--optimizer", "adam", "--lr", "0.003", "--control-port", str(control),
+    _, port, _ = procs.ps("ps", *DIGITS_MODEL, "--optimizer", "adam", "--lr", "0.003", "--control-port", str(control),
                           "--control-addr", "127.0.0.1")
     evaluator_metrics = free_port()
     evaluator = procs.start("evaluator", [
-        "evaluate", "--ps", f"127.0.0.1:{port}", *DIGITS, *DIGITS_EVAL, "--every-seconds", "0.5",
+        "evaluate", "--ps", f"127.0.0.1:{port}", *DIGITS_MODEL, *DIGITS_EVAL, "--every-seconds", "0.5",
         "--export-best", tmp_path / "best.pt", "--metrics-port", evaluator_metrics, "--metrics-addr", "127.0.0.1",
         "--summary-json", tmp_path / "evaluator.json",
     ])
@@ -117,7 +119,7 @@ def test_hand_started_server_worker_and_evaluator(procs: ProcessGroup, tmp_path:
 @pytest.mark.timeout(120)
 def test_an_evaluator_with_another_model_is_refused(procs: ProcessGroup) -> None:
     _digits()
-    _, port, _ = procs.ps("ps", *DIGITS)
+    _, port, _ = procs.ps("ps", *DIGITS_MODEL)
     evaluator = procs.start("evaluator", [
         "evaluate", "--ps", f"127.0.0.1:{port}", "--eval-data", "rpcps.examples.digits:eval_batches", "--metrics-port", "0",
         "--metrics-addr", "127.0.0.1",

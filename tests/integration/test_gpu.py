@@ -25,7 +25,7 @@ pytestmark = [
     ],
 )
 def test_a_worker_on_auto_trains_on_the_gpu(procs: ProcessGroup, task: list[str]) -> None:
-    _, port, _ = procs.ps("ps", *task)
+    _, port, _ = procs.ps("ps", *task[:2])  # the server takes the model only
     worker, metrics_port = procs.worker("worker0", port, 0, 1, *task, "--steps", "100000", "--device", "auto")
 
     def stepping() -> dict[str, float] | None:
