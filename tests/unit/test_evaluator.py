@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
+from cli.main import parse
 from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
@@ -24,6 +25,7 @@ from rpcps.address import Address
 from rpcps.errors import SignatureMismatch
 from rpcps.messages import ErrorReply
 from rpcps.model_file import load_state_dict
+from rpcps.settings import declared, to_argv
 
 
 def bn_model(seed: int = 0) -> nn.Module:
@@ -167,3 +169,12 @@ def test_the_process_needs_a_server_and_held_out_data() -> None:
         EvaluatorRunConfig(evaluator=EvaluatorConfig(eval_data="x:y"))
     with pytest.raises(ValueError, match="--eval-data"):
         EvaluatorRunConfig(ps=Address("127.0.0.1", 1))
+
+
+def test_local_starts_the_evaluator_with_a_command_line_that_reproduces_its_config() -> None:
+    config = parse(["local", "--model", "m:f", "--loss", "mse", "--eval-data", "m:held", "--every-seconds", "2",
+                    "--best-mode", "max", "--best-metric", "accuracy"])[1]
+    assert config.evaluator.model == config.worker.model == "m:f" and config.evaluator.loss == "mse"
+    child = EvaluatorRunConfig(ps=Address("127.0.0.1", 4000), metrics_port=0, evaluator=config.evaluator)
+    assert parse(["evaluate", *to_argv(child, declared(EvaluatorRunConfig))])[1] == child
+    assert parse(["local", "--model", "m:f"])[1].evaluator.eval_data is None  # no --eval-data: no evaluator
