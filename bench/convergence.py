@@ -1,8 +1,10 @@
 """Convergence of the real examples: one plain process vs rpcps async / bounded / sync, at equal samples seen.
 
-    python -m bench.convergence --example digits                     # ~3 min on two cores
-    python -m bench.convergence --example charlm                     # ~15 min on two cores
+    python -m bench.convergence --example digits                     # ~5 min on two cores
+    python -m bench.convergence --example charlm                     # ~25 min on two cores
     python -m bench.convergence --example digits --workers 1,2 --modes async --batches 200   # quick look
+    python -m bench.convergence --example charlm --modes async --workers 1,2 --no-reference \
+        --local-args "--max-in-flight 1 --prefetch-pull off"                 # rpcps with other settings
 
 For an example and a budget of ``--batches`` training batches (the example's batch size each):
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -48,7 +51,7 @@ class Row:
     setup: str
     workers: int
     mode: str
-    """'one process', or the rpcps mode."""
+    """'one process', or the rpcps mode (with any --local-args after it)."""
     steps: int
     """Optimizer steps (one process) or steps per worker (rpcps)."""
     global_batch: int
@@ -66,7 +69,7 @@ def reference(example: str, batches: int, streams: int, per_step: int) -> Row:
     return Row("one process", streams, "one process", batches // per_step, per_step, final, time.monotonic() - started)
 
 
-def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path) -> Row:
+def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, local_args: list[str]) -> Row:
     module = f"rpcps.examples.{example}"
     recipe = examples.load(example).RECIPE
     run_dir = work / f"{example}-{mode}-{workers}"
@@ -80,6 +83,7 @@ def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path) -
     ]
     if mode == "bounded":
         argv += ["--max-staleness", str(workers)]
+    argv += local_args
     started = time.monotonic()
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=3600, check=False)
     seconds = time.monotonic() - started
@@ -87,7 +91,8 @@ def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path) -
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     model = examples.load(example).model()
     model.load_state_dict(read_checkpoint(run_dir / "ckpt").state_dict)
-    return Row("rpcps", workers, mode, steps, workers if mode == "sync" else 1, examples.load(example).evaluate(model), seconds)
+    label = " ".join([mode, *local_args])
+    return Row("rpcps", workers, label, steps, workers if mode == "sync" else 1, examples.load(example).evaluate(model), seconds)
 
 
 def check_targets(example: str, rows: list[Row]) -> list[str]:
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, help="training batches per run (default: digits 600, charlm 400)")
     p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
     p.add_argument("--modes", default=",".join(MODES), help="rpcps modes, comma-separated")
+    p.add_argument("--local-args", default="", help="more `rpcps local` flags for every rpcps run (a variant's row is labelled with them)")
+    p.add_argument("--no-reference", action="store_true", help="leave out the one-process rows")
     a = p.parse_args(argv)
     batches = a.batches or DEFAULT_BATCHES[a.example]
     counts = [int(k) for k in a.workers.split(",")]
@@ -142,14 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row.mode:>11} x{row.workers} steps {row.steps:>4} batch {row.global_batch}: {row.scores} ({row.seconds:.0f}s)",
               file=sys.stderr, flush=True)
 
-    for k in counts:
+    for k in counts if not a.no_reference else []:
         add(reference(a.example, batches, k, 1))
         if "sync" in modes and k > 1:
             add(reference(a.example, batches, k, k))
     with tempfile.TemporaryDirectory(prefix="rpcps-convergence-") as work:
         for mode in modes:
             for k in counts:
-                add(rpcps_run(a.example, batches, k, mode, Path(work)))
+                add(rpcps_run(a.example, batches, k, mode, Path(work), shlex.split(a.local_args)))
     targets = check_targets(a.example, rows)
     print(table(a.example, rows), *targets, sep="\n", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"example": a.example, "batches": batches, "rows": [r.__dict__ for r in rows], "targets": targets}
