@@ -1,4 +1,5 @@
-"""``rpcps local``: a server and N workers as separate processes on this machine, supervised.
+"""``rpcps local``: a server and N workers as separate processes on this machine, supervised; with
+``--eval-data``, a sidecar evaluator beside them.
 
 The supervisor restarts a crashed child (up to --max-restarts, with backoff), prints progress read
 from the children's own /metrics endpoints, and on Ctrl-C or SIGTERM stops the workers, then the
@@ -23,6 +24,7 @@ import torch
 
 from cli import ctl
 from cli.config import LocalConfig
+from evaluator.config import EvaluatorRunConfig
 from ps.config import ServerRunConfig
 from rpcps import threads
 from rpcps.address import Address
@@ -117,12 +119,28 @@ class Supervisor:
                 worker=replace(config.worker, worker_index=i, num_workers=config.workers),
             )
             self.workers.append(self._child(name, "worker", child, metrics_port))
+        self.evaluators: list[Child] = []
+        if config.evaluator.eval_data is not None:
+            metrics_port = free_port()
+            evaluator = EvaluatorRunConfig(
+                ps=store,
+                metrics_port=metrics_port,
+                process=replace(server.process, summary_json=str(self._summary_path("evaluator"))),
+                transport=server.transport,
+                evaluator=config.evaluator,
+            )
+            self.evaluators.append(self._child("evaluator", "evaluate", evaluator, metrics_port))
 
     def _summary_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.summary.json"
 
     def _child(
-        self, name: str, role: str, config: ServerRunConfig | WorkerRunConfig, metrics_port: int, control_port: int | None = None
+        self,
+        name: str,
+        role: str,
+        config: ServerRunConfig | WorkerRunConfig | EvaluatorRunConfig,
+        metrics_port: int,
+        control_port: int | None = None,
     ) -> Child:
         """A child process running ``role`` with ``config`` (as the command line that reproduces it)."""
         argv = [sys.executable, str(_ENTRY), role, *to_argv(config, declared(type(config)))]
@@ -130,13 +148,16 @@ class Supervisor:
 
     @property
     def children(self) -> list[Child]:
-        return [*self.servers, *self.workers]
+        return [*self.servers, *self.workers, *self.evaluators]
+
+    def _role(self, child: Child) -> str:
+        return "ps" if child in self.servers else "evaluator" if child in self.evaluators else "worker"
 
     def write_scrape_targets(self) -> Path:
         """Writes the children's /metrics addresses as a Prometheus file_sd targets file."""
         path = self.run_dir / "prometheus_targets.json"
         groups = [
-            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": "ps" if c in self.servers else "worker", "child": c.name}}
+            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": self._role(c), "child": c.name}}
             for c in self.children
         ]
         tmp = path.with_suffix(".tmp")
@@ -167,7 +188,7 @@ class Supervisor:
         )
         for server in self.servers:
             server.start()
-        for w in self.workers:
+        for w in [*self.workers, *self.evaluators]:
             w.start()
         self.write_children()
         failed = False
@@ -278,9 +299,10 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> None:
-        # Workers first (their final pushes land), then shards > 0, then shard 0: it hosts the
-        # group's store, and the others would take its loss for a crash and restart themselves.
-        for group in (self.workers, self.servers[1:], [self.server]):
+        # Workers first (their final pushes land) with the evaluator (it scores the final model while
+        # the servers are still up), then shards > 0, then shard 0: it hosts the group's store, and
+        # the others would take its loss for a crash and restart themselves.
+        for group in ([*self.workers, *self.evaluators], self.servers[1:], [self.server]):
             for c in group:
                 c.signal(signal.SIGTERM)
             deadline = time.monotonic() + _STOP_GRACE_S
@@ -309,9 +331,15 @@ class Supervisor:
                 n += 1
         elapsed = time.monotonic() - started
         updates = server.get("rpcps_server_updates_applied_total", 0.0)  # shard 0's: every shard steps alike
+        held_out = ""
+        for e in self.evaluators:
+            m = try_scrape(e.metrics_port)
+            if "rpcps_evaluator_loss" in m:
+                held_out = f", held-out loss {m['rpcps_evaluator_loss']:.4f} at version {int(m['rpcps_evaluator_model_version'])}"
         print(
             f"[{elapsed:6.1f}s] steps {int(steps)}, updates {int(updates)} ({updates / elapsed:.1f}/s), "
-            f"loss {losses / n if n else float('nan'):.4f}, live workers {int(server.get('rpcps_server_live_workers', 0))}",
+            f"loss {losses / n if n else float('nan'):.4f}, live workers {int(server.get('rpcps_server_live_workers', 0))}"
+            f"{held_out}",
             flush=True,
         )
 
@@ -337,6 +365,7 @@ class Supervisor:
             server=server,
             shards=shards,
             workers=workers,
+            evaluator=read_summary(self.evaluators[0].summary_path) if self.evaluators else None,
             run_dir=str(self.run_dir),
         )
 

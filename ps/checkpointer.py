@@ -407,6 +407,12 @@ def find_resume_point(
 
 def _check_compatible(path: Path, manifest: dict[str, Any], signature: ModelSignature, optimizer: str) -> None:
     theirs = ModelSignature.from_wire(manifest.get("signature", []))
+    if signature.buffers and not theirs.buffers:
+        logger.warning(
+            "snapshot %s was written before rpcps kept a model's buffers: resuming its parameters, with the model's "
+            "initial buffers (BatchNorm statistics start afresh)", path,
+        )
+        signature = ModelSignature(signature.params)
     diff = signature.first_difference(theirs, ours="server", theirs="snapshot")
     if diff is not None:
         raise ResumeRefused(

@@ -36,8 +36,12 @@ _ROUND_TICK_S = 0.05
 class ConsistencyMode(Protocol):
     mode: Mode
 
-    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
-        """Applies (now or with its round) an admitted push; the future gives its PushReply."""
+    def submit(
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None,
+    ) -> Future:
+        """Applies (now or with its round) an admitted push and the model buffers it carried; the
+        future gives its PushReply."""
         ...
 
     def drop_locked(self, slot: int) -> None:
@@ -63,7 +67,10 @@ class AsyncMode:
         self.max_staleness = max_staleness
         self.mode = Mode.ASYNC if max_staleness is None else Mode.BOUNDED
 
-    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
+    def submit(
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None,
+    ) -> Future:
         server = self.server
         with server.lock:
             if server.stopping:
@@ -72,7 +79,7 @@ class AsyncMode:
             if refusal is not None:
                 return done(refusal)
             staleness = server.version - base_version
-            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness)])
+            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness, buffers)])
         return done(PushReply(PushStatus.APPLIED, version, staleness))
 
     def drop_locked(self, slot: int) -> None:
@@ -95,7 +102,10 @@ class SyncMode:
     def start(self) -> None:
         self._timer.start()
 
-    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
+    def submit(
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None,
+    ) -> Future:
         server = self.server
         reply: Future = Future()
         with server.lock:
@@ -106,7 +116,7 @@ class SyncMode:
             if refusal is not None:
                 return done(refusal)
             live = {r.slot for r in server.workers.live()}
-            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0), reply), grads, len(server.workers.records))
+            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records))
             record.last_seen = time.monotonic()
             closed = self._close_locked(time.monotonic())
         _answer(closed)

@@ -23,7 +23,7 @@ from ps.snapshot_files import SnapshotInfo
 from ps.workers import WorkerRecord
 from rpcps import failpoints
 from rpcps.errors import CheckpointFailed, RpcpsError, ServerStopping, SignatureMismatch, UnknownWorker
-from rpcps.messages import FinishReply, PullReply, PushReply, PushStatus, Registration
+from rpcps.messages import FinishReply, Observation, PullReply, PushReply, PushStatus, Registration
 from rpcps.signature import ModelSignature
 from rpcps.summary import run_summary
 
@@ -112,15 +112,19 @@ class WorkerService:
             record = self._record_for_push(slot, incarnation, seq)
             if record is None:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
+            chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
                 grads = self.admission.check(slot, seq, chunks)
+                if buffers is not None and not isinstance(grads, SkipNonfinite):
+                    buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
             except Refused as e:
                 self._refused(record, seq, e)
                 raise
-            if isinstance(grads, SkipNonfinite):
-                self._skipped(record, seq, grads.where)
-                return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
-            return self.mode.submit(record, seq, loss, base_version, grads)
+            for skip in (grads, buffers):
+                if isinstance(skip, SkipNonfinite):
+                    self._skipped(record, seq, skip.where)
+                    return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
+            return self.mode.submit(record, seq, loss, base_version, grads, buffers)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
@@ -152,11 +156,24 @@ class WorkerService:
             if have_version == server.version or server.finishing:
                 self.metrics.pulls.labels("unchanged").inc()
                 return PullReply(server.version, None, server.paused, server.finishing)
-            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused)
+            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused, buffers=server.buffers.for_pull_locked())
         self.metrics.pulls.labels("full").inc()
         self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         return reply
+
+    def observe(self, have_version: int) -> Observation:
+        """A read-only look at the newest model (the sidecar evaluator): no slot, no record, no effect."""
+        server, config = self.server, self.server.config
+        with server.lock:
+            fresh = have_version != server.version
+            chunks = server.params_for_pull_locked() if fresh else None
+            buffers = server.buffers.for_pull_locked() if fresh else None
+            version = server.version
+        return Observation(
+            version, chunks, buffers, server.model_signature.to_wire(), config.chunk_bytes,
+            shard_index=config.shard_index, shard_count=config.shard_count,
+        )
 
     def heartbeat(self, slot: int, incarnation: str) -> int:
         with self.server.lock:

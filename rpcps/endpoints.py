@@ -6,7 +6,8 @@ on the server and forwards to the published object. Nothing is looked up by a na
 a reference that is not the published one is refused. The reference is a random token (``ServerRef``)
 rather than a torch RRef: passing an RRef to its owner makes the owner send an extra acknowledgement
 message back on every call (RRef fork protocol), which cost a third of a small push's round trip
-(docs/BENCHMARKS.md), and RRef ids are a counter a peer could guess. Everything else a server can do (pause,
+(docs/BENCHMARKS.md), and RRef ids are a counter a peer could guess. ``observe`` is the one read-only call: it
+needs no worker slot (the sidecar evaluator reads the model with it). Everything else a server can do (pause,
 resume, finish, stop, snapshot, restore) is reachable only through the authenticated control plane.
 
 Errors rpcps raises on purpose come back as ``ErrorReply`` values (torch RPC would lose their
@@ -25,7 +26,7 @@ from torch.futures import Future
 
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration
 
 ServerRef = str
 """What ``server_ref`` hands out and every other call carries: this server incarnation's token."""
@@ -61,6 +62,8 @@ class WorkerApi(Protocol):
     def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply: ...
 
     def leave(self, slot: int, incarnation: str) -> None: ...
+
+    def observe(self, have_version: int) -> Observation: ...
 
 
 _published: tuple[WorkerApi, ServerRef] | None = None
@@ -164,4 +167,10 @@ def leave(ref: ServerRef, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave)
+def observe(ref: transport.Ref, have_version: int) -> Any:
+    """Read-only: the newest parameters and buffers (None when ``have_version`` is current), for an
+    observer that holds no worker slot and changes nothing (the sidecar evaluator)."""
+    return _reply(lambda: _api(ref).observe(have_version))
+
+
+ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave, observe)

@@ -69,6 +69,24 @@ class PullReply:
     paused: bool = False
     stop: bool = False
     """The server is shutting down for good: finish in-flight pushes, leave and exit cleanly."""
+    buffers: list[torch.Tensor] | None = None
+    """The model's buffers in signature order and their own dtypes, with every full pull from the
+    shard that holds them (shard 0); None for a model without buffers."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an observer (the sidecar evaluator) reads: the newest parameters and buffers, without a slot."""
+
+    version: int
+    chunks: list[torch.Tensor] | None
+    """None when the observer already holds ``version``."""
+    buffers: list[torch.Tensor] | None
+    model_signature: list[tuple[str, list[int], str] | tuple[str, list[int], str, str]]
+    """The whole model's signature (wire form): the observer checks its own model against it."""
+    chunk_bytes: int
+    shard_index: int = 0
+    shard_count: int = 1
 
 
 @dataclass(frozen=True)

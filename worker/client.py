@@ -94,5 +94,9 @@ class ServerClient:
         it may take a while, hence the full RPC timeout)."""
         return result(self._call(endpoints.finish, slot, incarnation, steps))
 
+    def observe(self, have_version: int) -> transport.Pending:
+        """Starts a read-only look at the newest model (no slot needed); ``result`` gives an Observation."""
+        return self._call(endpoints.observe, have_version)
+
     def leave(self, slot: int, incarnation: str) -> None:
         result(self._call(endpoints.leave, slot, incarnation, timeout=min(self.timeout_s, 10.0)))

@@ -39,6 +39,7 @@ from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
+from worker.buffers import ModelBuffers
 from worker.client import ServerClient, result
 from worker.config import WorkerConfig
 from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
@@ -166,6 +167,7 @@ class Trainer:
         self.model = plugins.load_model(config.model).to(self.device)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = plugins.load_loss(config.loss)
         self.signature = ModelSignature.of_module(self.model)
+        self.model_buffers = ModelBuffers(self.model, self.signature)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
         registrations = [c.register(config.worker_index, rpc_name, self.signature.to_wire()) for c in clients]
@@ -318,6 +320,8 @@ class Trainer:
             link.stager.stage(buffers)
             link.stager.wait()
             payload = link.topk.compress(buffers) if link.topk is not None else buffers
+            if link.index == 0 and self.model_buffers:  # shard 0 holds the model's buffers
+                payload = [*payload, *self.model_buffers.for_push()]
             self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload))
         if self.mode == Mode.SYNC:
             comm += self._drain_timed()
@@ -387,6 +391,8 @@ class Trainer:
     def _load(self, link: ShardLink, reply: PullReply) -> None:
         assert reply.chunks is not None
         load_parameters(link.layout, link.params, reply.chunks)
+        if reply.buffers is not None:
+            self.model_buffers.load(reply.buffers)
         link.version = reply.version
 
     def _note_stop(self, reply: PullReply) -> None:

@@ -121,3 +121,19 @@ class ShutdownResponse(_message.Message):
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     changed: bool
     def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
+class ExportModelRequest(_message.Message):
+    __slots__ = ("format",)
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    def __init__(self, format: _Optional[str] = ...) -> None: ...
+
+class ExportModelChunk(_message.Message):
+    __slots__ = ("data", "model_version", "total_bytes")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    model_version: int
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., model_version: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
