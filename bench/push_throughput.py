@@ -231,8 +231,9 @@ def ack_read(chunks: list[Any]) -> int:
 
 
 def run_raw_server(args: argparse.Namespace) -> int:
-    from rpcps import transport
+    from rpcps import rpc_policy, transport
 
+    rpc_policy.protect(extra_calls=(ack, ack_read))  # the same protection as a real server, plus the raw receivers
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -245,11 +246,12 @@ def run_raw_server(args: argparse.Namespace) -> int:
 def run_client(args: argparse.Namespace) -> int:
     import torch
 
-    from rpcps import plugins, transport
+    from rpcps import plugins, rpc_policy, transport
     from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
     from worker.client import ServerClient, result
 
     signature = ModelSignature.of_module(plugins.load_model(f"rpcps.tasks:{args.model}"))
+    rpc_policy.protect()
     name = transport.join(_address(args), f"worker{args.slot}", _transport_options(args))
     try:
         if args.kind == "ours":

@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof
 
 Chunks = list[Any]
 """Gradient chunks as sent: dense tensors, or (indices, values) pairs of sparse ones."""
@@ -36,7 +36,11 @@ class WorkerApi(Protocol):
 
     def shard_count(self) -> int: ...
 
-    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration: ...
+    def challenge(self) -> str: ...
+
+    def register(
+        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None
+    ) -> Registration: ...
 
     def submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None) -> Future: ...
 
@@ -103,8 +107,19 @@ def shard_count(ref: transport.Ref) -> int | ErrorReply:
     return _reply(lambda: _api(ref).shard_count())
 
 
-def register(ref: transport.Ref, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Any:
-    return _reply(lambda: _api(ref).register(slot, rpc_name, signature))
+def challenge(ref: transport.Ref) -> str | ErrorReply:
+    """A fresh single-use challenge; a worker answers it in ``register`` to prove it holds the job secret."""
+    return _reply(lambda: _api(ref).challenge())
+
+
+def register(
+    ref: transport.Ref,
+    slot: int,
+    rpc_name: str,
+    signature: list[tuple[str, list[int], str]],
+    proof: RegistrationProof | None = None,
+) -> Any:
+    return _reply(lambda: _api(ref).register(slot, rpc_name, signature, proof))
 
 
 @transport.async_endpoint
@@ -141,4 +156,4 @@ def leave(ref: transport.Ref, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave)
+ENDPOINTS = (server_ref, shard_count, challenge, register, submit, push_named, pull, heartbeat, finish, leave)

@@ -52,6 +52,16 @@ class Registration:
 
 
 @dataclass(frozen=True)
+class RegistrationProof:
+    """A worker's answer to the server's challenge: it holds the job secret (``rpcps.jobsecret``)."""
+
+    challenge: str
+    """What the server's ``challenge`` endpoint returned (single use)."""
+    mac: str
+    """``JobSecret.registration_proof(challenge, slot, rpc_name)``."""
+
+
+@dataclass(frozen=True)
 class PushReply:
     status: PushStatus
     version: int
