@@ -247,7 +247,7 @@ class StoreKeeper:
 
     def check(self) -> list[Repair]:
         known = self._known()
-        repairs = self._check_addresses(known) + self._check_rank_counter()
+        repairs = self._check_addresses(known) + self._check_rank_counter(known)
         try:
             with _holding_token():
                 repairs += self._check_members(self._known())
@@ -283,13 +283,16 @@ class StoreKeeper:
     def _rank_counter(self) -> int:
         return int(self._raw.add(RANK_COUNTER_KEY, 0))
 
-    def _check_rank_counter(self) -> list[Repair]:
+    def _check_rank_counter(self, known: dict[str, int]) -> list[Repair]:
+        # Every member took its rank from the counter, so it is at least the highest known rank.
+        floor = max(self._seen_rank, *known.values())
         now = self._rank_counter()
-        if self._seen_rank <= now <= min(self._seen_rank + self.MAX_RANK_STEP, MAX_RANK):
+        if floor <= now <= min(floor + self.MAX_RANK_STEP, MAX_RANK):
             self._seen_rank = now
             return []
-        self._raw.set(RANK_COUNTER_KEY, str(self._seen_rank))
-        return [Repair("rank_counter", f"the rank counter was set to {now}; put back {self._seen_rank}")]
+        self._raw.set(RANK_COUNTER_KEY, str(floor))
+        self._seen_rank = floor
+        return [Repair("rank_counter", f"the rank counter was set to {now}; put back {floor}")]
 
     def _check_members(self, known: dict[str, int]) -> list[Repair]:
         raw = self._get(_MEMBERS_KEY)
