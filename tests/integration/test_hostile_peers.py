@@ -165,6 +165,7 @@ def test_garbage_bytes_on_the_rpc_port_cost_a_restart_and_nothing_beyond_the_new
     host, tp_port = tensorpipe_address(store_client(port))
     with socket.create_connection((host, tp_port), timeout=5) as s:
         s.sendall(random.Random(11).randbytes(1024))  # issue 11: aborts the receiving process
+    sent = time.monotonic()
     wait_until(lambda: _serving_child(ps) not in (None, child), 60, "the supervisor to start a new serving process")
     def resumed() -> dict[str, float] | None:
         m = try_scrape(ps_metrics)
@@ -172,6 +173,9 @@ def test_garbage_bytes_on_the_rpc_port_cost_a_restart_and_nothing_beyond_the_new
 
     metrics = wait_until(resumed, 120, "the restarted server to resume")
     assert metrics["rpcps_server_resumed_from_version"] >= newest_before, "resumed from the newest snapshot"
+    resumed_after = time.monotonic() - sent
+    wait_until(lambda: model_version(ps_metrics) > metrics["rpcps_server_resumed_from_version"], 120, "training to go on")
+    print(f"garbage bytes: resumed after {resumed_after:.1f}s, training again after {time.monotonic() - sent:.1f}s")
     assert ps.alive(), "the supervisor itself lives on"
     assert worker.wait(240) == 0, worker.tail()
     assert model_version(ps_metrics) == steps, "one update per step: nothing lost beyond the newest snapshot, nothing twice"
