@@ -105,6 +105,8 @@ def main() -> int:
         for section, attempts in (("code", code), ("methods", methods), ("registration", registration), ("group", group))
     }
     results["allowed"] = {"shard_count": attempt(on_server(endpoints.shard_count, ref))}
+    # 32 MB of gradients to a server started with --max-message-mb 16: refused before it runs.
+    results["size"] = attempt(on_server(endpoints.submit, ref, 0, "x", 0, 0, [torch.zeros(8 << 20)], None))
     print(json.dumps(results), flush=True)
     rpc.shutdown(graceful=False)
     return 0

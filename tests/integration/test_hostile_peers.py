@@ -59,7 +59,7 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     markers.mkdir()
     private = tmp_path / "private.txt"
     private.write_text("TOP SECRET: the stranger must not read this file\n")
-    ps, port, ps_metrics = procs.ps("ps", "--job-secret-file", job_secret)
+    ps, port, ps_metrics = procs.ps("ps", "--job-secret-file", job_secret, "--max-message-mb", "16")
     worker, _ = procs.worker("worker", port, 0, 1, "--steps", "1000000", "--job-secret-file", job_secret)
     wait_for_updates(ps_metrics, 10, proc=ps)
     victim = registered_name(ps, 0)
@@ -79,10 +79,12 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     assert "aten::from_file is refused" in group["torch.from_file"]["error"], group
     assert "TOP SECRET" not in json.dumps(results)
     assert results["allowed"]["shard_count"] == {"outcome": "returned", "value": "1"}, "the worker API itself still answers"
+    assert "rpc payload refused (size" in results["size"]["error"], results["size"]
 
     metrics = scrape_metrics(ps_metrics)
     refused = len(results["code"]) + len(results["methods"])
     assert metrics['rpcps_transport_refused_total{kind="global"}'] >= refused
+    assert metrics['rpcps_transport_refused_total{kind="size"}'] == 1
     assert metrics['rpcps_server_registrations_refused_total{reason="no_proof"}'] == 1
     assert metrics['rpcps_server_registrations_refused_total{reason="bad_proof"}'] == 1
     assert metrics['rpcps_server_registrations_refused_total{reason="unknown_challenge"}'] == 1
