@@ -1,4 +1,8 @@
-"""The small records exchanged between workers and the server (tensors travel beside them)."""
+"""The small records exchanged between workers and the server (tensors travel beside them).
+
+Every record and enum defined here may cross the wire, and nothing else may (``rpcps.rpc_policy``
+builds the transport's allow-list from this module): a new reply type belongs here.
+"""
 
 from __future__ import annotations
 
