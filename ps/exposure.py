@@ -44,7 +44,7 @@ def check(config: ServerRunConfig, environ: Mapping[str, str]) -> None:
     if why is not None and not config.trust_network:
         raise Exposed(
             f"{why}: torch RPC has no authentication or encryption, so that network must admit only this job's "
-            "processes; say it does with --trust-network (docs/SECURITY.md)"
+            "processes; say it does with --trust-network on (docs/SECURITY.md)"
         )
     if why is not None and config.transport.job_secret_file is None:
         raise Exposed(

@@ -44,7 +44,10 @@ options (flag / environment variable / default):
                                                      restart from the newest snapshot, not in swapping
                                                      the node; under systemd prefer the unit's MemoryMax=
   --no-supervise         RPCPS_SUPERVISE=0           run one process in place (exec), no restarts:
-                                                     for systemd, Kubernetes or any other supervisor
+                                                     for systemd, Kubernetes or any other supervisor.
+                                                     rpcps ps reads RPCPS_SUPERVISE too (its own
+                                                     --supervise): the variable turns both off, the
+                                                     flag only this launcher's
   --dry-run                                          print the commands and exit
 
 server:
