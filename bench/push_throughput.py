@@ -222,8 +222,9 @@ def echo(chunks: list[Any]) -> list[Any]:
 
 
 def run_raw_server(args: argparse.Namespace) -> int:
-    from rpcps import transport
+    from rpcps import rpc_policy, transport
 
+    rpc_policy.protect(extra_calls=(echo,))  # the same protection as a real server, plus the raw receiver
     stop_signal: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _: stop_signal.append(s))
@@ -240,12 +241,13 @@ def run_raw_server(args: argparse.Namespace) -> int:
 def run_client(args: argparse.Namespace) -> int:
     import torch
 
-    from rpcps import plugins, transport
+    from rpcps import plugins, rpc_policy, transport
     from rpcps.partition import partition
     from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
     from worker.client import ServerClient, result
 
     signature = ModelSignature.of_module(plugins.load_model(f"rpcps.tasks:{args.model}"))
+    rpc_policy.protect()
     name = transport.join(_address(args), f"worker{args.slot}", _transport_options())
     g = torch.Generator().manual_seed(args.slot)
     try:

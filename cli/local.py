@@ -32,8 +32,10 @@ from rpcps.messages import Mode
 from rpcps.ports import free_port
 from rpcps.process import ProcessOptions
 from rpcps.scrape import try_scrape
+from rpcps.secret_files import create_secret_file
 from rpcps.settings import declared, to_argv
 from rpcps.summary import read_summary, run_summary, write_summary
+from rpcps.transport.config import TransportOptions
 from worker.config import WorkerRunConfig
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,11 @@ class Supervisor:
         self.control_port = free_port()
         store = Address("127.0.0.1", self.port)
         server = config.server
+        # local restarts its children itself (and counts and reports those restarts), so its server
+        # does not supervise itself; every child proves the job's secret (a file: never on a command line).
+        server = replace(
+            server, supervise=False, transport=replace(server.transport, job_secret_file=self._job_secret(server.transport))
+        )
         if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
             server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
         server_process, worker_process = _thread_shares(config)
@@ -130,6 +137,15 @@ class Supervisor:
                 evaluator=config.evaluator,
             )
             self.evaluators.append(self._child("evaluator", "evaluate", evaluator, metrics_port))
+
+    def _job_secret(self, options: TransportOptions) -> str:
+        """The secret file every child gets: --job-secret-file, or one made in the run directory (0600)."""
+        if options.job_secret_file is not None:
+            return options.job_secret_file
+        path = self.run_dir / "job-secret"
+        if not path.exists():
+            create_secret_file(path)
+        return str(path)
 
     def _summary_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.summary.json"

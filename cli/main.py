@@ -50,7 +50,7 @@ ROLES: dict[str, Role] = {
         # local picks these for each child itself: loopback addresses, free ports, slots.
         exclude=(
             "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--worker-index",
-            "--num-workers",
+            "--num-workers", "--supervise", "--trust-network",
         ),
     ),
     "ctl": Role(

@@ -6,6 +6,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rpcps.rpc_policy import refusal_counter
+
 _EVAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 FAILURE_STAGES = ("observe", "evaluate", "export")
 
@@ -30,6 +32,7 @@ class EvaluatorMetrics:
                                 registry=r)
         for stage in FAILURE_STAGES:
             self.failures.labels(stage)
+        self.rpc_refused = refusal_counter(r)
 
     def record(self, version: int, scores: dict[str, float], seconds: float) -> None:
         self.evaluations.inc()

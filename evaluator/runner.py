@@ -24,7 +24,7 @@ from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
 from evaluator.scoring import Batch, Scorer, checked, load_batches, load_scorer
-from rpcps import endpoints, plugins, transport
+from rpcps import endpoints, plugins, rpc_policy, transport
 from rpcps.errors import SignatureMismatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.model_file import save_state_dict
@@ -135,6 +135,7 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     evaluation = Evaluation(config.evaluator, metrics, best)  # a bad spec fails before the network
+    rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused))
     name: str | None = None
     observer: Observer | None = None
     try:

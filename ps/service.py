@@ -18,12 +18,13 @@ from torch.futures import Future
 
 from ps.admission import Admission, Refused, RejectReason, SkipNonfinite
 from ps.modes import ConsistencyMode, done, make_mode
+from ps.registration_auth import RegistrationGate
 from ps.server import ParameterServer
 from ps.snapshot_files import SnapshotInfo
 from ps.workers import WorkerRecord
 from rpcps import failpoints
 from rpcps.errors import CheckpointFailed, RpcpsError, ServerStopping, SignatureMismatch, UnknownWorker
-from rpcps.messages import FinishReply, Observation, PullReply, PushReply, PushStatus, Registration
+from rpcps.messages import FinishReply, Observation, PullReply, PushReply, PushStatus, Registration, RegistrationProof
 from rpcps.signature import ModelSignature
 from rpcps.summary import run_summary
 
@@ -39,8 +40,10 @@ class Durability(Protocol):
 
 
 class WorkerService:
-    def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None) -> None:
+    def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None, gate: RegistrationGate | None = None) -> None:
         self.server = server
+        self.gate = gate or RegistrationGate(None, server.metrics)
+        """Who may register (the job secret); without one, anyone who reaches the RPC port."""
         self.durability: Durability | None = None
         """Set once resume is done when the server checkpoints; None: nothing is durable."""
         self.mode = mode or make_mode(server, server.config)
@@ -55,7 +58,13 @@ class WorkerService:
     def shard_count(self) -> int:
         return self.server.config.shard_count
 
-    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
+    def challenge(self) -> str:
+        return self.gate.challenge()
+
+    def register(
+        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None = None
+    ) -> Registration:
+        self.gate.check(slot, rpc_name, proof)
         server = self.server
         diff = server.model_signature.first_difference(ModelSignature.from_wire(signature))
         if diff is not None:

@@ -26,7 +26,7 @@ from torch.futures import Future
 
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
-from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration, RegistrationProof
 
 ServerRef = str
 """What ``server_ref`` hands out and every other call carries: this server incarnation's token."""
@@ -45,7 +45,11 @@ class WorkerApi(Protocol):
 
     def shard_count(self) -> int: ...
 
-    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration: ...
+    def challenge(self) -> str: ...
+
+    def register(
+        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None
+    ) -> Registration: ...
 
     def submit(
         self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None, have_version: int | None
@@ -119,8 +123,19 @@ def shard_count(ref: ServerRef) -> int | ErrorReply:
     return _reply(lambda: _api(ref).shard_count())
 
 
-def register(ref: ServerRef, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Any:
-    return _reply(lambda: _api(ref).register(slot, rpc_name, signature))
+def challenge(ref: ServerRef) -> str | ErrorReply:
+    """A fresh single-use challenge; a worker answers it in ``register`` to prove it holds the job secret."""
+    return _reply(lambda: _api(ref).challenge())
+
+
+def register(
+    ref: ServerRef,
+    slot: int,
+    rpc_name: str,
+    signature: list[tuple[str, list[int], str]],
+    proof: RegistrationProof | None = None,
+) -> Any:
+    return _reply(lambda: _api(ref).register(slot, rpc_name, signature, proof))
 
 
 @transport.async_endpoint
@@ -167,10 +182,10 @@ def leave(ref: ServerRef, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-def observe(ref: transport.Ref, have_version: int) -> Any:
+def observe(ref: ServerRef, have_version: int) -> Any:
     """Read-only: the newest parameters and buffers (None when ``have_version`` is current), for an
     observer that holds no worker slot and changes nothing (the sidecar evaluator)."""
     return _reply(lambda: _api(ref).observe(have_version))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave, observe)
+ENDPOINTS = (server_ref, shard_count, challenge, register, submit, push_named, pull, heartbeat, finish, leave, observe)

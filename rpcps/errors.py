@@ -36,7 +36,13 @@ class CheckpointFailed(RpcpsError):
     """The server could not commit a checkpoint (full disk, I/O error); nothing committed was lost."""
 
 
+class RegistrationRefused(RpcpsError, PermissionError):
+    """The server requires the job secret and the registration did not prove it (docs/SECURITY.md)."""
+
+
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
     cls.__name__: cls
-    for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting, CheckpointFailed)
+    for cls in (
+        PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting, CheckpointFailed, RegistrationRefused,
+    )
 }

@@ -1,4 +1,8 @@
-"""The small records exchanged between workers and the server (tensors travel beside them)."""
+"""The small records exchanged between workers and the server (tensors travel beside them).
+
+Every record and enum defined here may cross the wire, and nothing else may (``rpcps.rpc_policy``
+builds the transport's allow-list from this module): a new reply type belongs here.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +53,16 @@ class Registration:
     shard_count: int = 1
     partition_digest: str = ""
     wire_dtype: str = "fp32"
+
+
+@dataclass(frozen=True)
+class RegistrationProof:
+    """A worker's answer to the server's challenge: it holds the job secret (``rpcps.jobsecret``)."""
+
+    challenge: str
+    """What the server's ``challenge`` endpoint returned (single use)."""
+    mac: str
+    """``JobSecret.registration_proof(challenge, slot, rpc_name)``."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import torch
 
 from rpcps import endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
+from rpcps.jobsecret import JobSecret
+from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof
 
 
 def unwrap(value: Any) -> Any:
@@ -33,11 +34,12 @@ def result(pending: transport.Pending) -> Any:
 class ServerClient:
     """Calls on one server shard (``ps<shard>``)."""
 
-    def __init__(self, timeout_s: float, shard: int = 0, wait_s: float = 0.0) -> None:
+    def __init__(self, timeout_s: float, shard: int = 0, wait_s: float = 0.0, secret: JobSecret | None = None) -> None:
         """Fetches the shard's reference; waits up to ``wait_s`` for a shard that has not joined or
-        loaded its model yet."""
+        loaded its model yet. ``secret`` proves this worker belongs to the job when it registers."""
         self.timeout_s = timeout_s
         self.shard = shard
+        self._secret = secret
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -57,7 +59,12 @@ class ServerClient:
         return int(result(self._call(endpoints.shard_count)))
 
     def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
-        return result(self._call(endpoints.register, slot, rpc_name, signature))
+        """Takes ``slot``; with a job secret, answers a fresh challenge of the server's to prove it."""
+        proof = None
+        if self._secret is not None:
+            challenge = str(result(self._call(endpoints.challenge)))
+            proof = RegistrationProof(challenge, self._secret.registration_proof(challenge, slot, rpc_name))
+        return result(self._call(endpoints.register, slot, rpc_name, signature, proof))
 
     def push(
         self,

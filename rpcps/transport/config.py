@@ -33,11 +33,25 @@ class TransportOptions:
         "than it saves on small ones)",
     )
     connect_timeout_s: float = setting(60.0, help="how long a joining process waits for the rendezvous store to answer")
+    job_secret_file: str | None = setting(
+        None,
+        help="file holding the job's secret (one line, >= 32 characters, the same on every process): workers prove it "
+        "to take a slot; required when the RPC port is not on loopback (docs/SECURITY.md)",
+        metavar="PATH",
+    )
+    max_message_mb: float | None = setting(
+        None,
+        help="refuse an incoming RPC message larger than this (MiB) before anything in it runs; "
+        "unset: 12 bytes per model parameter + 16 MiB",
+        metavar="MB",
+    )
 
     def __post_init__(self) -> None:
         for name in ("rpc_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_message_mb is not None and not self.max_message_mb > 0:
+            raise ValueError(f"max_message_mb must be > 0, got {self.max_message_mb}")
         if not 1 <= self.rpc_threads <= 1024:
             raise ValueError(f"rpc_threads must be in [1, 1024], got {self.rpc_threads}")
         for t in self.rpc_transports:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import grpc
 import pytest
@@ -365,7 +365,7 @@ def test_ctl_export_streams_the_live_model_loadable_into_plain_pytorch(
     w0 = _register(ps_server, 0)
     assert _push(ps_server, 0, w0, seq=1) == "applied"
     out = tmp_path / "model.pt"
-    result = _ctl(handle.address, "export", "--out", str(out), "--json")
+    result = run_ctl(handle.address, "export", "--out", str(out), "--json")
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["model_version"] == 1 and answer["bytes"] == out.stat().st_size and answer["format"] == "torch"
@@ -373,7 +373,7 @@ def test_ctl_export_streams_the_live_model_loadable_into_plain_pytorch(
     model.load_state_dict(torch.load(out, weights_only=True))
     for name, value in ps_server.master_tensors().items():
         assert torch.equal(model.state_dict()[name], value), name
-    missing = _ctl(handle.address, "export")
+    missing = run_ctl(handle.address, "export")
     assert missing.returncode == 2 and "needs --out" in missing.stderr
 
 
