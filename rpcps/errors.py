@@ -24,6 +24,11 @@ class UnknownWorker(RpcpsError, LookupError):
     """A call named a worker slot that has not registered, or an incarnation that was replaced."""
 
 
+class WorkerRemoved(UnknownWorker):
+    """The server removed this worker's registration (it stopped answering, or it left): register
+    again to go on. Unlike a slot taken over by a newer registration, the slot is still this worker's."""
+
+
 class ServerStopping(RpcpsError):
     """The server is shutting down and takes no more pushes."""
 
@@ -43,6 +48,6 @@ class RegistrationRefused(RpcpsError, PermissionError):
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
     cls.__name__: cls
     for cls in (
-        PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting, CheckpointFailed, RegistrationRefused,
+        PushRejected, SignatureMismatch, UnknownWorker, WorkerRemoved, ServerStopping, ServerStarting, CheckpointFailed, RegistrationRefused,
     )
 }

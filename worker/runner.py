@@ -14,7 +14,7 @@ import os
 import signal
 
 from rpcps import endpoints, memory, plugins, rpc_policy, threads, transport
-from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -97,7 +97,8 @@ def run_worker(config: WorkerRunConfig) -> int:
         write_summary(config.process.summary_json, summary)
         logger.info("done: %d steps, final loss %s", summary["steps"], summary["final_loss"])
         return EXIT_OK
-    except (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind) as e:
+    # WorkerRemoved: the server dropped this slot's registration (silent past its lease): rejoin as for a lost server.
+    except (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind, WorkerRemoved) as e:
         if stopping:
             logger.info("stopped by signal while the server went away (%s)", e)
             return EXIT_OK

@@ -151,6 +151,9 @@ def test_a_lost_rpc_listener_stays_counted_after_the_server_restarts_itself(proc
     wait_until(lambda: "serving on" in ps.stderr(), 60, "the server to serve")
     tp_port = _tensorpipe_port(ps.pid, exclude={port, mport, _control_port(ps)})
     socket.create_connection(("127.0.0.1", tp_port), timeout=5).close()
+    wait_until(lambda: "was closed by a stray connection" in ps.stderr(), 30, "the server to notice its closed listener")
+    # The restart waits for a process that wants to join (ps/listener_recovery.py).
+    procs.worker("w0", port, 0, 1, "--steps", "5")
     wait_until(lambda: try_scrape(mport).get("rpcps_server_resumes_total", 0) == 1, 60, "the server to restart itself")
     assert try_scrape(mport)["rpcps_server_rpc_listener_lost_total"] == 1, "the loss must stay visible to Prometheus"
 

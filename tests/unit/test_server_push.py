@@ -12,7 +12,7 @@ import torch
 from harness.inprocess import assert_bit_identical, make_server, pack
 from ps.config import OptimizerConfig
 from ps.server import ParameterServer
-from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1})
 
@@ -134,6 +134,22 @@ def test_push_from_a_replaced_incarnation_is_refused(server: ParameterServer) ->
         server.push(0, old, 0, 0, _good_chunks(server))
     assert_bit_identical(before, server.master_tensors())
     assert server.push(0, new, 0, 0, _good_chunks(server)).status == "applied"
+
+
+def test_a_reaped_worker_is_refused_until_it_registers_again(server: ParameterServer) -> None:
+    """A worker the reaper removed (silent past its lease, e.g. a cut link) must not have its pushes
+    applied when its link heals: the server no longer tracks it. It rejoins instead."""
+    old = _register(server, 0)
+    assert server.push(0, old, 0, 0, _good_chunks(server)).status == "applied"
+    server.mark_dead(0, old)
+    before = server.master_tensors()
+    with pytest.raises(WorkerRemoved, match="worker slot 0 .* was removed from this server; register again"):
+        server.push(0, old, 1, 1, _good_chunks(server))
+    with pytest.raises(WorkerRemoved):
+        server.pull(0, old, 0)
+    assert_bit_identical(before, server.master_tensors())
+    new = _register(server, 0)
+    assert server.push(0, new, 1, 1, _good_chunks(server)).status == "applied" and server.version == 2
 
 
 def test_registration_outside_the_slot_range_says_which_flag_to_change() -> None:
