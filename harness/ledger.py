@@ -100,6 +100,10 @@ class _Replay:
         self.open_captures: dict[int, int] = {}
         self.last_capture: int | None = None
         self.last_write_updates = 0
+        self.committed: set[int] = {0}
+        """Snapshot versions renamed into place (their "committed" line)."""
+        self.fresh_start = False
+        """A process (re)started and no "resume" line followed yet: it may start over from nothing."""
         self.digests: dict[int, dict[str, str]] = {}
 
     def line(self, line: _Line) -> None:
@@ -115,13 +119,18 @@ class _Replay:
         if len(line.args) > 1:
             self.report.names[int(line.args[0])] = line.args[1]
         self.open_captures.clear()
+        self.fresh_start = self.version > 0
 
     def _view(self, line: _Line) -> None:
         pass  # which view a process serves under: informational
 
     def _resume(self, line: _Line) -> None:
-        target = int(line.args[0])
-        self._check_resume(line.number, target)
+        self.fresh_start = False
+        self._roll_back(line.number, int(line.args[0]))
+
+    def _roll_back(self, number: int, target: int) -> None:
+        """Rolls the surviving history back to ``target`` after a crash."""
+        self._check_resume(number, target)
         self.report.crashes.append(Crash(self.version, target, self.prepared[-1]))
         for v in range(target + 1, self.version + 1):
             for key in self.history.pop(v, frozenset()):
@@ -135,6 +144,13 @@ class _Replay:
         epoch = int(line.args[3]) if len(line.args) > 3 else self.epoch
         writer = line.args[4] if len(line.args) > 4 else ""
         problems = self.report.problems
+        if self.fresh_start:
+            # A server that crashed before any snapshot committed starts over from version 0: a resume
+            # to 0 (wrong if a snapshot had been written, which _check_resume reports). Only an apply of
+            # version 1 says so: a standby that (re)started beside a running primary writes a start line too.
+            self.fresh_start = False
+            if v == 1:
+                self._roll_back(line.number, 0)
         if epoch < self.epoch:
             problems.append(f"line {line.number}: update {v} of epoch {epoch} applied by {writer} after epoch {self.epoch} began")
         self.epoch = max(self.epoch, epoch)
@@ -229,6 +245,7 @@ class _Replay:
 
     def _committed(self, line: _Line) -> None:
         snapshot = int(line.args[0])
+        self.committed.add(snapshot)
         if self.open_captures.pop(snapshot, None) is not None:
             self.last_write_updates = self.version - snapshot
             self.report.write_updates.append(self.last_write_updates)
@@ -240,9 +257,11 @@ class _Replay:
         if target not in self.prepared:
             problems.append(f"line {n}: resumed to version {target}, for which no snapshot was ever written")
             return
-        # The newest prepared snapshot may or may not have been renamed into place before the crash.
+        # The newest prepared snapshot may or may not have been renamed into place before the crash;
+        # once its "committed" line is written it was.
         newest = sorted(set(self.prepared))
-        if target not in set(newest[-2:]):
+        acceptable = {newest[-1]} if newest[-1] in self.committed else set(newest[-2:])
+        if target not in acceptable:
             problems.append(
                 f"line {n}: resumed to version {target}, but snapshots up to {newest[-1]} had been written: an older one "
                 "than the newest committed"

@@ -39,10 +39,12 @@ class ConsistencyMode(Protocol):
     mode: Mode
 
     def submit(
-        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor]
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None,
     ) -> Future:
         """Sequences (now or with its round) an admitted push: ``chunks`` as received, ``grads`` their
-        fp32 form. The future gives its PushReply once the update is applied."""
+        fp32 form, ``buffers`` the model buffers it carried. The future gives its PushReply once the
+        update is applied."""
         ...
 
     def drop_locked(self, slot: int) -> None:
@@ -69,7 +71,8 @@ class AsyncMode:
         self.mode = Mode.ASYNC if max_staleness is None else Mode.BOUNDED
 
     def submit(
-        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor]
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None,
     ) -> Future:
         server = self.server
         reply: Future = Future()
@@ -83,7 +86,7 @@ class AsyncMode:
             if refusal is not None:
                 return done(refusal)
             staleness = server.log.last_version - base_version
-            update = server.sequence_update_locked(chunks, grads, [(record.slot, seq, loss, staleness)])
+            update = server.sequence_update_locked(chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers)
             update.replies.append((reply, PushReply(PushStatus.APPLIED, update.entry.version, staleness)))  # type: ignore[union-attr]
             applied = server.apply_committed_locked()
         answer(applied)
@@ -110,7 +113,8 @@ class SyncMode:
         self._timer.start()
 
     def submit(
-        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor]
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None,
     ) -> Future:
         del chunks  # a round ships its mean, not the pushes it averages
         server = self.server
@@ -126,7 +130,7 @@ class SyncMode:
             if refusal is not None:
                 return done(refusal)
             live = {r.slot for r in server.workers.live()}
-            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0), reply), grads, len(server.workers.records))
+            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records))
             record.last_seen = time.monotonic()
             closed = self._close_locked(time.monotonic())
         answer(closed)
@@ -150,6 +154,8 @@ class SyncMode:
             # The sum buffers go back to the pool once nobody needs them: after the step here, and
             # after the standby acknowledged them when a standby is following.
             on_release=lambda: self.rounds.recycle(round_.sums),
+            # In arrival order, the last contribution's buffers are the newest.
+            buffers=next((c.buffers for c in reversed(contributions) if c.buffers is not None), None),
         )
         version = update.entry.version  # type: ignore[union-attr]
         update.replies.extend((c.reply, PushReply(PushStatus.APPLIED, version, 0)) for c in round_.contributions.values())

@@ -17,11 +17,12 @@ gone the whole group is gone (no join, no view change can happen any more), and
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Protocol
 
 from rpcps import transport
+from rpcps.jobsecret import JobSecret
+from rpcps.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -46,39 +47,33 @@ class MembershipReaper:
         roster: Roster,
         lease_s: float,
         store_host: str,
+        secret: JobSecret | None = None,
         interval_s: float = 1.0,
         ping_timeout_s: float = 2.0,
     ) -> None:
         """``store_host``: the RPC name of the member hosting the group's store (this process's own
-        name when it hosts it: then there is nothing to watch)."""
+        name when it hosts it: then there is nothing to watch). ``secret``: the job's, which the store's
+        host demands as proof before it drops a member."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.roster = roster
         self.lease_s = lease_s
         self.store_host = store_host
+        self.secret = secret
         self.interval_s = interval_s
         self.ping_timeout_s = ping_timeout_s
         self.store_host_lost = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="membership-reaper", daemon=True)
+        self._task = Periodic("membership-reaper", interval_s, self.sweep)
 
     def start(self) -> None:
-        self._thread.start()
+        self._task.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sweep()
-            except Exception:  # one bad sweep must not end the watch
-                logger.exception("worker sweep failed; trying again in %.1fs", self.interval_s)
+        self._task.stop()
 
     def sweep(self) -> None:
         for name in self.roster.take_retired_rpc_names():
-            transport.leave(name, self.store_host, timeout_s=self.ping_timeout_s)  # best effort: the janitor's pings follow
+            transport.leave(name, self.store_host, self.secret, timeout_s=self.ping_timeout_s)  # best effort: the janitor's pings follow
         registered = {name: (slot, incarnation, last_seen) for slot, incarnation, name, last_seen in self.roster.member_workers()}
         watch_store = self.store_host != transport.membership.my_name()
         names = [*registered, *([self.store_host] if watch_store else [])]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -14,19 +15,25 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ps import exposure, supervisor
 from ps.audit import AuditLog
 from ps.checkpointer import Checkpointer, ResumePoint, find_resume_point, shard_checkpoint_config
 from ps.config import CheckpointConfig, ServerRunConfig
 from ps.control.service import ControlServer, start_control_server
+from ps.listener_recovery import ListenerRecovery
 from ps.metrics import ServerMetrics
+from ps.optim import torch_kwargs
 from ps.reaper import MembershipReaper
+from ps.registration_auth import RegistrationGate
 from ps.replication.claim import Claim, claim_shard
 from ps.replication.metrics import ReplicationMetrics
 from ps.replication.replica import ShardReplica
 from ps.replication.standby import CatchUpFailed
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, plugins, transport
+from ps.store_guard import StoreGuard
+from rpcps import endpoints, memory, plugins, replica_endpoints, rpc_policy, threads, transport
+from rpcps.jobsecret import JobSecret
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -43,10 +50,16 @@ LISTENER_LOST_ENV = "RPCPS_LISTENER_LOST"
 JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
 ATTACH_ONLY_ENV = "RPCPS_ATTACH_ONLY"
 """Set by a standby that restarts after the store was lost: it may only attach to a live primary."""
+_RESTART_DIR_PREFIX = "rpcps-restart-"
 
 
 def run_server(config: ServerRunConfig) -> int:
     config.check_replicas()
+    exposure.check(config, os.environ)  # refused here, in the foreground, before any supervisor starts
+    if config.supervise and not supervisor.is_child():
+        supervisor.become_supervisor()
+    secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     stop = threading.Event()
     asked_to_stop = threading.Event()
     """A signal or the control plane asked this process to end: it must not restart itself."""
@@ -59,15 +72,24 @@ def run_server(config: ServerRunConfig) -> int:
         signal.signal(sig, on_signal)
     metrics = ServerMetrics()
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
+    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads)))
+    metrics.crash_restarts.set(supervisor.crash_restarts())
     build_info(metrics.registry, "ps", _flat_config(config))
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
-    service = WorkerService(server)
+    largest_chunk = max(server.layout.chunk_numels) * server.wire.itemsize
+    config = replace(config, transport=replace(config.transport, rpc_channels=config.transport.channels(largest_chunk)))
+    rpc_policy.protect(
+        on_refusal=rpc_policy.counting(metrics.rpc_refused),
+        max_message_bytes=rpc_policy.message_limit(server.signature.numel, config.transport.max_message_mb),
+        extra_calls=replica_endpoints.SERVER_ENDPOINTS,  # the other replica of this shard calls them
+    )
+    service = WorkerService(server, gate=RegistrationGate(secret, metrics))
     logger.info(
-        "model %s: %d parameters in %d chunks; optimizer %s %s",
-        config.model, server.signature.numel, len(server.layout), config.core.optimizer.name,
-        config.core.optimizer.optimizer_kwargs,
+        "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
+        config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),
+        config.core.optimizer.name, torch_kwargs(config.core.optimizer),
     )
     finish_workers = threading.Event()
 
@@ -80,6 +102,7 @@ def run_server(config: ServerRunConfig) -> int:
         server, config.control, checkpoint=None, request_shutdown=request_shutdown, registry=metrics.registry
     )
     janitor: Janitor | None = None
+    store_guard: StoreGuard | None = None
     restart: list[str] = []
     """Why this process must restart itself (a replaced primary, a standby that cannot follow)."""
 
@@ -89,17 +112,19 @@ def run_server(config: ServerRunConfig) -> int:
 
     rmetrics = ReplicationMetrics(metrics.registry, config.replication.replicas)
     try:
-        name = _join_group(config)
+        name = _join_group(config, secret)
         ledger = _open_ledger(server, config, name)
         registry = transport.group_registry()
         if config.hosts_store:
             janitor = Janitor(registry, config.lease_s, on_removed=lambda gone: _member_gone(service, metrics, gone))
             janitor.start()
+            store_guard = StoreGuard(metrics.store_repairs)  # right after serving: it remembers the store as it is now
+            store_guard.start()
         registry.claim_shard_count(config.core.shard_count)
         registry.put_replica(name, _replica_record(config, metrics_port, control.port))
-        checkpoint_config, point = _find_resume(server, config)
+        checkpoint_config, point = _find_resume(server, config, secret)
         claim = _claim(registry, config, name, point)
-        checkpointer = _restore(server, config, ledger, checkpoint_config, point if claim.attach_to is None else None)
+        checkpointer = _restore(server, config, ledger, secret, checkpoint_config, point if claim.attach_to is None else None)
         control.attach_checkpointer(checkpointer)
         service.durability = checkpointer
         if checkpointer is not None:
@@ -122,18 +147,23 @@ def run_server(config: ServerRunConfig) -> int:
     except BaseException:
         if janitor is not None:
             janitor.stop()
+        if store_guard is not None:
+            store_guard.stop()
         control.stop(grace_s=0)
         http.shutdown()  # type: ignore[attr-defined]
         raise
     if restart:
-        _leave_and_restart(control, janitor, http)
-    reaper = MembershipReaper(service, config.lease_s, store_host=transport.store_host())
+        _leave_and_restart(control, janitor, store_guard, http)
+    reaper = MembershipReaper(service, config.lease_s, store_host=transport.store_host(), secret=secret)
     reaper.start()
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
+    recovery = ListenerRecovery(time.monotonic(), transport.membership.ranks_handed_out)
     control.set_serving(True)
+    supervisor.note_serving()
     logger.info(
-        "serving on %s as %s (send SIGTERM or Ctrl-C to stop)",
+        "serving on %s as %s (send SIGTERM or Ctrl-C to stop)%s",
         config.listen if config.hosts_store else f"the group of {config.store_address}", name,
+        "; registrations must prove the job secret" if secret is not None else "",
     )
     restart_from: str | None = None
     store_lost = False
@@ -142,9 +172,12 @@ def run_server(config: ServerRunConfig) -> int:
         while not stop.wait(1.0):
             progress.maybe_log()
             if listener.lost():
-                restart_from = _on_listener_lost(server, checkpointer, listener, config)
-                if restart_from is not None:
-                    break
+                _on_listener_lost(server, listener, recovery)
+            why = recovery.restart_due(time.monotonic())
+            if why is not None:
+                logger.warning("restarting this server to listen again: %s", why)
+                restart_from = _snapshot_for_restart(server, checkpointer, config)
+                break
             if reaper.store_host_lost and not store_lost:
                 store_lost = True
                 restart_from = _on_store_lost(server, replica, checkpointer, config)
@@ -170,6 +203,8 @@ def run_server(config: ServerRunConfig) -> int:
         reaper.stop()
         if janitor is not None:
             janitor.stop()
+        if store_guard is not None:
+            store_guard.stop()
         endpoints.withdraw()
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
@@ -181,10 +216,12 @@ def run_server(config: ServerRunConfig) -> int:
     return 0
 
 
-def _leave_and_restart(control: ControlServer, janitor: Janitor | None, http: object) -> NoReturn:
+def _leave_and_restart(control: ControlServer, janitor: Janitor | None, store_guard: StoreGuard | None, http: object) -> NoReturn:
     """Restarts a process that could not take its place in the shard (it claims it again, afresh)."""
     if janitor is not None:
         janitor.stop()
+    if store_guard is not None:
+        store_guard.stop()
     control.stop(grace_s=0)
     endpoints.withdraw()
     transport.shutdown()
@@ -245,33 +282,34 @@ class _Progress:
         )
 
 
-def _on_listener_lost(
-    server: ParameterServer, checkpointer: Checkpointer | None, listener: ListenerWatch, config: ServerRunConfig
-) -> str | None:
+def _on_listener_lost(server: ParameterServer, listener: ListenerWatch, recovery: ListenerRecovery) -> None:
     """The RPC listener was closed under us (a stray connection to TensorPipe's port).
 
-    Running workers are unaffected, but no new worker could ever join. We take a snapshot and
-    restart this process from it (workers rejoin by themselves). Returns the snapshot to restart from.
+    Running workers are unaffected, but no new worker can join until this process restarts, which
+    ``ListenerRecovery`` decides (when someone wants to join, rate-limited).
     """
     server.metrics.rpc_listener_lost.inc()
     ports = listener.lost()
     listener.watched.clear()  # report once
+    recovery.on_lost(time.monotonic())
     logger.error(
-        "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); "
-        "taking a snapshot and restarting this server from it so workers can keep joining; keep the RPC ports "
-        "reachable only from the training network", ports,
+        "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); running workers "
+        "carry on, and this server restarts from a snapshot as soon as a new process wants to join; keep the RPC "
+        "ports reachable only from the training network", ports,
     )
-    return _snapshot_for_restart(server, checkpointer, config)
 
 
 def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | None, config: ServerRunConfig) -> str:
     """Stops updates and writes the exact current state for this process to restart from.
 
-    Without --checkpoint-dir the snapshot goes to a private temporary directory: nothing is lost.
+    With --checkpoint-dir it is an ordinary snapshot there (kept like the others). Without, it goes
+    to a private directory (the supervisor's, removed when it exits; else a temporary one), which
+    the restarted process removes once it resumed: nothing is lost and nothing is left behind.
     """
     server.stop()
     if checkpointer is None:
-        directory = tempfile.mkdtemp(prefix=f"rpcps-restart-shard{config.core.shard_index}-")
+        scratch = supervisor.scratch_dir()
+        directory = tempfile.mkdtemp(prefix=f"{_RESTART_DIR_PREFIX}shard{config.core.shard_index}-", dir=scratch)
         checkpointer = Checkpointer(
             server, CheckpointConfig(directory=directory, every_seconds=None), _meta(server, config), server.metrics
         )
@@ -281,13 +319,15 @@ def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | 
     return path
 
 
-def _find_resume(server: ParameterServer, config: ServerRunConfig) -> tuple[CheckpointConfig, ResumePoint | None]:
+def _find_resume(
+    server: ParameterServer, config: ServerRunConfig, secret: JobSecret | None
+) -> tuple[CheckpointConfig, ResumePoint | None]:
     """Where this shard's snapshots live, and the one to resume from per --resume (None: start fresh)."""
     checkpoint_config = shard_checkpoint_config(config.checkpoint, config.core.shard_index, config.core.shard_count)
     restart_from = os.environ.pop(RESTART_FROM_ENV, None)
     if restart_from:  # this process restarted itself from a snapshot it just wrote
         checkpoint_config = replace(checkpoint_config, resume=restart_from)
-    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest)
+    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest, _signer(config, secret))
     return checkpoint_config, point
 
 
@@ -303,13 +343,16 @@ def _claim(registry: Registry, config: ServerRunConfig, name: str, point: Resume
 
 
 def _restore(
-    server: ParameterServer, config: ServerRunConfig, ledger: AuditLog | None, checkpoint_config: CheckpointConfig,
+    server: ParameterServer, config: ServerRunConfig, ledger: AuditLog | None, secret: JobSecret | None,
+    checkpoint_config: CheckpointConfig,
     point: ResumePoint | None,
 ) -> Checkpointer | None:
     """Restores the server from ``point``; returns the checkpointer (None when checkpointing is off)."""
     if point is not None:
         info, state = point
         server.restore_state(state)
+        if checkpoint_config.directory is None and checkpoint_config.resume:
+            _remove_restart_snapshot(Path(checkpoint_config.resume))
         if ledger is not None:
             ledger.resumed(info.version)
         server.metrics.resumes.inc()
@@ -322,11 +365,23 @@ def _restore(
         )
         return None
     Path(checkpoint_config.directory).mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger)
+    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger, _signer(config, secret))
     if point is not None:
         checkpointer.adopt(*point)
     _report_rolled_back(server, checkpointer)
     return checkpointer
+
+
+def _signer(config: ServerRunConfig, secret: JobSecret | None) -> Any:
+    """What signs and verifies snapshot manifests (--sign-checkpoints), or None."""
+    return secret.manifest_signature if secret is not None and config.checkpoint.sign else None
+
+
+def _remove_restart_snapshot(path: Path) -> None:
+    """Deletes the private restart snapshot this process just resumed from (see _snapshot_for_restart)."""
+    if path.parent.name.startswith(_RESTART_DIR_PREFIX):
+        shutil.rmtree(path.parent, ignore_errors=True)
+        logger.info("resumed; removed the restart snapshot %s", path)
 
 
 def _report_rolled_back(server: ParameterServer, checkpointer: Checkpointer) -> None:
@@ -364,12 +419,12 @@ def _meta(server: ParameterServer, config: ServerRunConfig) -> dict[str, Any]:
     }
 
 
-def _join_group(config: ServerRunConfig) -> str:
+def _join_group(config: ServerRunConfig, secret: JobSecret | None) -> str:
     """Hosts the group's store (no --store) or joins it, under a fresh name ``ps<K>_r<rank>``. Returns the name."""
     base = endpoints.server_name(config.core.shard_index)
     if config.hosts_store:
         name = f"{base}_r0"  # the store's host is rank 0
-        transport.serve(config.listen, name, config.transport)
+        transport.serve(config.listen, name, config.transport, secret)
         return name
     attempts = int(os.environ.get(JOIN_ATTEMPTS_ENV, "0"))
     try:

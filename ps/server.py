@@ -15,7 +15,7 @@ completed after the lock is released (that sends the replies).
 
 What lives elsewhere: the worker API and deduplication (``ps.service``), push validation
 (``ps.admission``), the consistency modes (``ps.modes``), and everything that watches the server
-through the small interfaces below: ``on_applied`` listeners (metrics, audit ledger, checkpoint
+through the small interfaces below: the model's buffers (``ps.buffers``), ``on_applied`` listeners (metrics, audit ledger, checkpoint
 trigger), ``capture_state``/``restore_state`` (the checkpointer) and ``status`` (control plane,
 progress log, summary).
 """
@@ -34,16 +34,18 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from ps.buffers import BufferStore
 from ps.config import ServerCoreConfig
 from ps.dedup import SequenceTracker
+from ps.export import named_state
 from ps.metrics import ServerMetrics
-from ps.optim import build_optimizer
+from ps.optim import build_optimizer, load_state
 from ps.replication.log import ReplicationLog, Sequenced
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.errors import NotPrimary
 from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Update
 from rpcps.partition import partition_digest, shard_signature
-from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature
+from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, persistent_buffers
 from rpcps.wire import to_dense_fp32, wire_dtype
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class Contribution:
     seq: int
     loss: float | None
     staleness: int
+    buffers: list[torch.Tensor] | None = None
+    """The model buffers the push carried; the update that applies it makes them the server's."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class ServerStatus:
     shard_index: int
     shard_count: int
     workers: tuple[WorkerView, ...]
+    intra_op_threads: int
+    """torch's intra-op threads in this process (rpcps.threads chose them at start-up)."""
 
     @property
     def live_workers(self) -> int:
@@ -124,6 +130,7 @@ class ParameterServer:
             for view, slot in zip(self.layout.views(self._masters), self.layout.slots):
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
         self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
+        self.buffers = BufferStore(self.signature.buffers, dict(persistent_buffers(model)))
         self.version = 0
         self.log = ReplicationLog()
         self.epoch = 0
@@ -192,11 +199,13 @@ class ParameterServer:
         grads: list[torch.Tensor] | None,
         contributions: list[tuple[int, int, float | None, int]],
         on_release: Callable[[], None] | None = None,
+        buffers: list[torch.Tensor] | None = None,
     ) -> Sequenced:
-        """Under the lock: the next optimizer step, from ``grads`` (the fp32 form of ``chunks``)."""
+        """Under the lock: the next optimizer step, from ``grads`` (the fp32 form of ``chunks``); with
+        ``buffers``, the model buffers that become the server's with it."""
         self._check_primary_locked()
         log = self.log
-        entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions))
+        entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers)
         sequenced = Sequenced(entry, grads, on_release=on_release)
         log.append(sequenced)
         return sequenced
@@ -258,6 +267,8 @@ class ParameterServer:
         if self.version != update.version:
             raise AssertionError(f"update {update.index} produces version {update.version}, but this server is at {self.version - 1}")
         now = time.monotonic()
+        if update.buffers is not None:
+            self.buffers.replace_locked(update.buffers)
         for slot, seq, loss, _ in update.contributions:
             record = self.workers.records[slot]
             record.tracker.mark(seq)
@@ -323,6 +334,8 @@ class ParameterServer:
             "epoch": self.epoch,
             "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
         }
+        if self.buffers:
+            state["buffers"] = self.buffers.named_locked()
         return self.version, state
 
     def capture_replica_state_locked(self) -> dict[str, Any]:
@@ -346,7 +359,7 @@ class ParameterServer:
         with self.lock, torch.no_grad():
             for mine, saved in zip(self._masters, masters):
                 mine.copy_(saved)
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_state(self.optimizer, state["optimizer"])
             if self.schedule is not None and state.get("schedule") is not None:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
@@ -356,8 +369,17 @@ class ParameterServer:
                 self.workers.register(int(slot), rpc_name, incarnation)
             (self._running.clear if state.get("paused") else self._running.set)()
             self.log.restart_at(int(state.get("log_index", 0)), self.version)
+            if self.buffers and "buffers" in state:  # a snapshot from before buffers were kept has none
+                self.buffers.restore_locked(state["buffers"])
             self._pull_copy_version = -1
         self.metrics.version.set(self.version)
+
+    def model_state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The version and this server's part of the model as a state_dict: parameters in the model's
+        own dtypes, then buffers (export; ``ps.export``). Copied under the lock, converted after it."""
+        with self.lock:
+            version, masters, buffers = self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
+        return version, named_state(self.layout, masters, buffers)
 
     def master_tensors(self) -> dict[str, torch.Tensor]:
         """Named copies of the current parameters (for evaluation and tests)."""
@@ -406,6 +428,7 @@ class ParameterServer:
                 version=self.version, mode=self.config.mode, optimizer=self.config.optimizer.name, paused=self.paused,
                 finishing=self.finishing, uptime_s=now - self.started, server_id=self.server_id,
                 shard_index=self.config.shard_index, shard_count=self.config.shard_count, workers=workers,
+                intra_op_threads=torch.get_num_threads(),
             )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +23,7 @@ from torch.futures import Future
 
 from ps.admission import Admission, Refused, RejectReason, SkipNonfinite
 from ps.modes import ConsistencyMode, done, make_mode
+from ps.registration_auth import RegistrationGate
 from ps.server import ParameterServer, answer
 from ps.snapshot_files import SnapshotInfo
 from ps.workers import WorkerRecord
@@ -36,7 +38,18 @@ from rpcps.errors import (
     SignatureMismatch,
     UnknownWorker,
 )
-from rpcps.messages import ErrorReply, FinishReply, Mark, PullReply, PushReply, PushStatus, Registered, Registration
+from rpcps.messages import (
+    ErrorReply,
+    FinishReply,
+    Mark,
+    Observation,
+    PullReply,
+    PushReply,
+    PushStatus,
+    Registered,
+    Registration,
+    RegistrationProof,
+)
 from rpcps.signature import ModelSignature
 from rpcps.summary import run_summary
 
@@ -55,8 +68,10 @@ class Durability(Protocol):
 
 
 class WorkerService:
-    def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None) -> None:
+    def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None, gate: RegistrationGate | None = None) -> None:
         self.server = server
+        self.gate = gate or RegistrationGate(None, server.metrics)
+        """Who may register (the job secret); without one, anyone who reaches the RPC port."""
         self.durability: Durability | None = None
         """Set once resume is done when the server checkpoints; None: nothing is durable."""
         self.mode = mode or make_mode(server, server.config)
@@ -77,8 +92,14 @@ class WorkerService:
         if server.mirroring or server.deposed:
             raise NotPrimary(server.not_primary_reason)
 
-    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
+    def challenge(self) -> str:
+        return self.gate.challenge()
+
+    def register(
+        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None = None
+    ) -> Registration:
         self._check_serving()
+        self.gate.check(slot, rpc_name, proof)
         server = self.server
         diff = server.model_signature.first_difference(ModelSignature.from_wire(signature))
         if diff is not None:
@@ -109,8 +130,36 @@ class WorkerService:
             partition_digest=server.partition_digest, wire_dtype=config.wire_dtype,
         )
 
-    def submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None) -> Future:
-        """Admits one push and hands it to the mode; the future gives its PushReply (or raises)."""
+    def submit(
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: Any,
+        loss: float | None = None,
+        have_version: int | None = None,
+    ) -> Future:
+        """Admits one push and hands it to the mode; the future gives its PushReply (or raises).
+
+        With ``have_version`` the reply carries the parameters once the push is answered (what
+        ``pull(slot, incarnation, have_version)`` gives then): one call per step instead of a push
+        and a pull, the per-call cost that dominates small models.
+        """
+        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss)
+        if have_version is None:
+            return answered
+        return answered.then(lambda f: self._with_params(f.value(), slot, incarnation, have_version))
+
+    def _with_params(self, reply: Any, slot: int, incarnation: str, have_version: int) -> Any:
+        if not isinstance(reply, PushReply):
+            return reply  # an ErrorReply (the server is stopping)
+        try:
+            return replace(reply, pulled=self.pull(slot, incarnation, have_version))
+        except RpcpsError:  # the slot was taken over meanwhile: the push's own answer stands
+            return reply
+
+    def _submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None) -> Future:
         self._check_serving()
         started = time.perf_counter()
         self.metrics.count_received()
@@ -119,13 +168,17 @@ class WorkerService:
             record = self._record_for_push(slot, incarnation, seq)
             if record is None:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
+            chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
                 grads = self.admission.check(slot, seq, chunks)
+                if buffers is not None and not isinstance(grads, SkipNonfinite):
+                    buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
             except Refused as e:
                 return self._refused(record, seq, e)
-            if isinstance(grads, SkipNonfinite):
-                return self._skipped(record, seq, grads.where)
-            return self.mode.submit(record, seq, loss, base_version, chunks, grads)
+            for skip in (grads, buffers):
+                if isinstance(skip, SkipNonfinite):
+                    return self._skipped(record, seq, skip.where)
+            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
@@ -165,11 +218,24 @@ class WorkerService:
             if have_version == server.version or server.finishing:
                 self.metrics.pulls.labels("unchanged").inc()
                 return PullReply(server.version, None, server.paused, server.finishing)
-            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused)
+            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused, buffers=server.buffers.for_pull_locked())
         self.metrics.pulls.labels("full").inc()
         self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         return reply
+
+    def observe(self, have_version: int) -> Observation:
+        """A read-only look at the newest model (the sidecar evaluator): no slot, no record, no effect."""
+        server, config = self.server, self.server.config
+        with server.lock:
+            fresh = have_version != server.version
+            chunks = server.params_for_pull_locked() if fresh else None
+            buffers = server.buffers.for_pull_locked() if fresh else None
+            version = server.version
+        return Observation(
+            version, chunks, buffers, server.model_signature.to_wire(), config.chunk_bytes,
+            shard_index=config.shard_index, shard_count=config.shard_count,
+        )
 
     def heartbeat(self, slot: int, incarnation: str) -> int:
         with self.server.lock:

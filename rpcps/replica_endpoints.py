@@ -10,7 +10,9 @@ new primary tells workers. One function each, forwarding to the object the proce
 - on a worker: ``view_changed``, a shard's new view (a failover), so it need not wait to notice.
 
 Errors raised on purpose come back as ``ErrorReply`` values, as in ``rpcps.endpoints``.
-``ENDPOINTS`` lists what may be called remotely.
+``SERVER_ENDPOINTS`` and ``WORKER_ENDPOINTS`` list what may be called remotely in each role: the
+transport's unpickler allows them only where the role adds them to its surface (``rpcps.rpc_policy``);
+every record they carry is in ``rpcps.messages``, so it is allowed already.
 """
 
 from __future__ import annotations
@@ -105,4 +107,8 @@ def view_changed(shard: int, view: View) -> None:
         _listener.view_changed(shard, view)
 
 
-ENDPOINTS = (replica_attach, replica_snapshot, replica_ready, replica_append, replica_watch, view_changed)
+SERVER_ENDPOINTS = (replica_attach, replica_snapshot, replica_ready, replica_append, replica_watch)
+"""What a server process adds to the worker API's protected surface (``rpc_policy.protect``'s
+``extra_calls``): the other replica of its shard calls these."""
+WORKER_ENDPOINTS = (view_changed,)
+"""What a worker process adds to its protected surface: a new primary calls it."""

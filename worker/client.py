@@ -17,7 +17,8 @@ import torch
 
 from rpcps import endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, View
+from rpcps.jobsecret import JobSecret
+from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof, View
 
 
 def unwrap(value: Any) -> Any:
@@ -45,12 +46,16 @@ def shard_view(shard: int) -> View | None:
 class ServerClient:
     """Calls on the process serving one shard (its view's primary, as read when this client was made)."""
 
-    def __init__(self, timeout_s: float, shard: int = 0, wait_s: float = 0.0, newer_than: int = -1) -> None:
+    def __init__(
+        self, timeout_s: float, shard: int = 0, wait_s: float = 0.0, newer_than: int = -1, secret: JobSecret | None = None
+    ) -> None:
         """Finds the shard's primary and fetches its reference; waits up to ``wait_s`` for a shard that
         has no view, or whose primary has not joined, loaded its model, or replaced a dead one yet.
-        ``newer_than``: take only a view of a later epoch (a failover in progress)."""
+        ``newer_than``: take only a view of a later epoch (a failover in progress). ``secret`` proves
+        this worker belongs to the job when it registers."""
         self.timeout_s = timeout_s
         self.shard = shard
+        self.secret = secret
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -68,7 +73,7 @@ class ServerClient:
                 time.sleep(0.05 if newer_than >= 0 else 0.2)
         self.view = view
         """The view this client was made from (its primary is the process it calls)."""
-        self._owner = transport.owner(self._ref)
+        self._owner = view.primary  # the reference is a token, not an RRef: it names no owner of its own
 
     def _call(self, fn: Any, *args: Any, timeout: float | None = None) -> transport.Pending:
         return transport.call_async(self._owner, fn, (self._ref, *args), timeout or self.timeout_s)
@@ -78,14 +83,27 @@ class ServerClient:
         return int(result(self._call(endpoints.shard_count)))
 
     def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
-        return result(self._call(endpoints.register, slot, rpc_name, signature))
+        """Takes ``slot``; with a job secret, answers a fresh challenge of the server's to prove it."""
+        proof = None
+        if self.secret is not None:
+            challenge = str(result(self._call(endpoints.challenge)))
+            proof = RegistrationProof(challenge, self.secret.registration_proof(challenge, slot, rpc_name))
+        return result(self._call(endpoints.register, slot, rpc_name, signature, proof))
 
     def push(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: list[Any], loss: float | None
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: list[Any],
+        loss: float | None,
+        have_version: int | None = None,
     ) -> transport.Pending:
         """Starts a push; ``result(pending)`` gives a PushReply. In 'sync' mode the reply waits for
-        the round, which closes within the server's round timeout (below the RPC timeout)."""
-        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss)
+        the round, which closes within the server's round timeout (below the RPC timeout). With
+        ``have_version`` the reply brings the parameters too (``PushReply.pulled``)."""
+        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version)
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
@@ -106,6 +124,10 @@ class ServerClient:
         """Returns once the server committed a checkpoint holding the slot's ``steps`` (a disk write:
         it may take a while, hence the full RPC timeout)."""
         return result(self._call(endpoints.finish, slot, incarnation, steps))
+
+    def observe(self, have_version: int) -> transport.Pending:
+        """Starts a read-only look at the newest model (no slot needed); ``result`` gives an Observation."""
+        return self._call(endpoints.observe, have_version)
 
     def leave(self, slot: int, incarnation: str) -> None:
         result(self._call(endpoints.leave, slot, incarnation, timeout=min(self.timeout_s, 10.0)))

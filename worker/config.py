@@ -44,7 +44,9 @@ class WorkerConfig:
     topk_ratio: float | None = setting(
         None, help="send only this share of each gradient chunk (largest first), with error feedback", metavar="R"
     )
-    prefetch_pull: bool = setting(True, help="async mode: fetch the next step's parameters while this step computes")
+    prefetch_pull: bool = setting(
+        True, help="parameters come back with the push replies (no pull call per step); off: every refresh pulls and waits"
+    )
     failover_timeout_s: float = setting(
         15.0,
         help="a shard whose primary failed while its view named a standby: how long to wait for that standby to take "

@@ -23,6 +23,7 @@ from ps.replication.primary import Primary
 from ps.replication.standby import Standby
 from ps.server import ParameterServer
 from rpcps import replica_endpoints, transport
+from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.transport.registry import Registry, ViewRecord
 
@@ -96,6 +97,7 @@ class ShardReplica:
         standby = Standby(
             self.server, self.registry, self.shard, self.name, self.replication, self.metrics, self.compatibility, self.ledger,
             on_promoted=self._promoted, on_detached=self._on_restart, rpc_timeout_s=self.config.transport.rpc_timeout_s,
+            secret=JobSecret.from_file(secret_file) if (secret_file := self.config.transport.job_secret_file) else None,
         )
         self.standby = standby
         standby.catch_up(primary)

@@ -40,6 +40,7 @@ from ps.replication.metrics import ROLE_PRIMARY, ROLE_STANDBY, ReplicationMetric
 from ps.server import ParameterServer
 from rpcps import replica_endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError
+from rpcps.jobsecret import JobSecret
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 from rpcps.transport import membership
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
@@ -75,7 +76,9 @@ class Standby:
         on_promoted: Callable[[ViewRecord, float], None],
         on_detached: Callable[[str], None],
         rpc_timeout_s: float,
+        secret: JobSecret | None = None,
     ) -> None:
+        """``secret``: the job's, which the store's host demands before it drops a replaced primary."""
         self.server = server
         self.log = server.log
         self.registry = registry
@@ -88,6 +91,7 @@ class Standby:
         self._on_promoted = on_promoted
         self._on_detached = on_detached
         self.rpc_timeout_s = rpc_timeout_s
+        self.secret = secret
         self.primary = ""
         self.epoch = 0
         self.in_view = False
@@ -304,7 +308,7 @@ class Standby:
             self.ledger.view(new.view)
         self.metrics.failovers.inc()
         self.metrics.role.set(ROLE_PRIMARY)
-        _forget(old)
+        _forget(old, self.secret)
         took = time.monotonic() - noticed
         self.metrics.failover_seconds.set(took)
         logger.warning(
@@ -337,9 +341,17 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _forget(name: str) -> None:
+def _forget(name: str, secret: JobSecret | None) -> None:
     """Removes the replaced primary from the group, so a new standby can join at once (best effort:
-    the janitor removes it too, within a second or its lease)."""
+    the janitor removes it too, within a second or its lease).
+
+    The store's host is asked to do it (with the job secret's proof), so its own agent forgets the
+    member too: changed behind its back, its store guard would take the shorter member list for a
+    stranger's tampering and put the dead primary back.
+    """
+    store_host = transport.store_host()
+    if store_host != membership.my_name() and transport.leave(name, store_host, secret, timeout_s=1.0):
+        return
     for _ in range(20):
         try:
             membership.forget_member(name)

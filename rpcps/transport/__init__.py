@@ -2,10 +2,11 @@
 
 Roles see: ``serve``/``join``/``leave``/``shutdown`` (the process's membership in the group),
 ``call``/``call_async``/``ping`` (calls on other members, failing with the classified errors of
-``calls``), ``async_endpoint`` and ``make_ref`` (what a server exposes), ``group_registry`` (the group's
-shared facts: which process serves each shard), and ``membership`` (the upkeep of the member list).
-torch RPC is in maintenance mode upstream; keeping it behind this seam is what lets another
-transport replace it later.
+``calls``), ``async_endpoint`` (what a server exposes), ``protect`` (what peers may make this
+process run; required before joining), ``group_registry`` (the group's shared facts: which process
+serves each shard), and ``membership`` (the upkeep of the member list and of the store). torch RPC
+is in maintenance mode upstream; keeping it behind this seam is what lets another transport replace
+it later.
 """
 
 from rpcps.transport import membership
@@ -15,21 +16,20 @@ from rpcps.transport.calls import (
     PeerUnknown,
     PeerUnreachable,
     Pending,
-    Ref,
     async_endpoint,
     call,
     call_async,
     classify,
-    is_local,
-    make_ref,
-    owner,
     ping,
 )
 from rpcps.transport.config import Address, TransportOptions
 from rpcps.transport.group import JoinFailed, TransportError, group_registry, join, leave, serve, shutdown, store_host
+from rpcps.transport.pickling import REFUSAL_KINDS, Refusal, set_max_message_bytes
+from rpcps.transport.protection import Surface, protect, protected
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
 
 __all__ = [
+    "REFUSAL_KINDS",
     "Address",
     "CallFailed",
     "JoinFailed",
@@ -37,9 +37,10 @@ __all__ = [
     "PeerUnknown",
     "PeerUnreachable",
     "Pending",
-    "Ref",
+    "Refusal",
     "Registry",
     "StoreUnavailable",
+    "Surface",
     "TransportError",
     "TransportOptions",
     "ViewRecord",
@@ -48,14 +49,14 @@ __all__ = [
     "call_async",
     "classify",
     "group_registry",
-    "is_local",
     "join",
     "leave",
-    "make_ref",
     "membership",
-    "owner",
     "ping",
+    "protect",
+    "protected",
     "serve",
+    "set_max_message_bytes",
     "shutdown",
     "store_host",
 ]

@@ -113,3 +113,9 @@ def test_status_shows_the_replica_set_and_warns_when_a_shard_runs_without_its_st
     alone = format_status(status_dict(_status(replica=pb.ReplicaStatus(role="primary", epoch=4, primary="ps0_r9", configured=2))))
     assert "standby     none (WARNING: started with --replicas 2" in alone
     assert status_dict(_status())["replica"] is None and "replica" not in format_status(status_dict(_status()))
+
+
+def test_status_says_how_many_threads_the_server_computes_with() -> None:
+    d = status_dict(_status(intra_op_threads=3))
+    assert d["intra_op_threads"] == 3
+    assert "threads       3 intra-op" in format_status({**d, "address": "h:9500", "health": "SERVING"})
