@@ -12,10 +12,13 @@ Per-row metadata, 7 bytes a row, chosen to fit the memory budget:
 - ``flags`` uint8: LIVE (allocated), DIRTY (changed since the last delta capture) and LOGGED (in the
   dirty log).
 
-Dirty rows are also appended to a log the first time they turn dirty, so a delta capture reads the
-log (O(touched rows)) instead of scanning every row's flags (about 50-100 ms for 10 M rows on this
-machine, more than the whole pause budget of a delta). LOGGED survives a release, so a row evicted
-and reused within one delta interval is logged once, not twice.
+Dirty rows are also appended to a log (int32) the first time they turn dirty, so a delta capture
+reads the log (O(touched rows)) instead of scanning every row's flags (about 50-100 ms for 10 M rows
+on this machine, more than the whole pause budget of a delta). LOGGED survives a release, so a row
+evicted and reused within one delta interval is logged once, not twice. When more than 1/8 of the
+rows (and at least 65536) are dirty, the log is dropped and the next capture scans the flags: by then
+copying the dirty rows costs more than the scan, and the log never costs more than 0.5 byte a row
+(for instance when deltas are never taken).
 
 Rows are allocated from a LIFO free list of evicted rows first, then from the high-water mark.
 Growth copies into a tensor ``growth`` times larger made with ``torch.empty``: pages past the
@@ -32,6 +35,7 @@ LIVE = 1
 DIRTY = 2
 LOGGED = 4
 _FLOAT16_MAX = 65504.0
+_LOG_MIN_LIMIT = 1 << 16
 
 
 class RowSlab:
@@ -55,6 +59,8 @@ class RowSlab:
         self._free_len = 0
         self._live = 0
         self._dirty_log: list[torch.Tensor] = []
+        self._logged = 0
+        self._log_overflowed = False
 
     def __len__(self) -> int:
         return self._live
@@ -70,7 +76,7 @@ class RowSlab:
     def nbytes(self) -> int:
         """Resident bytes: rows and metadata up to the high-water mark, the free list, the dirty log."""
         per_row = self.width * 4 + 4 + 2 + 1
-        return self.high_water * per_row + self._free.numel() * 4 + self.logged_rows * 8
+        return self.high_water * per_row + (self._free.numel() + self._logged) * 4
 
     def allocate(self, n: int) -> torch.Tensor:
         """n rows (int64), marked LIVE only: the caller writes their data and metadata."""
@@ -101,26 +107,35 @@ class RowSlab:
     def mark_dirty(self, rows: torch.Tensor) -> None:
         """Marks LIVE rows (unique; not checked) changed since the last ``take_dirty``."""
         flags = self.flags[rows]
-        self._dirty_log.append(rows[(flags & LOGGED) == 0])
         self.flags[rows] = flags | (DIRTY | LOGGED)
+        if self._log_overflowed:
+            return
+        new = rows[(flags & LOGGED) == 0].to(torch.int32)
+        self._dirty_log.append(new)
+        self._logged += new.numel()
+        if self._logged > max(_LOG_MIN_LIMIT, self.high_water // 8):
+            self._dirty_log, self._logged, self._log_overflowed = [], 0, True
 
     def dirty_rows(self) -> torch.Tensor:
-        """LIVE rows changed since the last ``take_dirty`` (unique, in log order); nothing is cleared."""
-        log = self._compact_log()
-        return log[(self.flags[log] & (LIVE | DIRTY)) == (LIVE | DIRTY)]
+        """LIVE rows changed since the last ``take_dirty`` (unique); nothing is cleared."""
+        candidates = self._dirty_candidates()
+        return candidates[(self.flags[candidates] & (LIVE | DIRTY)) == (LIVE | DIRTY)]
 
     def take_dirty(self) -> torch.Tensor:
         """Like ``dirty_rows``, and starts a new interval: every row is clean and unlogged after it."""
-        log = self._compact_log()
-        flags = self.flags[log]
-        self.flags[log] = flags & ~(DIRTY | LOGGED) & 0xFF
-        self._dirty_log = []
-        return log[(flags & (LIVE | DIRTY)) == (LIVE | DIRTY)]
+        candidates = self._dirty_candidates()
+        flags = self.flags[candidates]
+        if self._log_overflowed:
+            self.flags[: self.high_water] &= LIVE
+        else:
+            self.flags[candidates] = flags & LIVE
+        self._dirty_log, self._logged, self._log_overflowed = [], 0, False
+        return candidates[(flags & (LIVE | DIRTY)) == (LIVE | DIRTY)]
 
     @property
-    def logged_rows(self) -> int:
-        """Upper bound on the rows the next delta holds (log entries, some since released)."""
-        return sum(t.numel() for t in self._dirty_log)
+    def dirty_bound(self) -> int:
+        """Upper bound on the rows the next delta holds."""
+        return self._live if self._log_overflowed else self._logged
 
     def live_rows(self, lo: int, hi: int) -> torch.Tensor:
         """LIVE rows in [lo, min(hi, high_water)), ascending."""
@@ -136,10 +151,13 @@ class RowSlab:
         ).to(torch.float16)
         self.last_seen[rows] = now
 
-    def _compact_log(self) -> torch.Tensor:
-        log = torch.cat(self._dirty_log) if self._dirty_log else torch.empty(0, dtype=torch.int64)
+    def _dirty_candidates(self) -> torch.Tensor:
+        """int64 rows that may be dirty: the log, or after an overflow every row with DIRTY set."""
+        if self._log_overflowed:
+            return ((self.flags[: self.high_water] & DIRTY) != 0).nonzero().squeeze(1)
+        log = torch.cat(self._dirty_log) if self._dirty_log else torch.empty(0, dtype=torch.int32)
         self._dirty_log = [log]
-        return log
+        return log.to(torch.int64)
 
     def _reserve(self, rows: int) -> None:
         if rows <= self.capacity:

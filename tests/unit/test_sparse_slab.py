@@ -44,7 +44,7 @@ def test_dirty_log_yields_each_live_dirty_row_once() -> None:
     slab.mark_dirty(reused)
     assert sorted(slab.dirty_rows().tolist()) == [0, 2, 3, 5]
     assert sorted(slab.take_dirty().tolist()) == [0, 2, 3, 5]
-    assert slab.take_dirty().tolist() == [] and slab.logged_rows == 0
+    assert slab.take_dirty().tolist() == [] and slab.dirty_bound == 0
     slab.mark_dirty(torch.tensor([0]))
     assert slab.take_dirty().tolist() == [0]
 
@@ -79,3 +79,19 @@ def test_decayed_count_never_grows_for_rows_seen_in_the_future() -> None:
 def test_bad_shapes_are_refused(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RowSlab(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_log_past_an_eighth_of_the_rows_gives_way_to_a_scan_with_the_same_answer() -> None:
+    slab = RowSlab(width=1)
+    rows = slab.allocate(800_000)
+    slab.mark_dirty(rows[:99_000])
+    assert slab.dirty_bound == 99_000 and slab.nbytes() == 800_000 * 11 + 99_000 * 4
+    slab.mark_dirty(rows[99_000:100_001])  # 100_001 > 800_000 / 8: the log is dropped
+    assert slab.dirty_bound == len(slab) and slab.nbytes() == 800_000 * 11
+    slab.release(rows[:10])
+    slab.mark_dirty(rows[-5:])
+    assert torch.equal(slab.dirty_rows(), torch.cat([rows[10:100_001], rows[-5:]]))
+    assert torch.equal(slab.take_dirty(), torch.cat([rows[10:100_001], rows[-5:]]))
+    assert slab.take_dirty().numel() == 0
+    slab.mark_dirty(rows[50:51])  # logging again after the scan
+    assert slab.dirty_bound == 1 and slab.take_dirty().tolist() == [50]
