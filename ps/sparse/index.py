@@ -98,6 +98,11 @@ class IdIndex:
         """The id stored in each row. Rows must be live (inserted and not removed); not checked."""
         return self._keys[rows]
 
+    def ids_in(self, lo: int, hi: int) -> torch.Tensor:
+        """A view of the ids stored in rows [lo, hi); rows never inserted hold garbage. Copy it
+        before the index changes."""
+        return self._keys[lo:hi]
+
     def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Adds id -> row for each pair.
 

@@ -24,10 +24,12 @@ What each call does, and what it promises:
   pause is that copy.
 - ``capture_full(lo, hi)``: a full snapshot of buckets [lo, hi) taken in slices of
   ``full_slice_rows`` rows, each under the lock, so training runs between slices. The slices alone
-  are fuzzy (rows change while they are copied); a closing step under the lock copies the rows
-  changed since the last delta plus the pending tombstones, and every delta captured meanwhile is
-  folded in as well, so the result is exactly the state at the closing step. Its ``next_delta_seq``
-  is the seq of the next delta, which applies on top of it (or, equally, on top of the previous chain).
+  are fuzzy (rows change while they are copied), so while the capture is open every delta captured
+  and every row evicted is applied to its copy by row number (row_image.py), and a closing step
+  under the lock copies the rows still dirty and the rows created since the capture began: the
+  result is exactly the state at the closing step, and the longest pause is one slice or the
+  closing copy of touched rows. Its ``next_delta_seq`` is the seq of the next delta, which applies
+  on top of it (or, equally, on top of the previous chain).
 - ``restore(chains, ranges)``: loads full + deltas of one or more old servers into an empty table,
   keeping the rows of the given bucket ranges; the result is bit-identical to the captured state
   whatever the number of old and new servers. After a restore onto a different bucket layout, capture
@@ -54,7 +56,6 @@ from ps.sparse.checkpoint import (
     FORMAT,
     InvalidPayload,
     RowRecords,
-    apply_delta,
     compact,
     keep_buckets,
     payload_nbytes,
@@ -64,6 +65,7 @@ from ps.sparse.eviction import SAMPLE_ROWS, EvictionConfig, EvictionPlan
 from ps.sparse.hashing import derive_key, to_int64
 from ps.sparse.index import IdIndex, IndexConfig, check_ids
 from ps.sparse.row_init import RowInitConfig, initial_rows
+from ps.sparse.row_image import RowImage
 from ps.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer
 from ps.sparse.sharding import DEFAULT_BUCKETS
 from ps.sparse.slab import LIVE, RowSlab
@@ -293,6 +295,8 @@ class SparseTable:
             evicted = self._index.ids_of(victims)
             self._index.remove(evicted)
             self._slab.release(victims)
+            for capture in self._fulls:
+                capture.image.release(victims)
             self._tombstones.append(evicted)
             self._counters.evicted += evicted.numel()
             self._cursor = hi
@@ -304,12 +308,14 @@ class SparseTable:
     def capture_delta(self) -> dict[str, Any]:
         """Rows changed since the previous delta, and the ids evicted since; see checkpoint.py."""
         with self._lock:
-            records = self._records(self._slab.take_dirty())
-            tombstones = self._take_tombstones()
+            rows = self._slab.take_dirty()
+            records = self._records(rows)
+            tombstones = torch.cat(self._tombstones) if self._tombstones else torch.empty(0, dtype=torch.int64)
+            self._tombstones = []
             meta = self._meta("delta", [(0, self.config.num_buckets)], seq=self._delta_seq)
             self._delta_seq += 1
             for capture in self._fulls:
-                capture.patches.append((records, tombstones))
+                capture.image.patch(rows, records)
             payload = {"meta": meta, "records": records.to_dict(), "tombstones": tombstones}
             self._counters.deltas += 1
             self._counters.last_delta_bytes = payload_nbytes(payload)
@@ -430,17 +436,6 @@ class SparseTable:
     def _keep(self, records: RowRecords, ranges: BucketRanges) -> RowRecords:
         return keep_buckets(records, self.config.table_id, self.config.num_buckets, ranges)
 
-    def _pending_tombstones(self) -> torch.Tensor:
-        if not self._tombstones:
-            return torch.empty(0, dtype=torch.int64)
-        self._tombstones = [torch.cat(self._tombstones)]
-        return self._tombstones[0]
-
-    def _take_tombstones(self) -> torch.Tensor:
-        tombstones = self._pending_tombstones()
-        self._tombstones = []
-        return tombstones
-
     def _sample_live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(last_seen, count) of up to SAMPLE_ROWS random live rows, for a capped sweep's threshold."""
         cfg = self.config.eviction
@@ -505,31 +500,29 @@ class FullCapture:
     ``step()`` copies the next slice of rows under the table lock and returns True once every slice
     is copied; ``finish()`` copies what is left, closes under the lock and returns the payload;
     ``abort()`` drops it. Steps may be interleaved with any other table call, from any thread, but
-    one capture is driven by one thread.
+    one capture is driven by one thread. While open, the table reports every delta it captures and
+    every row it evicts to the capture's RowImage, which is how the fuzzy copy becomes exact.
     """
 
     def __init__(self, table: SparseTable, ranges: BucketRanges) -> None:
         self._table = table
         self._ranges = ranges
-        self.parts: list[RowRecords] = []
-        self.patches: list[tuple[RowRecords, torch.Tensor]] = []
-        """Deltas captured meanwhile and, last, the closing copy: folded into the slices in order."""
         with table._lock:
-            # Rows allocated past this point are new, hence dirty, hence in a patch.
-            self._end = table._slab.high_water
+            # Rows allocated past `end` after this point are copied whole by the closing step.
+            self.image = RowImage(table._slab.high_water, table.config.width)
             table._fulls.append(self)
         self._next = 0
         self._open = True
 
     def step(self) -> bool:
         """Copies one slice of full_slice_rows rows; True when no slice is left."""
-        if self._next < self._end:
+        end = self.image.end
+        if self._next < end:
             table, lo = self._table, self._next
-            self._next = min(lo + table.config.full_slice_rows, self._end)
+            self._next = min(lo + table.config.full_slice_rows, end)
             with table._lock:
-                records = table._records(table._slab.live_rows(lo, self._next))
-            self.parts.append(table._keep(records, self._ranges))  # hashing ids needs no lock
-        return self._next >= self._end
+                self.image.copy(lo, self._next, table._slab, table._index)
+        return self._next >= end
 
     def finish(self) -> dict[str, Any]:
         """Runs the remaining slices and the closing step; returns the full payload.
@@ -544,18 +537,18 @@ class FullCapture:
             while not self.step():
                 time.sleep(0)  # lets a request thread waiting on the lock in before the next slice
             with table._lock:
-                self.patches.append((table._records(table._slab.dirty_rows()), table._pending_tombstones()))
+                dirty = table._slab.dirty_rows()
+                self.image.patch(dirty, table._records(dirty))
+                created = table._records(table._slab.live_rows(self.image.end, table._slab.high_water))
                 meta = table._meta("full", self._ranges, next_delta_seq=table._delta_seq)
                 admission = table._admission.state_dict()
         finally:
             self.abort()
-        records = RowRecords.concat(self.parts, table.config.width)
-        for upserts, tombstones in self.patches:
-            records = apply_delta(records, table._keep(upserts, self._ranges), tombstones)
+        records = table._keep(self.image.records(created), self._ranges)
         return {"meta": meta, "records": records.to_dict(), "admission": admission}
 
     def abort(self) -> None:
-        """Stops collecting deltas; the capture can no longer finish."""
+        """Stops following the table; the capture can no longer finish."""
         if self._open:
             with self._table._lock:
                 self._table._fulls.remove(self)
