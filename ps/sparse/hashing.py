@@ -32,7 +32,6 @@ def to_int64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_GOLDEN_S = to_int64(GOLDEN)
 _MUL1_S = to_int64(_MUL1)
 _MUL2_S = to_int64(_MUL2)
 
@@ -59,12 +58,19 @@ def shift_right_logical(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser, elementwise on an int64 tensor (a new tensor; the input is untouched)."""
-    z = z ^ shift_right_logical(z, 30)
-    z.mul_(_MUL1_S)
-    z ^= shift_right_logical(z, 27)
-    z.mul_(_MUL2_S)
-    z ^= shift_right_logical(z, 31)
+    """splitmix64's finaliser, elementwise on an int64 tensor (a new tensor; the input is untouched).
+
+    In place on one copy and one scratch tensor: hashing [n, dim] streams is the bulk of creating
+    rows, and every extra temporary of that size is allocator churn.
+    """
+    z = z.clone()
+    scratch = torch.empty_like(z)
+    for bits, multiplier in ((30, _MUL1_S), (27, _MUL2_S), (31, None)):
+        torch.bitwise_right_shift(z, bits, out=scratch)
+        scratch &= (1 << (64 - bits)) - 1
+        z ^= scratch
+        if multiplier is not None:
+            z.mul_(multiplier)
     return z
 
 
@@ -86,10 +92,12 @@ def reduce_range(h: torch.Tensor, n: int) -> torch.Tensor:
     return (shift_right_logical(h, 32) * n) >> 32
 
 
-def stream(row_keys: torch.Tensor, count: int) -> torch.Tensor:
-    """The first ``count`` outputs of a splitmix64 generator seeded by each row key: [n, count] int64."""
-    steps = torch.arange(1, count + 1, dtype=torch.int64) * _GOLDEN_S
-    return mix64(row_keys.unsqueeze(1) + steps)
+def stream_at(row_keys: torch.Tensor, position: int) -> torch.Tensor:
+    """Output ``position`` (0-based) of the splitmix64 generator seeded by each row key: int64 [n].
+
+    One position at a time, so callers building [n, dim] values need temporaries of n, not n * dim.
+    """
+    return mix64(row_keys + to_int64((position + 1) * GOLDEN))
 
 
 def uniform01(h: torch.Tensor) -> torch.Tensor:

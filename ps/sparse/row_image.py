@@ -34,6 +34,12 @@ class RowImage:
         self._count = torch.empty(end, dtype=torch.float16)
         self._alive = torch.zeros(end, dtype=torch.bool)
 
+    def prefault(self, lo: int, hi: int) -> None:
+        """Writes positions [lo, hi) once, so the kernel maps their pages now, outside the table lock,
+        and not during ``copy`` under it (first-touch page faults were about half of a copy's time)."""
+        for buffer in (self._ids, self._rows, self._last_seen, self._count):
+            buffer[lo:hi].zero_()
+
     def copy(self, lo: int, hi: int, slab: RowSlab, index: IdIndex) -> None:
         """Copies slab rows [lo, hi) (hi <= end) as they are now; dead rows copy garbage, masked off."""
         self._rows[lo:hi] = slab.data[lo:hi]

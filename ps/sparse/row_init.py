@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from ps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream, uniform01
+from ps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream_at, uniform01
 
 _INIT_SALT = 0x1217
 
@@ -50,7 +50,10 @@ def initial_rows(config: RowInitConfig, table_id: int, ids: torch.Tensor, dim: i
     if config.kind == "zeros":
         return torch.zeros(ids.numel(), dim, dtype=torch.float32)
     row_keys = keyed_hash(ids, derive_key(_INIT_SALT, config.seed, table_id))
-    bits = stream(row_keys, dim)
+    to_float = uniform01 if config.kind == "uniform" else standard_normal
+    out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+    for j in range(dim):  # column by column: temporaries of one column, not of the whole block
+        out[:, j] = to_float(stream_at(row_keys, j))
     if config.kind == "uniform":
-        return uniform01(bits).mul_(2 * config.scale).sub_(config.scale)
-    return standard_normal(bits).mul_(config.scale)
+        return out.mul_(2 * config.scale).sub_(config.scale)
+    return out.mul_(config.scale)

@@ -409,17 +409,17 @@ class SparseTable:
     def _create(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for new ids: deterministic init, fresh optimizer state, count 1 (the creation)."""
         cfg = self.config
-        block = torch.cat(
-            [initial_rows(cfg.init, cfg.table_id, ids, cfg.dim), cfg.optimizer.initial_state(ids.numel(), cfg.dim)],
-            dim=1,
-        )
+        embeddings = initial_rows(cfg.init, cfg.table_id, ids, cfg.dim)
         rows = self._slab.allocate(ids.numel())
         try:
             self._index.insert(ids, rows)
         except ValueError:
             self._slab.release(rows)
             raise
-        self._slab.data.index_copy_(0, rows, block)
+        self._slab.data.narrow(1, 0, cfg.dim).index_copy_(0, rows, embeddings)
+        state_width = cfg.width - cfg.dim
+        if state_width:
+            self._slab.data.narrow(1, cfg.dim, state_width).index_copy_(0, rows, cfg.optimizer.initial_state(ids.numel(), cfg.dim))
         self._slab.last_seen[rows] = self._now()
         self._slab.count[rows] = 1.0
         self._slab.mark_dirty(rows)
@@ -520,6 +520,7 @@ class FullCapture:
         if self._next < end:
             table, lo = self._table, self._next
             self._next = min(lo + table.config.full_slice_rows, end)
+            self.image.prefault(lo, self._next)
             with table._lock:
                 self.image.copy(lo, self._next, table._slab, table._index)
         return self._next >= end

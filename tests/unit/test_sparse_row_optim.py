@@ -87,8 +87,9 @@ def test_lazy_adam_counts_steps_per_row_as_int32() -> None:
 
 
 def test_rows_not_pushed_are_never_changed() -> None:
-    weights = torch.randn(N, D)
-    rows, grads = torch.tensor([3, 7]), torch.randn(2, D)
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.randn(N, D, generator=gen)
+    rows, grads = torch.tensor([3, 7]), torch.randn(2, D, generator=gen)
     for opt in (SGD(lr=0.1), Adagrad(lr=0.1), RowWiseAdagrad(lr=0.1), LazyAdam(lr=0.1), FTRL(lr=0.1)):
         slab = _run_rows(opt, weights, [(rows, grads)])
         untouched = torch.ones(N, dtype=torch.bool)
@@ -100,7 +101,7 @@ def test_rows_not_pushed_are_never_changed() -> None:
 
 def test_rowwise_adagrad_matches_a_dense_masked_reference_bit_for_bit() -> None:
     opt = RowWiseAdagrad(lr=0.2, eps=1e-8, initial_accumulator_value=0.1)
-    weights = torch.randn(N, D)
+    weights = torch.randn(N, D, generator=torch.Generator().manual_seed(4))
     pushes = _pushes(4)
     w, acc = weights.clone(), torch.full((N, 1), 0.1)
     for rows, grads in pushes:
@@ -136,7 +137,7 @@ def _ftrl_reference(
     ids=["plain", "l1-l2"],
 )
 def test_ftrl_matches_the_paper_algorithm(opt: FTRL) -> None:
-    weights = torch.randn(N, D) * 0.01
+    weights = torch.randn(N, D, generator=torch.Generator().manual_seed(5)) * 0.01
     pushes = _pushes(5)
     got = _run_rows(opt, weights, pushes)[:, :D]
     assert torch.equal(got, _ftrl_reference(opt, weights, pushes, torch.float32))
@@ -144,7 +145,8 @@ def test_ftrl_matches_the_paper_algorithm(opt: FTRL) -> None:
 
 
 def test_ftrl_l1_makes_weights_exactly_zero() -> None:
-    slab = _run_rows(FTRL(lr=0.1, l1=100.0), torch.randn(N, D), _pushes(6))
+    weights = torch.randn(N, D, generator=torch.Generator().manual_seed(6)) * 0.01
+    slab = _run_rows(FTRL(lr=0.1, l1=100.0), weights, _pushes(6))
     touched = torch.unique(torch.cat([rows for rows, _ in _pushes(6)]))
     assert bool((slab[touched, :D] == 0).all())
 
