@@ -14,7 +14,9 @@ What it measures, in this order, on one table (dim 16, row-wise Adagrad by defau
    (all of it under the table lock, so it is the training pause) and size against touched x
    (id + row) bytes.
 4. Full snapshot into memory: bytes/s, and the longest single lock hold during it.
-5. Raw IdIndex.insert speed on a fresh index.
+5. With ``--write-dir``: the full written to disk with ps/snapshot_files.py (torch.save, fsync,
+   SHA-256 manifest, rename) and read back verified with weights_only=True, in MB/s.
+6. Raw IdIndex.insert speed on a fresh index.
 
 Run it alone on the machine (single process; on a shared machine under the CPU lock):
 
@@ -27,14 +29,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import proc_memory_kb
+from ps.snapshot_files import load_snapshot, write_snapshot
 from ps.sparse.checkpoint import payload_nbytes
 from ps.sparse.hashing import derive_key, keyed_hash
 from ps.sparse.index import IdIndex
@@ -96,6 +101,35 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
+def _timed_capture(lock: TimedLock, capture: Callable[[], dict[str, Any]]) -> tuple[int, float]:
+    """(payload bytes, seconds) of one capture; lock.longest is then its longest lock hold."""
+    lock.longest = 0.0
+    start = time.perf_counter()
+    payload = capture()
+    return payload_nbytes(payload), time.perf_counter() - start
+
+
+def _measure_disk(table: SparseTable, directory: Path) -> None:
+    """Writes one full with the existing commit protocol and loads it back verified."""
+    full = table.capture_full()
+    size = payload_nbytes(full)
+    directory.mkdir(parents=True, exist_ok=False)
+    try:
+        start = time.perf_counter()
+        info = write_snapshot(directory, 1, full, {"sparse": "full"})
+        write_s = time.perf_counter() - start
+        del full
+        start = time.perf_counter()
+        load_snapshot(info.path)
+        read_s = time.perf_counter() - start
+    finally:
+        shutil.rmtree(directory)
+    print(
+        f"full snapshot to disk: {info.size_bytes / 1e6:.0f} MB file ({info.size_bytes / size:.4f} x payload) "
+        f"written in {write_s:.2f} s = {size / write_s / 1e6:.0f} MB/s, read back verified in {read_s:.2f} s"
+    )
+
+
 def _measure_build(config: TableConfig, rows: int, batch: int, key: int) -> SparseTable:
     warm = SparseTable(config)  # torch's lazy one-time initialisation is not the table's memory
     warm.pull(torch.arange(5000))
@@ -131,6 +165,7 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1.1)
     p.add_argument("--delta-steps", default="10,100", help="comma-separated step counts, one delta after each")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--write-dir", type=Path, help="an empty scratch directory on the disk to measure (removed after)")
     args = p.parse_args()
     key = derive_key(2024)
     config = TableConfig(name="bench", table_id=0, dim=args.dim, optimizer=OPTIMIZERS[args.optimizer]())
@@ -170,31 +205,24 @@ def main() -> None:
         for u, g in zip(uniques[:n], grads[:n], strict=True):
             table.apply(u, g)
         touched = torch.unique(torch.cat(uniques[:n])).numel()
-        lock.longest = 0.0
-        start = time.perf_counter()
-        delta = table.capture_delta()
-        pause = time.perf_counter() - start
-        size = payload_nbytes(delta)
+        size, seconds = _timed_capture(lock, table.capture_delta)
         print(
             f"delta after {n} steps: {touched} touched rows, {size / 1e6:.1f} MB = "
             f"{size / (touched * (8 + config.width * 4)):.3f} x touched (id + row) bytes, "
             f"{size / (touched * config.width * 4):.3f} x touched row bytes; "
-            f"capture {pause * 1e3:.1f} ms, longest lock hold {lock.longest * 1e3:.1f} ms"
+            f"capture {seconds * 1e3:.1f} ms, longest lock hold {lock.longest * 1e3:.1f} ms"
         )
-        del delta
 
     for u, g in zip(uniques[:10], grads[:10], strict=True):
         table.apply(u, g)  # pending dirty rows for the full's closing step
-    lock.longest = 0.0
-    start = time.perf_counter()
-    full = table.capture_full()
-    full_s = time.perf_counter() - start
-    size = payload_nbytes(full)
+    size, seconds = _timed_capture(lock, table.capture_full)
     print(
-        f"full snapshot into memory: {size / 1e6:.0f} MB in {full_s:.2f} s = {size / full_s / 1e6:.0f} MB/s, "
+        f"full snapshot into memory: {size / 1e6:.0f} MB in {seconds:.2f} s = {size / seconds / 1e6:.0f} MB/s, "
         f"longest lock hold {lock.longest * 1e3:.1f} ms"
     )
-    del full
+
+    if args.write_dir is not None:
+        _measure_disk(table, args.write_dir)
 
     fresh_ids = keyed_hash(torch.arange(args.rows, args.rows + 1_000_000), key)
     fresh = IdIndex()
