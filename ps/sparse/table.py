@@ -507,9 +507,11 @@ class FullCapture:
     def __init__(self, table: SparseTable, ranges: BucketRanges) -> None:
         self._table = table
         self._ranges = ranges
+        # Read without the lock (an int read is atomic), so the image is allocated outside it: rows
+        # allocated after this read lie past `end` and are copied whole by the closing step, and rows
+        # below it are copied by their slice after the registration below, with their state then.
+        self.image = RowImage(table._slab.high_water, table.config.width)
         with table._lock:
-            # Rows allocated past `end` after this point are copied whole by the closing step.
-            self.image = RowImage(table._slab.high_water, table.config.width)
             table._fulls.append(self)
         self._next = 0
         self._open = True
