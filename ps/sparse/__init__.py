@@ -6,6 +6,7 @@ Modules, one job each:
 - slab: fp32 rows with optimizer state inline, per-row metadata, free list, dirty log.
 - row_init: deterministic initial rows from (seed, table id, id).
 - row_optim: SGD, Adagrad, row-wise Adagrad, lazy Adam, FTRL on gathered row blocks.
+- row_image: the row-numbered buffer that makes a sliced full capture exact.
 - admission: count-min or deterministic-coin admission of new ids.
 - eviction: which rows a sweep evicts (TTL, LFU with decay, row cap).
 - sharding: id -> virtual bucket -> server, and the JSON bucket manifest.
@@ -20,16 +21,19 @@ from ps.sparse.index import IndexConfig
 from ps.sparse.row_init import RowInitConfig
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from ps.sparse.sharding import BucketManifest, BucketRange, bucket_of
-from ps.sparse.table import SparseTable, TableConfig, TableStats
+from ps.sparse.table import ApplyResult, EvictionSlice, FullCapture, SparseTable, TableConfig, TableStats
 
 __all__ = [
     "FTRL",
     "SGD",
     "Adagrad",
+    "ApplyResult",
     "BucketManifest",
     "BucketRange",
     "CountAdmissionConfig",
     "EvictionConfig",
+    "EvictionSlice",
+    "FullCapture",
     "IndexConfig",
     "InvalidPayload",
     "LazyAdam",

@@ -25,10 +25,10 @@ What each call does, and what it promises:
 - ``capture_full(lo, hi)``: a full snapshot of buckets [lo, hi) taken in slices of
   ``full_slice_rows`` rows, each under the lock, so training runs between slices. The slices alone
   are fuzzy (rows change while they are copied), so while the capture is open every delta captured
-  and every row evicted is applied to its copy by row number (row_image.py), and a closing step
-  under the lock copies the rows still dirty and the rows created since the capture began: the
-  result is exactly the state at the closing step, and the longest pause is one slice or the
-  closing copy of touched rows. Its ``next_delta_seq`` is the seq of the next delta, which applies
+  and every row evicted is also applied to its copy by row number (row_image.py, outside the lock),
+  and a closing step under the lock copies the rows still dirty and the rows created since the
+  capture began: the result is exactly the state at the closing step, and the longest pause is one
+  slice or the closing copy of touched rows. Its ``next_delta_seq`` is the seq of the next delta, which applies
   on top of it (or, equally, on top of the previous chain).
 - ``restore(chains, ranges)``: loads full + deltas of one or more old servers into an empty table,
   keeping the rows of the given bucket ranges; the result is bit-identical to the captured state
@@ -296,7 +296,7 @@ class SparseTable:
             self._index.remove(evicted)
             self._slab.release(victims)
             for capture in self._fulls:
-                capture.image.release(victims)
+                capture.queue(victims, None)
             self._tombstones.append(evicted)
             self._counters.evicted += evicted.numel()
             self._cursor = hi
@@ -315,7 +315,7 @@ class SparseTable:
             meta = self._meta("delta", [(0, self.config.num_buckets)], seq=self._delta_seq)
             self._delta_seq += 1
             for capture in self._fulls:
-                capture.image.patch(rows, records)
+                capture.queue(rows, records)
             payload = {"meta": meta, "records": records.to_dict(), "tombstones": tombstones}
             self._counters.deltas += 1
             self._counters.last_delta_bytes = payload_nbytes(payload)
@@ -500,13 +500,19 @@ class FullCapture:
     ``step()`` copies the next slice of rows under the table lock and returns True once every slice
     is copied; ``finish()`` copies what is left, closes under the lock and returns the payload;
     ``abort()`` drops it. Steps may be interleaved with any other table call, from any thread, but
-    one capture is driven by one thread. While open, the table reports every delta it captures and
-    every row it evicts to the capture's RowImage, which is how the fuzzy copy becomes exact.
+    one capture is driven by one thread.
+
+    While open, the table queues every delta it captures and every row it evicts here (a list
+    append under its lock); the capture thread applies them to its RowImage, in order, outside the
+    lock, and the closing patch last. When an event is applied does not matter, only their order:
+    a row changed after an event is dirty again, so a later event or the closing patch rewrites it.
     """
 
     def __init__(self, table: SparseTable, ranges: BucketRanges) -> None:
         self._table = table
         self._ranges = ranges
+        self._events: list[tuple[torch.Tensor, RowRecords | None]] = []
+        """(rows, their records) of a delta, or (rows, None) of an eviction, oldest first."""
         # Read without the lock (an int read is atomic), so the image is allocated outside it: rows
         # allocated after this read lie past `end` and are copied whole by the closing step, and rows
         # below it are copied by their slice after the registration below, with their state then.
@@ -515,6 +521,10 @@ class FullCapture:
             table._fulls.append(self)
         self._next = 0
         self._open = True
+
+    def queue(self, rows: torch.Tensor, records: RowRecords | None) -> None:
+        """Called by the table under its lock: a delta's rows and records, or evicted rows (None)."""
+        self._events.append((rows, records))
 
     def step(self) -> bool:
         """Copies one slice of full_slice_rows rows; True when no slice is left."""
@@ -525,6 +535,8 @@ class FullCapture:
             self.image.prefault(lo, self._next)
             with table._lock:
                 self.image.copy(lo, self._next, table._slab, table._index)
+                events, self._events = self._events, []
+            self._apply(events)
         return self._next >= end
 
     def finish(self) -> dict[str, Any]:
@@ -540,13 +552,19 @@ class FullCapture:
             while not self.step():
                 time.sleep(0)  # lets a request thread waiting on the lock in before the next slice
             with table._lock:
+                # The pause of the close: a copy of the rows dirty since the last delta and of the
+                # rows created since the start; everything else happens after the lock is released.
                 dirty = table._slab.dirty_rows()
-                self.image.patch(dirty, table._records(dirty))
+                self.queue(dirty, table._records(dirty))
                 created = table._records(table._slab.live_rows(self.image.end, table._slab.high_water))
                 meta = table._meta("full", self._ranges, next_delta_seq=table._delta_seq)
                 admission = table._admission.state_dict()
+                table._fulls.remove(self)
+                self._open = False
+                events, self._events = self._events, []
         finally:
             self.abort()
+        self._apply(events)
         records = table._keep(self.image.records(created), self._ranges)
         return {"meta": meta, "records": records.to_dict(), "admission": admission}
 
@@ -556,6 +574,14 @@ class FullCapture:
             with self._table._lock:
                 self._table._fulls.remove(self)
             self._open = False
+            self._events = []
+
+    def _apply(self, events: list[tuple[torch.Tensor, RowRecords | None]]) -> None:
+        for rows, records in events:
+            if records is None:
+                self.image.release(rows)
+            else:
+                self.image.patch(rows, records)
 
 
 def _shift_last_seen(records: RowRecords, shift: int) -> RowRecords:
