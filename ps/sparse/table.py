@@ -21,15 +21,17 @@ What each call does, and what it promises:
   runs the admission filter's upkeep (halving count-min counters), so call it even without eviction.
 - ``capture_delta()``: under the lock, copies only the rows changed since the previous delta (found
   through the slab's dirty log, no scan of all rows) and takes the pending tombstones; the training
-  pause is that copy.
+  pause is that copy. The changes are handed over: if the payload is lost, the next checkpoint must
+  be a full. Do not modify a payload's tensors while a full capture is open (it reads them later).
 - ``capture_full(lo, hi)``: a full snapshot of buckets [lo, hi) taken in slices of
   ``full_slice_rows`` rows, each under the lock, so training runs between slices. The slices alone
   are fuzzy (rows change while they are copied), so while the capture is open every delta captured
   and every row evicted is also applied to its copy by row number (row_image.py, outside the lock),
   and a closing step under the lock copies the rows still dirty and the rows created since the
   capture began: the result is exactly the state at the closing step, and the longest pause is one
-  slice or the closing copy of touched rows. Its ``next_delta_seq`` is the seq of the next delta, which applies
-  on top of it (or, equally, on top of the previous chain).
+  slice or the closing copy of touched rows. Its ``next_delta_seq`` is the seq of the next delta,
+  which applies on top of it (or, equally, on top of the previous chain). It needs about twice the
+  payload's bytes while it runs (the image, then the compacted result).
 - ``restore(chains, ranges)``: loads full + deltas of one or more old servers into an empty table,
   keeping the rows of the given bucket ranges; the result is bit-identical to the captured state
   whatever the number of old and new servers. After a restore onto a different bucket layout, capture
@@ -62,7 +64,7 @@ from ps.sparse.checkpoint import (
     payload_records,
 )
 from ps.sparse.eviction import SAMPLE_ROWS, EvictionConfig, EvictionPlan
-from ps.sparse.hashing import derive_key, to_int64
+from ps.sparse.hashing import derive_key
 from ps.sparse.index import IdIndex, IndexConfig, check_ids
 from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_image import RowImage
@@ -198,6 +200,8 @@ class _Counters:
 
 
 class SparseTable:
+    """One table's rows on one server; see the module docstring for each call's contract."""
+
     def __init__(self, config: TableConfig, time_fn: Callable[[], float] = time.time) -> None:
         """time_fn: the wall clock, read only when config.clock == "seconds" (tests pass a fake)."""
         self.config = config
@@ -214,7 +218,8 @@ class SparseTable:
         self._plan: EvictionPlan | None = None
         self._cursor = 0
         self._sweep_end = 0
-        self._rng = torch.Generator().manual_seed(to_int64(derive_key(_SAMPLE_SALT, config.table_id)) & (2**63 - 1))
+        # Seeded: which rows a capped sweep samples is reproducible for a given table.
+        self._rng = torch.Generator().manual_seed(derive_key(_SAMPLE_SALT, config.table_id) & (2**63 - 1))
         self._counters = _Counters()
 
     def __len__(self) -> int:
