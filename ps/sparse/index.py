@@ -10,8 +10,9 @@ growing (0.53..0.8 with the defaults: 13..15.5 bytes per row).
 
 Ids are any int64 value (negative too): no value is reserved as a marker, because markers live in
 the slots, not in the keys. Every operation works on a whole batch with tensor ops: each round of the
-probe loop gathers one slot per still-unresolved id, so a batch costs (longest probe sequence) rounds
-of a few vectorised ops, and there is no Python object per id.
+probe loop gathers the home slot (first round) or the next 16 slots (later rounds) of every
+still-unresolved id, so a batch costs about (longest probe sequence / 16) rounds of a few vectorised
+ops, and there is no Python object per id.
 
 Linear probing; deletion leaves a tombstone (a backward shift cannot be done for a whole batch at once
 without conflicts). Tombstones count toward the load, and a rehash at the same capacity clears them
@@ -32,6 +33,9 @@ from ps.sparse.hashing import derive_key, keyed_hash, reduce_range
 
 EMPTY = -1
 TOMBSTONE = -2
+_WINDOW = 16
+"""Slots examined per id in each probe round after the first (which looks at the home slot only):
+most ids resolve at home, and the few in long runs resolve in a few rounds instead of dozens."""
 _SLOT_SALT = 0x51_07
 
 
@@ -154,38 +158,50 @@ class IdIndex:
         pos = reduce_range(keyed_hash(ids, self._key), cap)
         active = torch.arange(n)
         keys = ids
-        # Each round resolves every id whose slot is EMPTY (absent) or holds its row (found). An EMPTY
-        # slot always exists (load <= 0.95), so the loop ends; `cap` rounds is only a backstop.
+        width = 1
+        # Each round looks at `width` slots per unresolved id and resolves every id whose first
+        # EMPTY slot (absent) or own row (found) lies among them. An EMPTY slot always exists
+        # (load <= 0.95), so the loop ends; `cap` rounds is only a backstop.
         for _ in range(cap):
             if active.numel() == 0:
                 break
-            slot = self._slots[pos].to(torch.int64)
-            hit = (slot >= 0) & (self._keys[slot.clamp(min=0)] == keys)
-            rows[active[hit]] = slot[hit]
-            found_at[active[hit]] = pos[hit]
-            going = ~hit & (slot != EMPTY)
-            active, keys, pos = active[going], keys[going], _next(pos[going], cap)
+            window = _window(pos, width, cap)
+            slot = self._slots[window].to(torch.int64)
+            hit = (slot >= 0) & (self._keys[slot.clamp(min=0)] == keys.unsqueeze(1))
+            first, done = _first(hit | (slot == EMPTY))
+            found = done & hit.gather(1, first).squeeze(1)
+            rows[active[found]] = slot.gather(1, first).squeeze(1)[found]
+            found_at[active[found]] = window.gather(1, first).squeeze(1)[found]
+            going = ~done
+            active, keys, pos = active[going], keys[going], (pos[going] + width) % cap
+            width = min(_WINDOW, cap)
         return rows, found_at
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes rows into the first free slot of each id's probe sequence (ids known absent)."""
         cap = self.capacity
         pos = reduce_range(keyed_hash(ids, self._key), cap)
+        width = 1
         for _ in range(cap):
             if rows.numel() == 0:
                 break
-            slot = self._slots[pos]
-            free = (slot < 0).nonzero().squeeze(1)
-            # Several ids may reach the same free slot in one round: the first in batch order takes
-            # it (a deterministic choice); the others probe on, past what is now an occupied slot.
-            taken, which = torch.unique(pos[free], return_inverse=True)
-            first = torch.full((taken.numel(),), rows.numel(), dtype=torch.int64)
-            first.scatter_reduce_(0, which, free, reduce="amin")
-            self._tombstones -= int((slot[first] == TOMBSTONE).sum())
-            self._slots[pos[first]] = rows[first]
+            window = _window(pos, width, cap)
+            slot = self._slots[window]
+            first, has_free = _first(slot < 0)
+            chosen = window.gather(1, first).squeeze(1)
+            candidates = has_free.nonzero().squeeze(1)
+            # Several ids may choose the same free slot in one round: the first in batch order takes
+            # it (a deterministic choice); the others probe on past it, now that it is occupied.
+            taken, which = torch.unique(chosen[candidates], return_inverse=True)
+            winners = torch.full((taken.numel(),), rows.numel(), dtype=torch.int64)
+            winners.scatter_reduce_(0, which, candidates, reduce="amin")
+            self._tombstones -= int((slot.gather(1, first).squeeze(1)[winners] == TOMBSTONE).sum())
+            self._slots[taken] = rows[winners]
             going = torch.ones(rows.numel(), dtype=torch.bool)
-            going[first] = False
-            rows, pos = rows[going], _next(pos[going], cap)
+            going[winners] = False
+            next_pos = torch.where(has_free, chosen + 1, pos + width) % cap
+            rows, pos = rows[going], next_pos[going]
+            width = min(_WINDOW, cap)
 
     def _reserve(self, n: int) -> None:
         """Rehashes before an insert of n ids would push the load above max_load."""
@@ -213,10 +229,14 @@ class IdIndex:
         self._keys_high_water = max(self._keys_high_water, needed)
 
 
-def _next(pos: torch.Tensor, cap: int) -> torch.Tensor:
-    pos = pos + 1
-    pos[pos == cap] = 0
-    return pos
+def _window(pos: torch.Tensor, width: int, cap: int) -> torch.Tensor:
+    """[m, width] slot positions pos, pos + 1, ... (wrapping) of each probe."""
+    return (pos.unsqueeze(1) + torch.arange(width)) % cap
+
+
+def _first(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column of the first True in each row ([m, 1], 0 where none) and whether there is one ([m])."""
+    return mask.to(torch.uint8).argmax(dim=1, keepdim=True), mask.any(dim=1)
 
 
 def check_ids(ids: torch.Tensor) -> None:
