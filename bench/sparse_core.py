@@ -41,7 +41,7 @@ import torch
 from bench.common import proc_memory_kb
 from ps.snapshot_files import load_snapshot, write_snapshot
 from ps.sparse.checkpoint import payload_nbytes
-from ps.sparse.hashing import derive_key, keyed_hash
+from rpcps.sparse.hashing import derive_key, keyed_hash
 from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig

@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from ps.config import ServerCoreConfig
 from ps.server import Contribution, ParameterServer
+from ps.sparse_store import CheckedPush
 from ps.sync_rounds import RoundKeeper, SyncContribution
 from ps.workers import WorkerRecord
 from rpcps.errors import ServerStopping
@@ -36,8 +37,14 @@ _ROUND_TICK_S = 0.05
 class ConsistencyMode(Protocol):
     mode: Mode
 
-    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
-        """Applies (now or with its round) an admitted push; the future gives its PushReply."""
+    def submit(
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        sparse: CheckedPush | None = None,
+    ) -> Future:
+        """Applies (now or with its round) an admitted push; the future gives its PushReply.
+
+        ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``; sync mode never
+        gets one (a server with sparse tables refuses to start in sync mode)."""
         ...
 
     def drop_locked(self, slot: int) -> None:
@@ -63,7 +70,10 @@ class AsyncMode:
         self.max_staleness = max_staleness
         self.mode = Mode.ASYNC if max_staleness is None else Mode.BOUNDED
 
-    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
+    def submit(
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        sparse: CheckedPush | None = None,
+    ) -> Future:
         server = self.server
         with server.lock:
             if server.stopping:
@@ -72,7 +82,7 @@ class AsyncMode:
             if refusal is not None:
                 return done(refusal)
             staleness = server.version - base_version
-            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness)])
+            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness)], sparse)
         return done(PushReply(PushStatus.APPLIED, version, staleness))
 
     def drop_locked(self, slot: int) -> None:
@@ -95,7 +105,12 @@ class SyncMode:
     def start(self) -> None:
         self._timer.start()
 
-    def submit(self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor]) -> Future:
+    def submit(
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        sparse: CheckedPush | None = None,
+    ) -> Future:
+        if sparse:
+            raise ValueError("sync mode cannot apply sparse rows")  # the server refuses sparse tables in sync mode
         server = self.server
         reply: Future = Future()
         with server.lock:

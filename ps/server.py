@@ -29,10 +29,12 @@ from ps.config import ServerCoreConfig
 from ps.dedup import SequenceTracker
 from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer
+from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.messages import Mode, PushReply, PushStatus
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature
+from rpcps.sparse.spec import declared_tables
 from rpcps.wire import wire_dtype
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class UpdateApplied:
     applied: tuple[tuple[int, int, int], ...]
     """(slot, step, staleness) of every contribution."""
     grad_bytes: int
+    sparse_rows: int = 0
+    """Sparse rows this update changed."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,11 @@ class ParameterServer:
             for view, slot in zip(self.layout.views(self._masters), self.layout.slots):
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
         self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
+        specs = declared_tables(model)
+        if specs and config.mode == Mode.SYNC:
+            raise ValueError("sparse embedding tables need --mode async or bounded (sync rounds average dense gradients only)")
+        self.sparse = SparseStore(specs, config.sparse, config.shard_index, config.shard_count) if specs else None
+        """The model's sparse tables (this server's buckets of them), or None."""
         self.version = 0
         self.workers = WorkerTable(config.max_workers)
         self.started = time.monotonic()
@@ -140,8 +149,9 @@ class ParameterServer:
             return PushReply(PushStatus.STALE, self.version, staleness)
         return None
 
-    def apply_locked(self, grads: list[torch.Tensor], contributions: list[Contribution]) -> int:
-        """Under the lock: one optimizer step from ``grads``; records every contribution. Returns the version."""
+    def apply_locked(self, grads: list[torch.Tensor], contributions: list[Contribution], sparse: CheckedPush | None = None) -> int:
+        """Under the lock: one optimizer step from ``grads`` and the rows of ``sparse``; records every
+        contribution. Returns the version."""
         started = time.perf_counter()
         for master, grad in zip(self._masters, grads):
             master.grad = grad
@@ -150,6 +160,7 @@ class ParameterServer:
             master.grad = None
         if self.schedule is not None:
             self.schedule.step()
+        sparse_rows = self.sparse.apply(sparse) if sparse and self.sparse is not None else 0
         self.version += 1
         now = time.monotonic()
         for c in contributions:
@@ -162,6 +173,7 @@ class ParameterServer:
             time.perf_counter() - started,
             tuple((c.record.slot, c.seq, c.staleness) for c in contributions),
             sum(g.numel() * g.element_size() for g in grads) * len(contributions),
+            sparse_rows,
         )
         for listener in self._listeners:
             listener(event)
@@ -195,6 +207,9 @@ class ParameterServer:
             "version": self.version,
             "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
         }
+        if self.sparse is not None:
+            # Under the lock, like the rest: the rows match the dense state and the workers' progress.
+            state["sparse"] = self.sparse.capture()
         return self.version, state
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -210,6 +225,8 @@ class ParameterServer:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
             self.workers.restore({int(k): SequenceTracker.from_state(v) for k, v in state["workers"].items()})
+            if self.sparse is not None:
+                self.sparse.restore(state.get("sparse", {}))
             self._pull_copy_version = -1
         self.metrics.version.set(self.version)
 

@@ -19,11 +19,13 @@ from ps.admission import Admission, Refused, RejectReason, SkipNonfinite
 from ps.modes import ConsistencyMode, done, make_mode
 from ps.server import ParameterServer
 from ps.snapshot_files import SnapshotInfo
+from ps.sparse_store import BadSparse, CheckedPush
 from ps.workers import WorkerRecord
 from rpcps import failpoints
 from rpcps.errors import CheckpointFailed, ServerStopping, SignatureMismatch, UnknownWorker
 from rpcps.messages import FinishReply, PullReply, PushReply, PushStatus, Registration
 from rpcps.signature import ModelSignature
+from rpcps.sparse.spec import SparsePull
 from rpcps.summary import run_summary
 
 logger = logging.getLogger(__name__)
@@ -74,8 +76,13 @@ class WorkerService:
             partition_digest=server.partition_digest, wire_dtype=config.wire_dtype,
         )
 
-    def submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None) -> Future:
-        """Admits one push and hands it to the mode; the future gives its PushReply (or raises)."""
+    def submit(
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
+    ) -> Future:
+        """Admits one push and hands it to the mode; the future gives its PushReply (or raises).
+
+        ``sparse`` is the push's sparse part (``rpcps.sparse.spec``): checked with the dense part and
+        applied in the same update, so the (slot, step) deduplication covers both."""
         started = time.perf_counter()
         self.metrics.count_received()
         self.metrics.in_flight.inc()
@@ -85,20 +92,25 @@ class WorkerService:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
             try:
                 grads = self.admission.check(slot, seq, chunks)
+                checked = self._check_sparse(slot, seq, sparse)
             except Refused as e:
                 self._refused(record, seq, e)
                 raise
-            if isinstance(grads, SkipNonfinite):
-                self._skipped(record, seq, grads.where)
-                return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
-            return self.mode.submit(record, seq, loss, base_version, grads)
+            for verdict in (grads, checked):
+                if isinstance(verdict, SkipNonfinite):
+                    self._skipped(record, seq, verdict.where)
+                    return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
+            assert not isinstance(grads, SkipNonfinite) and not isinstance(checked, SkipNonfinite)
+            return self.mode.submit(record, seq, loss, base_version, grads, checked)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
 
-    def push(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None) -> PushReply:
+    def push(
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
+    ) -> PushReply:
         """``submit`` waited for (in-process callers; in 'sync' mode it blocks until the round closes)."""
-        return self.submit(slot, incarnation, seq, base_version, chunks, loss).wait()
+        return self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse).wait()
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None = None
@@ -128,6 +140,19 @@ class WorkerService:
         self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         return reply
+
+    def pull_rows(self, slot: int, incarnation: str, request: Any) -> SparsePull:
+        """Rows of the requested ids of the model's sparse tables (this server's buckets only)."""
+        server = self.server
+        with server.lock:
+            record = server.workers.get(slot, incarnation)
+            record.last_seen = time.monotonic()
+        if server.sparse is None:
+            raise Refused(f"worker {slot} pulled sparse rows, but this model declares no sparse tables", RejectReason.NAMES)
+        try:
+            return server.sparse.pull(request, server.wire)
+        except BadSparse as e:
+            raise Refused(f"sparse pull from worker {slot}: {e}", RejectReason.SHAPE) from None
 
     def heartbeat(self, slot: int, incarnation: str) -> int:
         with self.server.lock:
@@ -243,6 +268,21 @@ class WorkerService:
                 self.metrics.count_duplicate()
                 return None
             return record
+
+    def _check_sparse(self, slot: int, seq: int, sparse: Any) -> CheckedPush | SkipNonfinite | None:
+        """The fp32 sparse part of a push, SkipNonfinite, or None when it has none; raises Refused."""
+        if sparse is None:
+            return None
+        store = self.server.sparse
+        if store is None:
+            raise Refused(f"push {seq} from worker {slot} has a sparse part, but this model declares no sparse tables", RejectReason.NAMES)
+        try:
+            return store.check_push(sparse, self.server.wire)
+        except BadSparse as e:
+            if e.nonfinite and self.admission.skip_nonfinite:
+                return SkipNonfinite(f"sparse: {e}")
+            reason = RejectReason.NONFINITE if e.nonfinite else RejectReason.SHAPE
+            raise Refused(f"push {seq} from worker {slot}: {e}; parameters unchanged", reason) from None
 
     def _current(self, slot: int, incarnation: str) -> WorkerRecord | None:
         record = self.server.workers.records.get(slot)

@@ -21,6 +21,7 @@ from torch.futures import Future
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
 from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
+from rpcps.sparse.spec import SparsePull, SparsePush
 
 Chunks = list[Any]
 """Gradient chunks as sent: dense tensors, or (indices, values) pairs of sparse ones."""
@@ -38,13 +39,17 @@ class WorkerApi(Protocol):
 
     def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration: ...
 
-    def submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None) -> Future: ...
+    def submit(
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None, sparse: SparsePush | None
+    ) -> Future: ...
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
     ) -> PushReply: ...
 
     def pull(self, slot: int, incarnation: str, have_version: int) -> PullReply: ...
+
+    def pull_rows(self, slot: int, incarnation: str, request: SparsePull) -> SparsePull: ...
 
     def heartbeat(self, slot: int, incarnation: str) -> int: ...
 
@@ -108,10 +113,20 @@ def register(ref: transport.Ref, slot: int, rpc_name: str, signature: list[tuple
 
 
 @transport.async_endpoint
-def submit(ref: transport.Ref, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None) -> Future:
-    """A push; its future completes at once, or in 'sync' mode when the round closes."""
+def submit(
+    ref: transport.Ref,
+    slot: int,
+    incarnation: str,
+    seq: int,
+    base_version: int,
+    chunks: Chunks,
+    loss: float | None,
+    sparse: SparsePush | None = None,
+) -> Future:
+    """A push (dense chunks, and the sparse tables' rows of this shard when the model has any); its
+    future completes at once, or in 'sync' mode when the round closes."""
     try:
-        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss)
+        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
     except RpcpsError as e:
         future: Future = Future()
         future.set_result(ErrorReply(_public_name(e), str(e)))
@@ -128,6 +143,11 @@ def pull(ref: transport.Ref, slot: int, incarnation: str, have_version: int) -> 
     return _reply(lambda: _api(ref).pull(slot, incarnation, have_version))
 
 
+def pull_rows(ref: transport.Ref, slot: int, incarnation: str, request: SparsePull) -> Any:
+    """Rows of sparse tables for ``{table name: unique ids}`` (ids of this shard's buckets only)."""
+    return _reply(lambda: _api(ref).pull_rows(slot, incarnation, request))
+
+
 def heartbeat(ref: transport.Ref, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).heartbeat(slot, incarnation))
 
@@ -141,4 +161,4 @@ def leave(ref: transport.Ref, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, heartbeat, finish, leave)
+ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, pull_rows, heartbeat, finish, leave)

@@ -1,7 +1,7 @@
 """Server-side sparse embedding tables: in-process data structures and numerics, no RPC, no I/O.
 
 Modules, one job each:
-- hashing: splitmix64 over int64 tensors; every pseudo-random decision derives from it.
+- hashing, sharding: in rpcps.sparse (workers route ids with them too); re-exported here.
 - index: id -> row open-addressing index (vectorised probing, tombstones, rehash).
 - slab: fp32 rows with optimizer state inline, per-row metadata, free list, dirty log.
 - row_init: deterministic initial rows from (seed, table id, id).
@@ -9,7 +9,6 @@ Modules, one job each:
 - row_image: the row-numbered buffer that makes a sliced full capture exact.
 - admission: count-min or deterministic-coin admission of new ids.
 - eviction: which rows a sweep evicts (TTL, LFU with decay, row cap).
-- sharding: id -> virtual bucket -> server, and the JSON bucket manifest.
 - checkpoint: full / delta payloads, chain checks, compaction.
 - table: SparseTable, the per-table facade with its lock and counters.
 """
@@ -20,7 +19,7 @@ from ps.sparse.eviction import EvictionConfig
 from ps.sparse.index import IndexConfig
 from ps.sparse.row_init import RowInitConfig
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
-from ps.sparse.sharding import BucketManifest, BucketRange, bucket_of
+from rpcps.sparse.sharding import BucketManifest, BucketRange, bucket_of
 from ps.sparse.table import ApplyResult, EvictionSlice, FullCapture, SparseTable, TableConfig, TableStats
 
 __all__ = [

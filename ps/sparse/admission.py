@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ps.sparse.hashing import derive_key, keyed_hash, reduce_range, shift_right_logical
+from rpcps.sparse.hashing import derive_key, keyed_hash, reduce_range, shift_right_logical
 
 _COUNT_SALT = 0xC0_117
 _COIN_SALT = 0xC0_1A

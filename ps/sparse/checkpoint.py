@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ps.sparse.sharding import bucket_of, in_ranges
+from rpcps.sparse.sharding import bucket_of, in_ranges
 
 FORMAT = "rpcps-sparse-v1"
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ps.sparse.hashing import derive_key, keyed_hash, reduce_range
+from rpcps.sparse.hashing import derive_key, keyed_hash, reduce_range
 
 EMPTY = -1
 TOMBSTONE = -2

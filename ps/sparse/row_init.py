@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from ps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream_at, uniform01
+from rpcps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream_at, uniform01
 
 _INIT_SALT = 0x1217
 

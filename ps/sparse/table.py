@@ -64,12 +64,12 @@ from ps.sparse.checkpoint import (
     payload_records,
 )
 from ps.sparse.eviction import SAMPLE_ROWS, EvictionConfig, EvictionPlan
-from ps.sparse.hashing import derive_key
+from rpcps.sparse.hashing import derive_key
 from ps.sparse.index import IdIndex, IndexConfig, check_ids
 from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_image import RowImage
 from ps.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer
-from ps.sparse.sharding import DEFAULT_BUCKETS
+from rpcps.sparse.sharding import DEFAULT_BUCKETS
 from ps.sparse.slab import LIVE, RowSlab
 
 logger = logging.getLogger(__name__)

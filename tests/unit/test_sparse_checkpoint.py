@@ -19,9 +19,9 @@ from ps.snapshot_files import list_snapshots, load_snapshot, write_snapshot
 from ps.sparse.admission import CountAdmissionConfig
 from ps.sparse.checkpoint import InvalidPayload, RowRecords, compact, payload_nbytes
 from ps.sparse.eviction import EvictionConfig
-from ps.sparse.hashing import derive_key, keyed_hash
+from rpcps.sparse.hashing import derive_key, keyed_hash
 from ps.sparse.row_optim import LazyAdam, RowWiseAdagrad
-from ps.sparse.sharding import BucketManifest, bucket_of, in_ranges
+from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
 from ps.sparse.table import SparseTable, TableConfig
 
 Chain = tuple[dict[str, Any], list[dict[str, Any]]]

@@ -1,4 +1,4 @@
-"""ps.sparse.hashing: splitmix64 in int64 torch ops equals the reference on Python ints, bit for bit."""
+"""rpcps.sparse.hashing: splitmix64 in int64 torch ops equals the reference on Python ints, bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from ps.sparse.hashing import (
+from rpcps.sparse.hashing import (
     GOLDEN,
     derive_key,
     keyed_hash,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ps.sparse.index import IdIndex, IndexConfig
-from ps.sparse.sharding import bucket_of
+from rpcps.sparse.sharding import bucket_of
 
 _EXTREMES = torch.tensor([0, -1, 1, 2**63 - 1, -(2**63), 12345, -12345], dtype=torch.int64)
 

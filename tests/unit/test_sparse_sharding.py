@@ -1,4 +1,4 @@
-"""ps.sparse.sharding: bucket hashing and the bucket -> server manifest."""
+"""rpcps.sparse.sharding: bucket hashing and the bucket -> server manifest."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ps.sparse.row_init import RowInitConfig, initial_rows
-from ps.sparse.sharding import BucketManifest, BucketRange, bucket_of, in_ranges
+from rpcps.sparse.sharding import BucketManifest, BucketRange, bucket_of, in_ranges
 
 
 def test_buckets_are_deterministic_even_and_depend_on_the_table() -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ps.sparse.hashing import derive_key, keyed_hash, reduce_range
+from rpcps.sparse.hashing import derive_key, keyed_hash, reduce_range
 
 DEFAULT_BUCKETS = 4096
 _BUCKET_SALT = 0xB0C4
