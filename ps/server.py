@@ -116,6 +116,8 @@ class ParameterServer:
             raise ValueError("sparse embedding tables need --mode async or bounded (sync rounds average dense gradients only)")
         self.sparse = SparseStore(specs, config.sparse, config.shard_index, config.shard_count) if specs else None
         """The model's sparse tables (this server's buckets of them), or None."""
+        if self.sparse is not None:
+            self.metrics.watch_sparse(self.sparse.stats)
         self.version = 0
         self.workers = WorkerTable(config.max_workers)
         self.started = time.monotonic()
@@ -209,7 +211,9 @@ class ParameterServer:
         }
         if self.sparse is not None:
             # Under the lock, like the rest: the rows match the dense state and the workers' progress.
+            started = time.perf_counter()
             state["sparse"] = self.sparse.capture()
+            self.metrics.sparse_capture_seconds.observe(time.perf_counter() - started)
         return self.version, state
 
     def restore_state(self, state: dict[str, Any]) -> None:
