@@ -72,18 +72,30 @@ def _bounded_zipf(u: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     return (ranks.floor().long() - 1).clamp(min=0).minimum(vocab - 1)
 
 
-def make_batch(worker_index: int, batch_index: int, batch_size: int) -> tuple[CtrBatch, torch.Tensor]:
-    """Batch ``batch_index`` of worker ``worker_index``: (inputs, float labels [B])."""
+def draw(worker_index: int, batch_index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch ``batch_index`` of worker ``worker_index`` as (dense [B, 13], ranks [B, 26], labels [B]).
+
+    Ranks index a fixed-size table (the one-process baseline in bench/sparse_ctr.py); the model
+    sees their ids (``make_batch``)."""
     g = torch.Generator().manual_seed(derive_key(_DATA_SALT, worker_index, batch_index) & (2**63 - 1))
     dense = torch.randn(batch_size, DENSE, generator=g)
     u = torch.rand(batch_size, TABLES, generator=g, dtype=torch.float64)
     vocab = torch.tensor(VOCAB, dtype=torch.float64) * (1.0 + GROWTH * batch_index / 1000.0)
     ranks = _bounded_zipf(u, vocab.long())
-    table = torch.arange(TABLES)
-    ids = keyed_hash(ranks * TABLES + table, _ID_SALT)
-    logit = dense @ _dense_weights() + _hidden_id_terms(ids).sum(dim=1) - 1.0
+    logit = dense @ _dense_weights() + _hidden_id_terms(ids_of(ranks)).sum(dim=1) - 1.0
     labels = (torch.rand(batch_size, generator=g) < torch.sigmoid(logit)).float()
-    return CtrBatch(dense, ids), labels
+    return dense, ranks, labels
+
+
+def ids_of(ranks: torch.Tensor) -> torch.Tensor:
+    """The 64-bit id of each rank [B, 26] (a hash of (rank, table): ids of different tables differ)."""
+    return keyed_hash(ranks * TABLES + torch.arange(TABLES), _ID_SALT)
+
+
+def make_batch(worker_index: int, batch_index: int, batch_size: int) -> tuple[CtrBatch, torch.Tensor]:
+    """Batch ``batch_index`` of worker ``worker_index``: (inputs, float labels [B])."""
+    dense, ranks, labels = draw(worker_index, batch_index, batch_size)
+    return CtrBatch(dense, ids_of(ranks)), labels
 
 
 def _dense_weights() -> torch.Tensor:
