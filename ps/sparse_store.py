@@ -59,6 +59,8 @@ class SparseStore:
         self.tables = {s.name: SparseTable(table_config(s, config)) for s in specs}
         self.manifest = BucketManifest.even(shard_count)
         self.ranges = self.manifest.ranges_of(shard_index)
+        self._owns_all = self.ranges == [(0, self.manifest.num_buckets)]
+        """One server: every id is ours, and the ownership check can skip hashing."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._evict_loop, name="sparse-eviction", daemon=True)
 
@@ -110,6 +112,8 @@ class SparseStore:
             raise BadSparse(f"unknown sparse table {name!r}; this model has {sorted(self.tables)}")
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
             raise BadSparse(f"ids of sparse table {name!r} must be a 1-D int64 tensor")
+        if self._owns_all:
+            return ids
         buckets = bucket_of(ids, self.tables[name].config.table_id, self.manifest.num_buckets)
         if not bool(in_ranges(buckets, self.ranges).all()):
             raise BadSparse(f"ids of sparse table {name!r} include ids another server owns (a different --shards?)")
