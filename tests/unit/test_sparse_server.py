@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 from torch import nn
 
 from harness.inprocess import InProcessServer, pack
@@ -216,3 +217,21 @@ def test_snapshot_of_other_tables_is_refused() -> None:
     state["sparse"] = {"user": state["sparse"]["user"]}
     with pytest.raises(ValueError, match="sparse tables"):
         _server().restore_state(state)
+
+
+def test_metrics_show_each_tables_rows_and_traffic() -> None:
+    server = _server(admit_count=2)
+    incarnation = server.register(0, "w0", server.signature.to_wire()).incarnation
+    model = TinyModel()
+    model.embeddings.attach(_Rows(server, incarnation))
+    for seq in range(3):
+        chunks, sparse = _step(server, model, incarnation, seq)
+        server.push(0, incarnation, seq, server.version, chunks, 1.0, sparse)
+    server.capture_state()
+    text = generate_latest(server.core.metrics.registry).decode()
+    stats = server.sparse.stats()["user"]
+    assert stats.rows > 0 and stats.filtered_total > 0
+    assert f'rpcps_sparse_rows{{table="user"}} {float(stats.rows)}' in text
+    assert f'rpcps_sparse_filtered_ids_total{{table="user"}} {float(stats.filtered_total)}' in text
+    assert f'rpcps_sparse_pushed_rows_total{{table="item"}} {float(server.sparse.stats()["item"].pushed_rows_total)}' in text
+    assert "rpcps_sparse_checkpoint_pause_seconds_count 1.0" in text
