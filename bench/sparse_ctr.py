@@ -9,8 +9,9 @@ In one run, same model (``worker.ctr`` DLRM: 26 tables of dim 16, bottom/top MLP
 generator, same batch size:
 
 * **rpcps**: ``trainer_entry.py local`` with 1 server and ``--workers`` workers, rows on the server
-  (row-wise Adagrad), dense part on the dense path (Adam); samples/s over the steady part of the run
-  (bench.common: first to last sample of the workers' step counters).
+  (``--sparse-optimizer``, by default element-wise Adagrad like the one process's), dense part on the
+  dense path (Adam); samples/s over the steady part of the run (bench.common: first to last sample
+  of the workers' step counters).
 * **one process**: the same DLRM with ``nn.EmbeddingBag(sparse=True)`` tables sized to the
   generator's vocabularies (rank as index: no hashing), ``torch.optim.Adagrad`` on the sparse
   gradients and Adam on the dense part, one process with every core; samples/s after ``--warmup``
@@ -32,6 +33,7 @@ from torch import nn
 
 from bench.common import local_argv, print_table, run_local
 from harness.sparse_eval import model_from_snapshot
+from ps.config import SparseConfig
 from worker import ctr
 
 
@@ -84,14 +86,15 @@ def one_process(steps: int, batch: int, workers: int, warmup: int) -> dict[str, 
     return {"samples_per_s": (steps - warmup) * workers * batch / seconds, "auc": ctr.auc(scores, labels)}
 
 
-def rpcps(steps: int, batch: int, workers: int) -> dict[str, Any]:
+def rpcps(steps: int, batch: int, workers: int, extra: list[str]) -> dict[str, Any]:
     data = "worker.ctr:ctr_data" if batch == ctr.BATCH else "worker.ctr:ctr_data_small"
     with tempfile.TemporaryDirectory(prefix="bench-sparse-ctr-") as tmp:
         run_dir = Path(tmp)
         argv = local_argv(run_dir, model="worker.ctr:dlrm_model", data=data, workers=workers, steps=steps,
-                          extra=["--loss", "worker.ctr:bce_loss", "--checkpoint-dir", str(run_dir / "ckpt")])
+                          extra=["--loss", "worker.ctr:bce_loss", "--checkpoint-dir", str(run_dir / "ckpt"), *extra])
         run = run_local(argv, run_dir)
-        model = model_from_snapshot(run_dir / "ckpt", ctr.dlrm_model)
+        optimizer = extra[extra.index("--sparse-optimizer") + 1]
+        model = model_from_snapshot(run_dir / "ckpt", ctr.dlrm_model, SparseConfig(optimizer=optimizer))
         auc = ctr.evaluate(model, ctr.eval_batches(8, 512, at_batch=steps))["auc"]
     return {"samples_per_s": run.steady_steps_per_s() * batch, "auc": auc, "server_rss_mb": run.samples.server_hwm_kb / 1024}
 
@@ -102,8 +105,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=ctr.BATCH, choices=[ctr.BATCH, ctr.SMALL_BATCH])
     parser.add_argument("--warmup", type=int, default=5, help="one-process steps left out of its rate")
+    parser.add_argument("--sparse-optimizer", default="adagrad", choices=["adagrad", "rowwise_adagrad"])
+    parser.add_argument("--max-in-flight", type=int, default=2, help="rpcps workers' pushes in flight (staleness)")
     args = parser.parse_args()
-    ours = rpcps(args.steps, args.batch_size, args.workers)
+    extra = ["--sparse-optimizer", args.sparse_optimizer, "--max-in-flight", str(args.max_in_flight)]
+    ours = rpcps(args.steps, args.batch_size, args.workers, extra)
     base = one_process(args.steps, args.batch_size, args.workers, args.warmup)
     print_table(
         ["", "samples/s", "AUC (held out)"],
@@ -112,7 +118,8 @@ def main() -> None:
          ["ratio rpcps / one process", f"{ours['samples_per_s'] / base['samples_per_s']:.2f}",
           f"{ours['auc'] - base['auc']:+.4f}"]],
     )
-    print(f"server peak RSS {ours['server_rss_mb']:.0f} MB; {args.steps} steps x {args.workers} workers x batch {args.batch_size}")
+    print(f"server peak RSS {ours['server_rss_mb']:.0f} MB; {args.steps} steps x {args.workers} workers x batch {args.batch_size}; "
+          f"rpcps {' '.join(extra)}")
 
 
 if __name__ == "__main__":

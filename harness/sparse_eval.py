@@ -31,11 +31,14 @@ class StoreRows:
         return self.store.pull(request, torch.float32)
 
 
-def model_from_snapshot(checkpoint_dir: Path, factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+def model_from_snapshot(
+    checkpoint_dir: Path, factory: Callable[[], torch.nn.Module], config: SparseConfig | None = None
+) -> torch.nn.Module:
     """The model ``factory`` builds, loaded from the newest snapshot of a one-server ``checkpoint_dir``
-    (``factory()`` untrained when there is none)."""
+    (``factory()`` untrained when there is none). ``config``: the run's sparse settings (its
+    ``--sparse-optimizer`` decides the rows' state layout)."""
     model = factory()
-    store = SparseStore(declared_tables(model), SparseConfig(), 0, 1)
+    store = SparseStore(declared_tables(model), config or SparseConfig(), 0, 1)
     snapshots = list_snapshots(checkpoint_dir)
     if snapshots:
         manifest, state = load_snapshot(snapshots[0])

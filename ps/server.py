@@ -222,6 +222,8 @@ class ParameterServer:
         if [m.numel() for m in masters] != list(self.layout.chunk_numels):
             raise ValueError("the snapshot's parameter layout differs from this server's (different --chunk-mb?)")
         with self.lock, torch.no_grad():
+            if self.sparse is not None:  # first: it validates every table before anything else changes
+                self.sparse.restore(state.get("sparse", {}))
             for mine, saved in zip(self._masters, masters):
                 mine.copy_(saved)
             self.optimizer.load_state_dict(state["optimizer"])
@@ -229,8 +231,6 @@ class ParameterServer:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
             self.workers.restore({int(k): SequenceTracker.from_state(v) for k, v in state["workers"].items()})
-            if self.sparse is not None:
-                self.sparse.restore(state.get("sparse", {}))
             self._pull_copy_version = -1
         self.metrics.version.set(self.version)
 

@@ -235,3 +235,59 @@ def test_metrics_show_each_tables_rows_and_traffic() -> None:
     assert f'rpcps_sparse_filtered_ids_total{{table="user"}} {float(stats.filtered_total)}' in text
     assert f'rpcps_sparse_pushed_rows_total{{table="item"}} {float(server.sparse.stats()["item"].pushed_rows_total)}' in text
     assert "rpcps_sparse_checkpoint_pause_seconds_count 1.0" in text
+
+
+class _Shard:
+    """What SparseRouter needs of a ServerClient, straight onto an in-process server."""
+
+    def __init__(self, server: InProcessServer, incarnation: str) -> None:
+        self.server, self.incarnation = server, incarnation
+
+    def pull_rows(self, slot: int, incarnation: str, request: SparsePull) -> object:
+        rows = self.server.pull_rows(slot, incarnation, request)
+
+        class Done:
+            def wait(self) -> SparsePull:
+                return rows
+
+        return Done()
+
+
+def _train_sharded(shards: int, steps: int) -> list[InProcessServer]:
+    """One worker, ``steps`` steps, each pushed to every shard and applied before the next pull."""
+    servers = [
+        InProcessServer(TinyModel(), ServerCoreConfig(optimizer=OptimizerConfig(name="sgd", kwargs={"lr": 0.1}),
+                                                      sparse=SparseConfig(lr=0.5), shard_index=k, shard_count=shards))
+        for k in range(shards)
+    ]
+    incarnations = [s.register(0, "w0", s.model_signature.to_wire()).incarnation for s in servers]
+    model = TinyModel()
+    router = SparseRouter(TABLES, [_Shard(s, i) for s, i in zip(servers, incarnations)], incarnations, 0, torch.float32,
+                          lambda call: call())  # type: ignore[arg-type]
+    model.embeddings.attach(router)
+    for seq in range(steps):
+        params = dict(model.named_parameters())
+        for server in servers:  # the dense parameters each shard owns, as the trainer's pull loads them
+            with torch.no_grad():
+                for name, value in server.master_tensors().items():
+                    params[name].copy_(value)
+        for p in model.parameters():
+            p.grad = None
+        model(_features(seq)).square().sum().backward()
+        parts = router.split_push(model.embeddings.take_grads())
+        for server, incarnation, part in zip(servers, incarnations, parts):
+            grads = [params[slot.spec.name].grad for slot in server.layout.slots]
+            reply = server.push(0, incarnation, seq, server.version, pack(server.layout, grads), 1.0, part)
+            assert reply.status == PushStatus.APPLIED
+    return servers
+
+
+def test_two_shards_hold_disjoint_rows_bit_identical_to_one_server() -> None:
+    one = _rows(_train_sharded(1, 5)[0])
+    two = [_rows(s) for s in _train_sharded(2, 5)]
+    for table in one:
+        assert two[0][table] and two[1][table], "both shards hold some of the table"
+        assert two[0][table].keys().isdisjoint(two[1][table].keys()), "an id has a row on both shards"
+        merged = {**two[0][table], **two[1][table]}
+        assert merged.keys() == one[table].keys()
+        assert all(torch.equal(merged[i], one[table][i]) for i in merged), f"table {table}: rows differ from one server's"
