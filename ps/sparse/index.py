@@ -127,6 +127,19 @@ class IdIndex:
         present = self._find(ids)[0] >= 0
         if bool(present.any()):
             raise ValueError(f"{int(present.sum())} ids are already in the index, e.g. {int(ids[present][0])}")
+        self.insert_absent(ids, rows)
+
+    def insert_absent(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """``insert`` without its checks, for a caller that knows them true: ids unique and absent
+        (it just looked them up, under the lock that guards this index), rows in [0, 2**31).
+
+        Breaking that corrupts the index (an id in two slots), so only the table's row creation uses
+        it: the presence check alone is a full probe of every new id, a large part of a pull's cost
+        when many ids are new.
+        """
+        n = ids.numel()
+        if n == 0:
+            return
         self._reserve(n)
         self._store_keys(ids, rows)
         self._place(ids, rows.to(torch.int32))
@@ -158,7 +171,7 @@ class IdIndex:
         pos = reduce_range(keyed_hash(ids, self._key), cap)
         active = torch.arange(n)
         keys = ids
-        width = 1
+        width = min(_WINDOW, cap)
         # Each round looks at `width` slots per unresolved id and resolves every id whose first
         # EMPTY slot (absent) or own row (found) lies among them. An EMPTY slot always exists
         # (load <= 0.95), so the loop ends; `cap` rounds is only a backstop.

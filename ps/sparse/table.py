@@ -416,11 +416,8 @@ class SparseTable:
         cfg = self.config
         embeddings = initial_rows(cfg.init, cfg.table_id, ids, cfg.dim)
         rows = self._slab.allocate(ids.numel())
-        try:
-            self._index.insert(ids, rows)
-        except ValueError:
-            self._slab.release(rows)
-            raise
+        # pull() found these ids absent and deduplicated them, under this table's lock.
+        self._index.insert_absent(ids, rows)
         self._slab.data.narrow(1, 0, cfg.dim).index_copy_(0, rows, embeddings)
         state_width = cfg.width - cfg.dim
         if state_width:
