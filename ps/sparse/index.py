@@ -171,7 +171,7 @@ class IdIndex:
         pos = reduce_range(keyed_hash(ids, self._key), cap)
         active = torch.arange(n)
         keys = ids
-        width = min(_WINDOW, cap)
+        width = 1
         # Each round looks at `width` slots per unresolved id and resolves every id whose first
         # EMPTY slot (absent) or own row (found) lies among them. An EMPTY slot always exists
         # (load <= 0.95), so the loop ends; `cap` rounds is only a backstop.
