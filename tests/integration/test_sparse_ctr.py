@@ -79,3 +79,21 @@ def test_admission_and_ttl_keep_far_fewer_rows_and_still_learn(procs: ProcessGro
     kept, seen = _rows(tmp_path / "ckpt"), _distinct_ids(2, STEPS)
     assert kept < 0.6 * seen, f"{kept} rows kept of {seen} ids seen; admission and TTL should keep under 60 %"
     assert _auc(tmp_path / "ckpt") > 0.75
+
+
+@pytest.mark.timeout(400)
+def test_two_server_shards_split_the_rows_and_train(procs: ProcessGroup, tmp_path: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    steps = 60
+    local = procs.start(
+        "local",
+        ["local", "--workers", "2", "--shards", "2", "--steps", str(steps), "--run-dir", tmp_path / "run",
+         "--checkpoint-dir", tmp_path / "ckpt", "--summary-json", summary_path, "--progress-s", "5", *CTR],
+    )
+    assert local.wait(360) == 0, local.tail()
+    summary = read_json(summary_path)
+    for shard in summary["shards"]:
+        assert shard["updates_applied"] == 2 * steps and shard["pushes_rejected"] == 0, shard
+    assert summary["final_loss"] < summary["initial_loss"]
+    held = [_rows(tmp_path / "ckpt" / f"shard-{k}-of-2") for k in range(2)]
+    assert all(held) and sum(held) == _distinct_ids(2, steps), f"rows per shard {held}: every id once, on its own shard"
