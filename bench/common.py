@@ -1,9 +1,13 @@
 """Helpers shared by the benchmarks that drive ``trainer_entry.py local`` (not a test).
 
 ``run_local`` starts one ``local`` run in a fresh run directory and, while it runs, samples from
-outside what the run's own summary cannot say: the workers' /metrics (steps, compute and blocked
-seconds) and every server process's memory from ``/proc/<pid>/status``. The ports and pids come
-from the run directory's ``children.json``, the file ``local`` writes for tools.
+outside what the run's own summary cannot say: the server's and the workers' /metrics (updates
+applied; steps, compute and blocked seconds) and shard 0's memory from ``/proc/<pid>/status``. The
+ports and pids come from the run directory's ``children.json``, the file ``local`` writes for tools.
+
+The children run on the product's defaults: nothing here sets thread counts or other settings for
+them (the product chooses its own threads; a benchmark that pinned them would measure something
+users do not run).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +28,36 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def child_env(extra_pythonpath: str | None = None) -> dict[str, str]:
-    """One intra-op thread per process: 2 shared cores run a server and several workers."""
+    """This environment with the repository (and ``extra_pythonpath``) importable; nothing else changed."""
     paths = [str(REPO)] + ([extra_pythonpath] if extra_pythonpath else []) + [os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+STEADY_FROM, STEADY_TO = 0.15, 0.85
+"""The steady part of a run: from the moment it had made 15 % of its final count to 85 %."""
+
+
+def steady_rate(samples: Sequence[tuple[float, float]]) -> float:
+    """Count per second over the steady part of a run, from (seconds, running count) samples.
+
+    The moments the count crossed ``STEADY_FROM`` and ``STEADY_TO`` of its final value are
+    interpolated between samples. That leaves out start-up (imports, model build, joining,
+    registration: seconds on a small machine) and the tail (workers finishing at different times),
+    and measures every side of a comparison the same way, whatever its count is (a server's applied
+    updates sampled from /metrics, or one timestamp per update).
+    """
+    final = samples[-1][1] if samples else 0.0
+    if final <= 0:
+        return float("nan")
+    start, end = _crossing(samples, STEADY_FROM * final), _crossing(samples, STEADY_TO * final)
+    return (STEADY_TO - STEADY_FROM) * final / (end - start) if end > start else float("nan")
+
+
+def _crossing(samples: Sequence[tuple[float, float]], target: float) -> float:
+    for (t0, v0), (t1, v1) in zip([(samples[0][0], 0.0), *samples], samples):
+        if v1 >= target:
+            return t1 if v1 == v0 else t0 + (t1 - t0) * (target - v0) / (v1 - v0)
+    return samples[-1][0]
 
 
 def proc_memory_kb(pid: int) -> tuple[int, int] | None:
@@ -47,12 +79,18 @@ class Samples:
 
     worker_steps: list[tuple[float, float]] = field(default_factory=list)
     """Sum of rpcps_worker_steps_total over the workers."""
+    server_updates: list[tuple[float, float]] = field(default_factory=list)
+    """Shard 0's rpcps_server_updates_applied_total."""
     worker_last: dict[str, dict[str, float]] = field(default_factory=dict)
     """The newest /metrics read of each worker (its final counters, give or take one interval)."""
     server_rss_kb: list[tuple[float, int]] = field(default_factory=list)
     """VmRSS of shard 0's process."""
     server_hwm_kb: int = 0
     server_pid: int | None = None
+    worker_rss_kb: list[tuple[float, int]] = field(default_factory=list)
+    """The largest VmRSS over the worker processes."""
+    worker_hwm_kb: int = 0
+    """The largest VmHWM over the worker processes."""
 
 
 @dataclass
@@ -73,6 +111,10 @@ class LocalRun:
             return self.summary_steps_per_s()
         return (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
 
+    def steady_updates_per_s(self) -> float:
+        """Shard 0's applied updates per second over the steady part of the run (``steady_rate``)."""
+        return steady_rate(self.samples.server_updates)
+
     def summary_steps_per_s(self) -> float:
         """Sum over the workers of steps / their own wall time (includes their start-up)."""
         return sum(w["steps"] / w["wall_seconds"] for w in self.summary["workers"] if w.get("wall_seconds"))
@@ -84,18 +126,29 @@ class LocalRun:
         return comm / (comp + comm) if comp + comm > 0 else float("nan")
 
 
-def local_argv(run_dir: Path, *, model: str, data: str, workers: int, steps: int, extra: list[str] = ()) -> list[str]:
+def local_argv(
+    run_dir: Path, *, model: str, data: str, workers: int, steps: int, extra: Sequence[str] = (), loss: str = "mse"
+) -> list[str]:
     return [
         sys.executable, str(REPO / "trainer_entry.py"), "local", "--workers", str(workers), "--steps", str(steps),
-        "--model", model, "--data", data, "--loss", "mse", "--run-dir", str(run_dir),
+        "--model", model, "--data", data, "--loss", loss, "--run-dir", str(run_dir),
         "--summary-json", str(run_dir / "summary.json"), "--progress-s", "3600", "--log-level", "WARNING", *extra,
     ]
 
 
 def run_local(
-    argv: list[str], run_dir: Path, *, interval_s: float = 0.25, extra_pythonpath: str | None = None, stop_after_s: float | None = None
+    argv: list[str],
+    run_dir: Path,
+    *,
+    interval_s: float = 0.25,
+    extra_pythonpath: str | None = None,
+    stop_after_s: float | None = None,
+    scrape_workers: bool = True,
 ) -> LocalRun:
     """Runs ``local`` to the end (or SIGTERMs it after ``stop_after_s``) while a thread samples its children.
+
+    ``scrape_workers=False`` reads only the server's /metrics (a comparison with a design that has
+    no endpoints to scrape should not load rpcps's workers with scrapes).
 
     Raises if it fails. A stopped run's summary is whatever ``local`` wrote on its way out ({} if nothing).
     """
@@ -104,7 +157,7 @@ def run_local(
     done = threading.Event()
     started = time.monotonic()
     proc = subprocess.Popen(argv, cwd=REPO, env=child_env(extra_pythonpath), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sampler = threading.Thread(target=_sample, args=(run_dir, samples, done, started, interval_s), daemon=True)
+    sampler = threading.Thread(target=_sample, args=(run_dir, samples, done, started, interval_s, scrape_workers), daemon=True)
     sampler.start()
     try:
         try:
@@ -125,7 +178,7 @@ def run_local(
     return LocalRun(summary=summary, samples=samples, run_dir=run_dir, elapsed_s=time.monotonic() - started)
 
 
-def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: float, interval_s: float) -> None:
+def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: float, interval_s: float, scrape_workers: bool) -> None:
     from rpcps.scrape import try_scrape as scrape
 
     children = run_dir / "children.json"
@@ -142,6 +195,15 @@ def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: flo
             if mem:
                 samples.server_rss_kb.append((now, mem[0]))
                 samples.server_hwm_kb = max(samples.server_hwm_kb, mem[1])
+        worker_mem = [m for m in (proc_memory_kb(c["pid"]) for n, c in info.items() if n.startswith("worker") and c.get("pid")) if m]
+        if worker_mem:
+            samples.worker_rss_kb.append((now, max(m[0] for m in worker_mem)))
+            samples.worker_hwm_kb = max(samples.worker_hwm_kb, *(m[1] for m in worker_mem))
+        updates = scrape(ps["metrics_port"]).get("rpcps_server_updates_applied_total") if ps.get("metrics_port") else None
+        if updates is not None:
+            samples.server_updates.append((now, updates))
+        if not scrape_workers:
+            continue
         total, complete = 0.0, True
         for name, child in info.items():
             if not name.startswith("worker") or not child.get("metrics_port"):

@@ -1,59 +1,64 @@
-"""Push throughput of the parameter server, side by side with a raw TensorPipe call of the same payload.
+"""Server capacity with zero-compute workers: rpcps, the RPC example's design and a raw TensorPipe call, side by side.
 
-For each model and number of pushing processes, two measurements are made in the same run:
+The regime a parameter server exists for: many fast workers (a GPU each) and the server the
+bottleneck. Here the workers compute nothing: each client process sends the same precomputed
+gradient again and again and takes the parameters back, as a worker does every step, so what is
+measured is how many updates per second the server side can take. For each model, shard count and
+number of clients, in one run (``--repeats`` times, interleaved, best kept):
 
-* **ours**: a real ``trainer_entry.py ps`` (SGD, so the optimizer step is cheap) and N client
-  processes that register like workers and push the same precomputed gradient chunks over and over
-  through ``worker.client.ServerClient`` (no forward/backward, no pulls), ``--in-flight`` at a time.
-  Every push is received, validated, checked for NaN/Inf and applied by the server.
-* **raw**: a bare torch RPC process with the same transport options and N clients that send the same
-  chunks with ``rpc_async`` to a function that returns their count: the same bytes on the wire and the
-  same tiny reply as a push, with nothing done on arrival.
-* **raw-read**: the same, but the function reads every element once (a sum per chunk) before it
-  answers: the least any real receiver does. Over uv/basic on the 2-core machine this was written on
-  it was often *faster* than ``raw`` (docs/BENCHMARKS.md), so both baselines are reported.
+* **ours**: real ``trainer_entry.py ps`` processes (``--shards`` of them) on their defaults, only the
+  optimizer matched to the example's (SGD), and clients that register like workers and push through
+  ``worker.client.ServerClient`` the way a worker does by default: one push per shard, 2 in flight,
+  each reply bringing the parameters (``have_version``). Every push is received, validated, checked
+  for NaN/Inf and applied, and its reply carries a snapshot of the parameters.
+* **example**: bench/example_design.py ``--zero-compute``: the example's locked SGD server, each
+  client blocking in ``rpc_sync`` with its gradients and getting every parameter back (no shards:
+  the design has one server).
+* **raw**: bare torch RPC processes (one per shard) on rpcps's default transport options whose
+  function returns the tensors it received: the same bytes in and out as ours, with nothing done
+  on arrival, 2 in flight per client.
 
-The ratio ours/raw is the share of the transport's speed the server keeps. Each side is measured
-``--repeats`` times, interleaved, and the best run is reported (the machine this was written on is
-shared and noisy). Not a test: it asserts
-nothing. Run it from the repository root (and on a shared machine, under the heavy-work lock):
+Every side is measured the same way (bench.common.steady_rate): updates per second between the
+moments 15 % and 85 % of its calls had completed, from the time of every completed call (ours, raw)
+or every applied update (example). Not a test: it asserts nothing. Run it from the repository root
+(and on a shared machine, under the CPU lock):
 
-    python -m bench.push_throughput                      # mlp_5m and mlp_25m, 1 and 2 clients, uv/basic
-    python -m bench.push_throughput --transports uv/basic,shm/basic,uv/cma --models mlp_5m
+    python -m bench.push_throughput                              # mlp_5m and mlp_25m, 1-8 clients, 1 and 2 shards
+    python -m bench.push_throughput --models mlp_5m --workers 1,2 --shards 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import select
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import REPO, child_env, print_table, steady_rate
 from rpcps.endpoints import server_name
 
-REPO = Path(__file__).resolve().parents[1]
-_START_TIMEOUT_S = 120.0
+_START_TIMEOUT_S = 180.0
+SIDES = ("ours", "example", "raw")
+CALLS = {"mlp_5m": 400, "mlp_25m": 100}
+"""Updates per measurement (split over the clients): several seconds of steady state on 2 cores."""
 
 
 @dataclass(frozen=True)
 class Setup:
     model: str
     """A model factory in rpcps.tasks (mlp_5m or mlp_25m)."""
+    shards: int
     clients: int
-    transport: str
-    channel: str
-    seconds: float
+    calls: int
+    """Calls per client."""
     in_flight: int
-    warmup: int
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -62,53 +67,67 @@ class Setup:
 def run_driver(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    for pair in args.transports.split(","):
-        transport, _, channel = pair.partition("/")
-        for model in args.models.split(","):
+    for model in args.models.split(","):
+        for shards in (int(s) for s in args.shards.split(",")):
             for clients in (int(n) for n in args.workers.split(",")):
-                setup = Setup(model, clients, transport, channel or "basic", args.seconds, args.in_flight, args.warmup)
-                runs: dict[str, list[dict[str, Any]]] = {"raw": [], "raw-read": [], "ours": []}
-                for _ in range(args.repeats):  # interleaved, so a noisy neighbour hurts both sides alike
-                    for kind, measured in runs.items():
-                        measured.append(_measure(kind, setup))
-                best = {kind: max(r, key=lambda m: m["calls_per_s"]) for kind, r in runs.items()}
-                rows.append({"setup": setup.__dict__, **best, "all_runs": runs})
-                _print_row(rows[-1])
+                total = args.calls or CALLS.get(model, 200)
+                setup = Setup(model, shards, clients, max(10, total // clients), args.in_flight)
+                sides = [s for s in args.sides.split(",") if not (s == "example" and shards > 1)]
+                runs: dict[str, list[float]] = {s: [] for s in sides}
+                for _ in range(args.repeats):  # interleaved, so a noisy neighbour hurts every side alike
+                    for side in sides:
+                        runs[side].append(measure(side, setup))
+                best = {side: max(r) for side, r in runs.items()}
+                rows.append({"setup": asdict(setup), "best": best, "all_runs": runs})
+                print(f"{model} shards={shards} clients={clients}: " + ", ".join(f"{s} {v:.1f}/s" for s, v in best.items()), flush=True)
     print(f"\ntotal {time.monotonic() - started:.0f}s")
-    _print_table(rows)
+    print_rows(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 
-def _measure(kind: str, setup: Setup) -> dict[str, Any]:
-    from rpcps.ports import free_port
-    from rpcps.scrape import try_scrape as scrape
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    from rpcps import plugins
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    port, metrics_port = free_port(), free_port()
-    transport_flags = ["--rpc-transports", setup.transport, "--rpc-channels", setup.channel]
-    if kind == "ours":
-        server_argv = [
-            sys.executable, str(REPO / "trainer_entry.py"), "ps", "--listen", f"127.0.0.1:{port}",
-            "--model", f"rpcps.tasks:{setup.model}", "--optimizer", "sgd", "--lr", "1e-9",
-            "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", "--log-level", "WARNING",
-            "--progress-s", "3600", *transport_flags,
-        ]
-    else:
-        server_argv = [sys.executable, "-m", "bench.push_throughput", "raw-server", "--port", str(port), *transport_flags]
-    with tempfile.TemporaryDirectory(prefix="rpcps-bench-") as tmp:
+    example_at = {(r["setup"]["model"], r["setup"]["clients"]): r["best"].get("example") for r in rows}
+    table = []
+    for r in rows:
+        s, best = r["setup"], r["best"]
+        mb = sum(p.numel() for p in plugins.load_model(f"rpcps.tasks:{s['model']}").parameters()) * 4 / 1e6
+        ours, raw, example = best.get("ours"), best.get("raw"), example_at.get((s["model"], s["clients"]))
+        table.append([
+            s["model"], str(s["shards"]), str(s["clients"]), _fmt(ours), _fmt(example), _fmt(raw),
+            _ratio(ours, example, "x"), _ratio(ours, raw, ""), _fmt(ours * mb / 1e3 if ours else None, 2),
+        ])
+    print_table(["model", "shards", "clients", "ours upd/s", "example upd/s", "raw calls/s", "ours / example (1 shard)", "ours / raw",
+                 "ours GB/s of gradient"], table)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None, unit: str) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}{unit}"
+
+
+def measure(side: str, setup: Setup) -> float:
+    """Steady updates/s of one side."""
+    from rpcps.ports import free_port
+
+    port = free_port()
+    if side == "example":
+        return _example(setup, port)
+    with tempfile.TemporaryDirectory(prefix="rpcps-bench-push-") as tmp:
         go = Path(tmp) / "go"
-        server_log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 - closed below
-        server = subprocess.Popen(server_argv, cwd=REPO, env=env, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True)
+        servers = [_start(_server_argv(side, setup, port, k), Path(tmp) / f"server{k}.log") for k in range(setup.shards)]
         clients = [
             subprocess.Popen(
-                [
-                    sys.executable, "-m", "bench.push_throughput", "client", "--kind", kind, "--port", str(port),
-                    "--slot", str(i), "--model", setup.model, "--seconds", str(setup.seconds),
-                    "--in-flight", str(setup.in_flight), "--warmup", str(setup.warmup), "--go-file", str(go), *transport_flags,
-                ],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                [sys.executable, "-m", "bench.push_throughput", "client", "--kind", side, "--port", str(port), "--slot", str(i),
+                 "--model", setup.model, "--calls", str(setup.calls), "--in-flight", str(setup.in_flight), "--go-file", str(go),
+                 "--shards", str(setup.shards)],
+                cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
             )
             for i in range(setup.clients)
         ]
@@ -116,39 +135,54 @@ def _measure(kind: str, setup: Setup) -> dict[str, Any]:
             for c in clients:
                 line = _read_line(c, _START_TIMEOUT_S)
                 if line != "ready":
-                    raise RuntimeError(f"{kind} client did not get ready: {line!r}\n{_drain(c)}\n{_tail(server_log)}")
-            go.touch()  # every client starts its timed window now
-            results = []
+                    raise RuntimeError(f"{side} client did not get ready: {line!r}\n{_drain(c)}\n{_tails(tmp)}")
+            go.touch()  # every client starts now
+            times: list[float] = []
             for c in clients:
-                line = _read_line(c, setup.seconds + 60)
+                line = _read_line(c, 600)
                 try:
-                    results.append(json.loads(line))
+                    times += json.loads(line)["times"]
                 except ValueError:
-                    raise RuntimeError(f"{kind} client failed: {line!r}\n{_drain(c)}\n{_tail(server_log)}") from None
-            server_metrics = scrape(metrics_port) if kind == "ours" else {}
+                    raise RuntimeError(f"{side} client failed: {line!r}\n{_drain(c)}\n{_tails(tmp)}") from None
         finally:
-            for p in [*clients, server]:
+            for p in [*clients, *reversed(servers)]:
                 _stop(p)
-            server_log.close()
-    nbytes = results[0]["payload_bytes"]
-    seconds = max(r["seconds"] for r in results)
-    calls = sum(r["calls"] for r in results)
-    out: dict[str, Any] = {
-        "calls": calls,
-        "seconds": seconds,
-        "calls_per_s": sum(r["calls"] / r["seconds"] for r in results),
-        "gb_per_s": sum(r["calls"] * nbytes / r["seconds"] for r in results) / 1e9,
-        "latency_ms_p50": _median([r["latency_ms_p50"] for r in results]),
-        "payload_mb": nbytes / 1e6,
-        "chunks": results[0]["chunks"],
-    }
-    if server_metrics:
-        count = server_metrics.get("rpcps_server_push_apply_seconds_count", 0.0)
-        steps = server_metrics.get("rpcps_server_optimizer_step_seconds_count", 0.0)
-        out["server_apply_ms"] = 1000 * server_metrics.get("rpcps_server_push_apply_seconds_sum", 0.0) / count if count else None
-        out["server_step_ms"] = 1000 * server_metrics.get("rpcps_server_optimizer_step_seconds_sum", 0.0) / steps if steps else None
-        out["updates_applied"] = server_metrics.get("rpcps_server_updates_applied_total")
-    return out
+    return steady_rate([(t, i + 1) for i, t in enumerate(sorted(times))])
+
+
+def _server_argv(side: str, setup: Setup, port: int, shard: int) -> list[str]:
+    if side == "raw":
+        return [sys.executable, "-m", "bench.push_throughput", "raw-server", "--port", str(port), "--shard", str(shard)]
+    return [
+        sys.executable, str(REPO / "trainer_entry.py"), "ps", "--listen", f"127.0.0.1:{port}", "--store", f"127.0.0.1:{port}",
+        "--shards", str(setup.shards), "--shard-index", str(shard), "--model", f"rpcps.tasks:{setup.model}",
+        "--optimizer", "sgd", "--lr", "1e-9", "--metrics-port", "0", "--metrics-addr", "127.0.0.1", "--control-port", "0",
+        "--control-addr", "127.0.0.1", "--log-level", "WARNING", "--progress-s", "3600",
+    ]
+
+
+def _example(setup: Setup, port: int) -> float:
+    argv = [sys.executable, "-m", "bench.example_design", "--world", str(setup.clients + 1), "--port", str(port),
+            "--model", f"rpcps.tasks:{setup.model}", "--data", f"rpcps.tasks:{setup.model}_data", "--steps", str(setup.calls),
+            "--zero-compute"]
+    procs = [subprocess.Popen([*argv, "--rank", str(r)], cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(setup.clients + 1)]
+    try:
+        out, err = procs[0].communicate(timeout=900)
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            _stop(p)
+    if procs[0].returncode != 0:
+        raise RuntimeError(f"example design server failed: {err.decode(errors='replace')[-2000:]}")
+    times = json.loads(out.decode().strip().splitlines()[-1])["update_times"]
+    return steady_rate([(t, i + 1) for i, t in enumerate(times)])
+
+
+def _start(argv: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:
@@ -165,9 +199,8 @@ def _drain(proc: subprocess.Popen) -> str:
     return proc.stderr.read().decode(errors="replace")[-3000:]
 
 
-def _tail(log: Any) -> str:
-    log.flush()
-    return Path(log.name).read_text(errors="replace")[-3000:]
+def _tails(tmp: str) -> str:
+    return "\n".join(f"{p.name}: {p.read_text(errors='replace')[-1500:]}" for p in sorted(Path(tmp).glob("*.log")))
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -180,64 +213,27 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
-def _print_row(row: dict[str, Any]) -> None:
-    s = row["setup"]
-    sides = ", ".join(f"{kind} {row[kind]['calls_per_s']:.1f}/s {row[kind]['gb_per_s']:.2f} GB/s" for kind in ("ours", "raw", "raw-read"))
-    print(f"{s['model']} x{s['clients']} {s['transport']}/{s['channel']}: {sides}", flush=True)
-
-
-def _print_table(rows: list[dict[str, Any]]) -> None:
-    columns = [
-        "model", "payload", "clients", "transport", "ours updates/s", "ours GB/s", "raw calls/s", "raw-read calls/s",
-        "ours/raw", "ours/raw-read", "p50 ms ours / raw / raw-read", "server apply ms", "of which step ms",
-    ]
-    print("\n| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in rows:
-        s, raw, read, ours = row["setup"], row["raw"], row["raw-read"], row["ours"]
-        cells = [
-            s["model"], f"{ours['payload_mb']:.1f} MB in {ours['chunks']} chunks", str(s["clients"]),
-            f"{s['transport']}/{s['channel']}", f"{ours['calls_per_s']:.1f}", f"{ours['gb_per_s']:.2f}",
-            f"{raw['calls_per_s']:.1f}", f"{read['calls_per_s']:.1f}", f"{ours['calls_per_s'] / raw['calls_per_s']:.2f}",
-            f"{ours['calls_per_s'] / read['calls_per_s']:.2f}",
-            " / ".join(_fmt(x["latency_ms_p50"]) for x in (ours, raw, read)),
-            _fmt(ours.get("server_apply_ms")), _fmt(ours.get("server_step_ms")),
-        ]
-        print("| " + " | ".join(cells) + " |")
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 # ---- the processes it starts -----------------------------------------------------------------
 
 
-def ack(chunks: list[Any]) -> int:
-    """The raw server's whole job: receive the tensors, answer with a small value (like a PushReply)."""
-    return len(chunks)
-
-
-def ack_read(chunks: list[Any]) -> int:
-    """Like ``ack``, after reading every element once."""
-    for chunk in chunks:
-        chunk.sum()
-    return len(chunks)
+def echo(chunks: list[Any]) -> list[Any]:
+    """The raw server's whole job: answer with the tensors it received (the same bytes back, no copy)."""
+    return chunks
 
 
 def run_raw_server(args: argparse.Namespace) -> int:
-    from rpcps import transport
+    from rpcps import rpc_policy, transport
 
-    stop = threading.Event()
+    rpc_policy.protect(extra_calls=(echo,))  # the same protection as a real server, plus the raw receiver
+    stop_signal: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    transport.serve(_address(args), server_name(0), _transport_options(args))
-    stop.wait()
+        signal.signal(sig, lambda s, _: stop_signal.append(s))
+    if args.shard == 0:
+        transport.serve(_address(args), server_name(0), _transport_options())
+    else:
+        transport.join(_address(args), server_name(args.shard), _transport_options(), fixed_name=True)
+    while not stop_signal:
+        time.sleep(0.1)
     transport.shutdown()
     return 0
 
@@ -245,81 +241,84 @@ def run_raw_server(args: argparse.Namespace) -> int:
 def run_client(args: argparse.Namespace) -> int:
     import torch
 
-    from rpcps import plugins, transport
+    from rpcps import plugins, rpc_policy, transport
+    from rpcps.partition import partition
     from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
     from worker.client import ServerClient, result
 
     signature = ModelSignature.of_module(plugins.load_model(f"rpcps.tasks:{args.model}"))
-    name = transport.join(_address(args), f"worker{args.slot}", _transport_options(args))
+    rpc_policy.protect()
+    name = transport.join(_address(args), f"worker{args.slot}", _transport_options())
+    g = torch.Generator().manual_seed(args.slot)
     try:
         if args.kind == "ours":
-            client = ServerClient(60.0)
-            reg = client.register(args.slot, name, signature.to_wire())
-            layout = FlatLayout(signature, reg.chunk_bytes)
+            shards = [ServerClient(60.0, shard=0, wait_s=_START_TIMEOUT_S)]
+            shards += [ServerClient(60.0, shard=k, wait_s=_START_TIMEOUT_S) for k in range(1, shards[0].shard_count())]
+            regs = [c.register(args.slot, name, signature.to_wire()) for c in shards]
+            owned = partition(signature, len(shards))
+            layouts = [FlatLayout(ModelSignature(tuple(signature.params[i] for i in idx)), r.chunk_bytes) for idx, r in zip(owned, regs)]
+            chunks = [[torch.randn(n, generator=g) * 1e-3 for n in lay.chunk_numels] for lay in layouts]
+            versions = [-1] * len(shards)
 
-            def send(seq: int) -> Any:
-                return client.push(args.slot, reg.incarnation, seq, 0, chunks, None)
+            def send(seq: int) -> list[Any]:
+                return [c.push(args.slot, r.incarnation, seq, v, ch, None, v) for c, r, v, ch in zip(shards, regs, versions, chunks)]
 
-            def check(future: Any) -> None:
-                status = result(future).status
-                if status != "applied":
-                    raise RuntimeError(f"push not applied: {status}")
+            def check(pending: list[Any]) -> None:
+                for k, p in enumerate(pending):
+                    reply = result(p)
+                    if reply.status != "applied":
+                        raise RuntimeError(f"push not applied: {reply.status}")
+                    versions[k] = reply.pulled.version
         else:
-            layout = FlatLayout(signature, DEFAULT_CHUNK_BYTES)
+            _wait_for_raw_shards(transport, args.shards)
+            owned = partition(signature, args.shards)
+            layouts = [FlatLayout(ModelSignature(tuple(signature.params[i] for i in idx)), DEFAULT_CHUNK_BYTES) for idx in owned]
+            chunks = [[torch.randn(n, generator=g) * 1e-3 for n in lay.chunk_numels] for lay in layouts]
 
-            receiver = ack if args.kind == "raw" else ack_read
-
-            def send(seq: int) -> Any:
+            def send(seq: int) -> list[Any]:
                 del seq
-                return transport.call_async(server_name(0), receiver, (chunks,), 60)
+                return [transport.call_async(server_name(k), echo, (ch,), 60) for k, ch in enumerate(chunks)]
 
-            def check(future: Any) -> None:
-                future.wait()
+            def check(pending: list[Any]) -> None:
+                for p in pending:
+                    p.wait()
 
-        g = torch.Generator().manual_seed(args.slot)
-        chunks = [torch.randn(n, generator=g) * 1e-3 for n in layout.chunk_numels]
-        seq = 0
-        for _ in range(args.warmup):
+        for seq in range(3):  # warm up every connection
             check(send(seq))
-            seq += 1
         print("ready", flush=True)
         go = Path(args.go_file)
         while not go.exists():
             time.sleep(0.005)
-        latencies: list[float] = []
-        window: list[tuple[float, Any]] = []
-        started = time.perf_counter()
-        deadline = started + args.seconds
-        calls = 0
-        while True:
-            while len(window) < args.in_flight and time.perf_counter() < deadline:
-                window.append((time.perf_counter(), send(seq)))
-                seq += 1
-            if not window:
-                break
-            sent, future = window.pop(0)
-            check(future)
-            latencies.append(time.perf_counter() - sent)
-            calls += 1
-        elapsed = time.perf_counter() - started
-        latencies.sort()
-        print(
-            json.dumps(
-                {
-                    "calls": calls,
-                    "seconds": elapsed,
-                    "payload_bytes": layout.nbytes,
-                    "chunks": len(layout),
-                    "latency_ms_p50": 1000 * latencies[len(latencies) // 2] if latencies else None,
-                }
-            ),
-            flush=True,
-        )
+        window: list[list[Any]] = []
+        times: list[float] = []
+        for seq in range(3, 3 + args.calls):
+            window.append(send(seq))
+            if len(window) >= args.in_flight:
+                check(window.pop(0))
+                times.append(time.perf_counter())
+        for pending in window:
+            check(pending)
+            times.append(time.perf_counter())
+        print(json.dumps({"times": times}), flush=True)
     finally:
         if args.kind == "ours":
             transport.leave(name, server_name(0))
         transport.shutdown()
     return 0
+
+
+def _wait_for_raw_shards(transport: Any, shards: int) -> None:
+    """Waits until every raw server (ps0, ps1, ...) answers."""
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    for k in range(shards):
+        while True:
+            try:
+                transport.ping(server_name(k), 10).wait()
+                break
+            except transport.PeerUnknown:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def _address(args: argparse.Namespace) -> Any:
@@ -328,41 +327,37 @@ def _address(args: argparse.Namespace) -> Any:
     return Address("127.0.0.1", args.port)
 
 
-def _transport_options(args: argparse.Namespace) -> Any:
+def _transport_options() -> Any:
+    """rpcps's defaults (what a user who changes nothing runs), with the start-up wait of a loaded machine."""
     from rpcps.transport import TransportOptions
 
-    return TransportOptions(
-        rpc_timeout_s=60.0,
-        rpc_transports=tuple(args.rpc_transports.split(",")),
-        rpc_channels=tuple(args.rpc_channels.split(",")),
-        connect_timeout_s=_START_TIMEOUT_S,
-    )
+    return TransportOptions(rpc_timeout_s=60.0, connect_timeout_s=_START_TIMEOUT_S)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.push_throughput", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mlp_5m,mlp_25m", help="rpcps.tasks model factories, comma-separated")
-    parser.add_argument("--workers", default="1,2", help="numbers of pushing client processes, comma-separated")
-    parser.add_argument("--transports", default="uv/basic", help="TRANSPORT/CHANNEL pairs, comma-separated (uv/basic, shm/basic, uv/cma)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="timed window per measurement")
-    parser.add_argument("--in-flight", type=int, default=2, help="calls each client keeps on the wire (a worker's --max-in-flight)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per client before the window")
-    parser.add_argument("--repeats", type=int, default=2, help="measurements of each side; the best is reported")
+    parser.add_argument("--workers", default="1,2,4,8", help="numbers of client processes, comma-separated")
+    parser.add_argument("--shards", default="1,2", help="server shard counts, comma-separated")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} to measure")
+    parser.add_argument("--calls", type=int, help=f"updates per measurement over all clients (default per model: {CALLS})")
+    parser.add_argument("--in-flight", type=int, default=2, help="calls each ours/raw client keeps on the wire (a worker's --max-in-flight)")
+    parser.add_argument("--repeats", type=int, default=1, help="measurements of each side; the best is reported")
     parser.add_argument("--json", help="also write the results to this file")
     sub = parser.add_subparsers(dest="role", title="processes the driver starts (not for direct use)")
-    for role, what in (("client", "one pushing client"), ("raw-server", "the bare torch RPC receiver")):
+    for role, what in (("client", "one pushing client"), ("raw-server", "a bare torch RPC receiver")):
         p = sub.add_parser(role, help=what)
         p.add_argument("--port", type=int, required=True)
-        p.add_argument("--rpc-transports", default="uv")
-        p.add_argument("--rpc-channels", default="basic")
         if role == "client":
-            p.add_argument("--kind", choices=["ours", "raw", "raw-read"], required=True)
+            p.add_argument("--kind", choices=["ours", "raw"], required=True)
             p.add_argument("--slot", type=int, default=0)
             p.add_argument("--model", required=True)
-            p.add_argument("--seconds", type=float, required=True)
+            p.add_argument("--calls", type=int, required=True)
             p.add_argument("--in-flight", type=int, required=True)
-            p.add_argument("--warmup", type=int, required=True)
             p.add_argument("--go-file", required=True)
+            p.add_argument("--shards", type=int, default=1, help="raw servers to call (ours asks the server)")
+        else:
+            p.add_argument("--shard", type=int, default=0)
     args = parser.parse_args(argv)
     if args.role == "client":
         return run_client(args)

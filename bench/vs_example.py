@@ -1,22 +1,27 @@
 #!/usr/bin/env python3
-"""rpcps against the PyTorch RPC parameter-server example's design and the wire, side by side (not a test).
+"""rpcps against the PyTorch RPC parameter-server example's design and the one-process limit, side by side (not a test).
 
-    python -m bench.vs_example                       # mlp_5m, 2 workers, ~3 min
-    python -m bench.vs_example --model mlp_25m --workers 2 --steps 15
+    python -m bench.vs_example                      # the 5M MLP, batch 64, 2 workers x 300 steps, ~4 min
+    python -m bench.vs_example --preset tiny        # the 22k teacher-student MLP, batch 64, 2 workers x 3000 steps
 
-In one run, same model (``rpcps.tasks:<model>``, MSE, Adam on the server), same number of workers,
-``--repeats`` times interleaved (best kept):
+In one run, ``--repeats`` times interleaved (the best of each side kept), same model, data, loss and
+number of updates:
 
-* **rpcps training**: ``trainer_entry.py local`` end to end (forward/backward, async pushes, pulls
-  every step), updates/s over the steady part of the run (bench.common).
-* **example design**: bench/example_design.py: a locked server, workers blocking in ``rpc_sync``
-  with their gradients and getting all parameters back every step.
-* **rpcps push path**: bench.push_throughput's "ours" (a real server taking pushes of precomputed
-  gradients, no compute, 2 in flight per client).
-* **wire**: bench.push_throughput's "raw" (a bare TensorPipe call of the same bytes, answered at once).
+* **one process**: bench/one_process.py, forward + backward + SGD in one plain loop on torch's
+  default threads (every core): the most this machine can do, with no server and no wire.
+* **example design**: bench/example_design.py with ``--workers`` workers: a locked SGD server,
+  workers blocking in ``rpc_sync`` with their gradients and getting every parameter back; every
+  process calls ``torch.set_num_threads(1)`` itself. Once on TensorPipe's default options (what the
+  example runs with) and once over uv/basic (``--example-transports``).
+* **rpcps, SGD**: ``trainer_entry.py local`` on its defaults, only the optimizer matched to the
+  example's (``--optimizer sgd --lr 0.05``).
+* **rpcps, defaults**: ``local`` with nothing set but the model, data and loss (Adam).
 
-Printed: updates/s, gradient GB/s, and the ratios: rpcps training / example design, and rpcps push
-path / wire (the share of the transport's speed the server keeps).
+Nothing here sets threads, transports or any other setting for rpcps: it measures what a user
+who changes nothing gets. Every side is measured the same way (bench.common.steady_rate): updates
+per second between the moments it had applied 15 % and 85 % of its updates, from the server's
+``rpcps_server_updates_applied_total`` (sampled every 0.5 s: a scrape costs the server CPU) for rpcps and from the time of every
+update for the example and the one process. That leaves out start-up and the tail on every side.
 """
 
 from __future__ import annotations
@@ -27,82 +32,106 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from bench.common import REPO, child_env, local_argv, print_table, run_local
-from bench.push_throughput import Setup, _measure
+from bench.common import REPO, child_env, local_argv, print_table, run_local, steady_rate
 from rpcps.ports import free_port
 
 
-def example_design(model: str, workers: int, steps: int) -> dict[str, Any]:
-    port = free_port()
-    argv = [sys.executable, "-m", "bench.example_design", "--world", str(workers + 1), "--port", str(port),
-            "--model", model, "--steps", str(steps)]
-    procs = [subprocess.Popen([*argv, "--rank", str(r)], cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for r in range(workers + 1)]
-    results = []
+@dataclass(frozen=True)
+class Preset:
+    model: str
+    data: str
+    loss: str
+    steps: int
+    """Steps per worker (the one process makes workers x steps)."""
+
+
+PRESETS = {
+    "5m": Preset("rpcps.tasks:mlp_5m", "bench.big_batch:mlp_5m_data_64", "mse", 300),
+    "tiny": Preset("rpcps.tasks:teacher_student_model", "rpcps.tasks:teacher_student_data", "cross_entropy", 3000),
+}
+SGD_LR = 0.05
+"""The example's SGD learning rate (stable on both presets' data)."""
+
+
+def _timestamps(argv: list[str], ranks: int) -> list[float]:
+    """Runs ``ranks`` processes of ``argv`` (+ --rank R when more than one) and returns rank 0's update times."""
+    procs = [
+        subprocess.Popen([*argv, *(["--rank", str(r)] if ranks > 1 else [])], cwd=REPO, env=child_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(ranks)
+    ]
     try:
+        outs = []
         for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=600)
+            out, err = proc.communicate(timeout=900)
             if proc.returncode != 0:
-                raise RuntimeError(f"example design rank {r} failed: {err.decode(errors='replace')[-2000:]}")
-            if r > 0:
-                results.append(json.loads(out.decode().strip().splitlines()[-1]))
+                raise RuntimeError(f"{' '.join(argv[:4])} rank {r} failed: {err.decode(errors='replace')[-2000:]}")
+            outs.append(out)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    rate = sum(x["steps"] / x["seconds"] for x in results)
-    return {"updates_per_s": rate, "grad_gb_per_s": rate * results[0]["payload_bytes"] / 1e9}
+    return json.loads(outs[0].decode().strip().splitlines()[-1])["update_times"]
 
 
-def ours_training(model: str, workers: int, steps: int, root: Path, tag: str) -> dict[str, Any]:
-    run_dir = root / f"ours-{tag}"
-    r = run_local(local_argv(run_dir, model=f"rpcps.tasks:{model}", data=f"rpcps.tasks:{model}_data", workers=workers, steps=steps), run_dir)
-    return {"updates_per_s": r.steady_steps_per_s(), "comm_fraction": r.communication_fraction()}
+def one_process(p: Preset, workers: int) -> float:
+    argv = [sys.executable, "-m", "bench.one_process", "--model", p.model, "--data", p.data, "--loss", p.loss,
+            "--lr", str(SGD_LR), "--steps", str(workers * p.steps)]
+    return steady_rate([(t, i + 1) for i, t in enumerate(_timestamps(argv, 1))])
+
+
+def example_design(p: Preset, workers: int, transport: str) -> float:
+    argv = [sys.executable, "-m", "bench.example_design", "--world", str(workers + 1), "--port", str(free_port()),
+            "--model", p.model, "--data", p.data, "--loss", p.loss, "--lr", str(SGD_LR), "--steps", str(p.steps),
+            "--transport", transport]
+    return steady_rate([(t, i + 1) for i, t in enumerate(_timestamps(argv, workers + 1))])
+
+
+def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
+    run_dir = root / tag
+    argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra)
+    return run_local(argv, run_dir, interval_s=0.5, scrape_workers=False).steady_updates_per_s()
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.vs_example", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="mlp_5m", choices=["mlp_5m", "mlp_25m"])
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60, help="training steps per worker (rpcps and example design)")
-    p.add_argument("--seconds", type=float, default=4.0, help="timed window of the push-path and wire measurements")
-    p.add_argument("--repeats", type=int, default=2)
-    args = p.parse_args()
+    parser = argparse.ArgumentParser(prog="python -m bench.vs_example", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="5m")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, help="steps per worker (default: the preset's)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--example-transports", default="default,uv", help="the example design's TensorPipe options: default, uv")
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    if args.steps:
+        preset = Preset(preset.model, preset.data, preset.loss, args.steps)
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-vs-"))
-    setup = Setup(args.model, args.workers, "uv", "basic", args.seconds, 2, 3)
-    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "example": [], "push": [], "wire": []}
+    sides: dict[str, Callable[[int], float]] = {"one process (limit)": lambda i: one_process(preset, args.workers)}
+    for t in args.example_transports.split(","):
+        sides[f"example design ({t})"] = lambda i, t=t: example_design(preset, args.workers, t)
+    sides["rpcps defaults, --optimizer sgd"] = lambda i: rpcps(preset, args.workers, root, f"sgd-{i}", ["--optimizer", "sgd", "--lr", str(SGD_LR)])
+    sides["rpcps defaults (Adam)"] = lambda i: rpcps(preset, args.workers, root, f"adam-{i}", [])
+    runs: dict[str, list[float]] = {name: [] for name in sides}
     started = time.monotonic()
     for i in range(args.repeats):
-        runs["ours"].append(ours_training(args.model, args.workers, args.steps, root, str(i)))
-        runs["example"].append(example_design(args.model, args.workers, args.steps))
-        runs["push"].append(_measure("ours", setup))
-        runs["wire"].append(_measure("raw", setup))
-        print(f"repeat {i}: ours {runs['ours'][-1]['updates_per_s']:.2f}/s, example {runs['example'][-1]['updates_per_s']:.2f}/s, "
-              f"push {runs['push'][-1]['calls_per_s']:.2f}/s, wire {runs['wire'][-1]['calls_per_s']:.2f}/s", flush=True)
-    best_ours = max(runs["ours"], key=lambda x: x["updates_per_s"])
-    best_ex = max(runs["example"], key=lambda x: x["updates_per_s"])
-    best_push = max(runs["push"], key=lambda x: x["calls_per_s"])
-    best_wire = max(runs["wire"], key=lambda x: x["calls_per_s"])
-    mb = best_push["payload_mb"]
-    print(f"\n{args.model}, {mb:.1f} MB of fp32 gradient per push, {args.workers} workers, uv/basic, best of {args.repeats}, "
-          f"{time.monotonic() - started:.0f}s")
+        for name, measure in sides.items():
+            runs[name].append(measure(i))
+        print(f"repeat {i}: " + ", ".join(f"{name} {r[-1]:.1f}" for name, r in runs.items()), flush=True)
+    best = {name: max(r) for name, r in runs.items()}
+    example = max(v for name, v in best.items() if name.startswith("example"))
+    limit = best["one process (limit)"]
+    print(f"\n{preset.model} ({preset.data}, {preset.loss}), {args.workers} workers x {preset.steps} steps, "
+          f"steady updates/s (15-85 %), best of {args.repeats}, {time.monotonic() - started:.0f}s")
     print_table(
-        ["side", "updates/s", "gradient GB/s", "ratio"],
-        [
-            ["rpcps training (local, pull every step)", f"{best_ours['updates_per_s']:.2f}", f"{best_ours['updates_per_s'] * mb / 1e3:.2f}",
-             f"{best_ours['updates_per_s'] / best_ex['updates_per_s']:.2f}x example design"],
-            ["example design (lock + rpc_sync grads -> params)", f"{best_ex['updates_per_s']:.2f}", f"{best_ex['grad_gb_per_s']:.2f}", "1.00"],
-            ["rpcps push path (no compute, no pulls)", f"{best_push['calls_per_s']:.2f}", f"{best_push['gb_per_s']:.2f}",
-             f"{best_push['calls_per_s'] / best_wire['calls_per_s']:.2f} of wire"],
-            ["wire: raw TensorPipe call, same bytes", f"{best_wire['calls_per_s']:.2f}", f"{best_wire['gb_per_s']:.2f}", "1.00"],
-        ],
+        ["side", "updates/s", "vs example design", "of one-process limit"],
+        [[name, f"{v:.1f}", f"{v / example:.2f}x", f"{v / limit:.2f}"] for name, v in best.items()],
     )
-    print(f"rpcps training: workers' communication fraction {best_ours['comm_fraction']:.2f}; "
-          f"training gradient GB/s / wire GB/s = {best_ours['updates_per_s'] / best_wire['calls_per_s']:.2f}")
+    sgd, adam = best["rpcps defaults, --optimizer sgd"], best["rpcps defaults (Adam)"]
+    print(f"rpcps Adam / rpcps SGD: {adam / sgd:.2f}; the example design's figure is its best transport")
     print("all runs:", json.dumps(runs))
     return 0
 

@@ -1,11 +1,13 @@
-"""Settings of the command-line-only roles: ``local`` and ``ctl``."""
+"""Settings of the command-line-only roles: ``local``, ``ctl`` and ``export``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from evaluator.config import EvaluatorConfig
 from ps.config import ServerRunConfig
 from rpcps.address import Address
+from rpcps.model_file import FORMATS
 from rpcps.process import ProcessOptions
 from rpcps.settings import setting
 from worker.config import WorkerConfig
@@ -28,6 +30,8 @@ class LocalConfig:
     process: ProcessOptions = field(default_factory=ProcessOptions)
     server: ServerRunConfig = field(default_factory=ServerRunConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    """Used when --eval-data is given: an evaluator runs beside the workers."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -49,7 +53,38 @@ class CtlConfig:
     token_file: str | None = setting(None, help="file holding the token the server requires (its --control-token-file)", metavar="PATH")
     tls_ca: str | None = setting(None, help="PEM certificate that signed the server's --tls-cert; turns TLS on", metavar="PATH")
     timeout_s: float = setting(30.0, help="deadline of the call")
+    out: str | None = setting(None, help="with export: the file to write the trained model's state_dict to", metavar="PATH")
+    file_format: str = setting(
+        "auto", flag="--format", help="with export: torch, safetensors, or auto (safetensors for a .safetensors --out)",
+        choices=lambda: FORMATS,
+    )
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.file_format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.file_format!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ExportConfig:
+    """Export (a checkpoint to the model's own state_dict file)."""
+
+    checkpoint: str | None = setting(
+        None, help="what to export: a --checkpoint-dir (its newest valid snapshot), the root of a sharded one, "
+        "or one step-N snapshot directory", metavar="DIR",
+    )
+    out: str | None = setting(None, help="the file to write", metavar="PATH")
+    file_format: str = setting(
+        "auto", flag="--format", help="torch (torch.load(weights_only=True)), safetensors, or auto (by --out's suffix)",
+        choices=lambda: FORMATS,
+    )
+    process: ProcessOptions = field(default_factory=ProcessOptions)
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint:
+            raise ValueError("checkpoint is required: --checkpoint DIR")
+        if not self.out:
+            raise ValueError("out is required: --out PATH")
+        if self.file_format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.file_format!r}")

@@ -2,6 +2,7 @@
 
     python trainer_entry.py ctl status|checkpoint|pause|resume|shutdown --addr HOST:PORT
         [--token-file F] [--tls-ca F] [--json] [--timeout-s S]
+    python trainer_entry.py ctl export --out model.pt [--format auto|torch|safetensors] --addr HOST:PORT
 
 Prints a human-readable answer (or one JSON object with ``--json``) on stdout. Any failure, be it an
 unreachable server, a refused token or a failed checkpoint, is one line on stderr and a non-zero
@@ -26,8 +27,9 @@ from cli.config import CtlConfig
 from ps.control import control_pb2 as pb
 from ps.control.auth import bearer_metadata, read_token
 from ps.control.control_pb2_grpc import ControlStub
+from rpcps.model_file import resolve_format, write_bytes
 
-ACTIONS = ("status", "checkpoint", "pause", "resume", "shutdown")
+ACTIONS = ("status", "checkpoint", "pause", "resume", "shutdown", "export")
 EXIT_CALL_FAILED = 1
 EXIT_BAD_INPUT = 2
 
@@ -36,6 +38,8 @@ def run(action: str, config: CtlConfig, as_json: bool = False) -> int:
     addr = str(config.addr)
     prefix = f"rpcps ctl {action}"
     try:
+        if action == "export" and not config.out:
+            raise ValueError("export needs --out PATH (the file to write the model to)")
         metadata = _metadata(config.token_file)
         channel = _channel(addr, config.tls_ca)
     except (OSError, ValueError) as e:
@@ -43,7 +47,14 @@ def run(action: str, config: CtlConfig, as_json: bool = False) -> int:
         return EXIT_BAD_INPUT
     try:
         with channel:
-            result = call(action, channel, metadata, config.timeout_s)
+            if action == "export":
+                assert config.out is not None
+                result = export_model(channel, metadata, config.timeout_s, config.out, config.file_format)
+            else:
+                result = call(action, channel, metadata, config.timeout_s)
+    except OSError as e:
+        print(f"{prefix}: error: cannot write {config.out}: {e}", file=sys.stderr)
+        return EXIT_CALL_FAILED
     except grpc.RpcError as e:
         message = describe_error(addr, e.code(), e.details(), config.timeout_s, tls=config.tls_ca is not None)  # type: ignore[attr-defined]
         print(f"{prefix}: {message}", file=sys.stderr)
@@ -86,6 +97,18 @@ def call(action: str, channel: Any, metadata: tuple[tuple[str, str], ...], timeo
     raise ValueError(f"unknown action {action!r}; choose one of {list(ACTIONS)}")
 
 
+def export_model(channel: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float, out: str, fmt: str) -> dict[str, Any]:
+    """Streams the server's current model into ``out`` (written whole or not at all)."""
+    resolved = resolve_format(out, fmt)
+    pieces = ControlStub(channel).ExportModel(pb.ExportModelRequest(format=resolved), metadata=metadata, timeout=timeout_s)
+    first = next(pieces)
+    data = b"".join([first.data, *(piece.data for piece in pieces)])
+    if len(data) != first.total_bytes:
+        raise OSError(f"the server announced {first.total_bytes} bytes but sent {len(data)}")
+    write_bytes(data, out)
+    return {"path": out, "format": resolved, "model_version": first.model_version, "bytes": len(data)}
+
+
 def status_dict(r: Any) -> dict[str, Any]:
     """A GetStatusResponse as plain data; absent optional fields become None."""
     newest = None
@@ -96,6 +119,7 @@ def status_dict(r: Any) -> dict[str, Any]:
         "model_version": r.model_version,
         "mode": r.mode,
         "optimizer": r.optimizer,
+        "intra_op_threads": r.intra_op_threads,
         "paused": r.paused,
         "shutting_down": r.shutting_down,
         "uptime_seconds": r.uptime_seconds,
@@ -133,6 +157,8 @@ def format_result(action: str, d: dict[str, Any]) -> str:
     if action == "resume":
         verb = "resumed" if d["changed"] else "was not paused; running"
         return f"{verb} at version {d['model_version']}"
+    if action == "export":
+        return f"model of version {d['model_version']} written to {d['path']} ({d['bytes']} bytes, {d['format']})"
     if action == "shutdown":
         if not d["changed"]:
             return "shutdown already requested"
@@ -158,6 +184,7 @@ def format_status(d: dict[str, Any]) -> str:
         f"model version {d['model_version']}",
         f"mode          {d['mode']}",
         f"optimizer     {d['optimizer']}",
+        f"threads       {d['intra_op_threads']} intra-op",
         f"uptime        {format_age(d['uptime_seconds'])}",
         f"checkpoint    {checkpoint}",
         f"live workers  {len(d['workers'])}",

@@ -1,4 +1,5 @@
-"""``rpcps local``: a server and N workers as separate processes on this machine, supervised.
+"""``rpcps local``: a server and N workers as separate processes on this machine, supervised; with
+``--eval-data``, a sidecar evaluator beside them.
 
 The supervisor restarts a crashed child (up to --max-restarts, with backoff), prints progress read
 from the children's own /metrics endpoints, and on Ctrl-C or SIGTERM stops the workers, then the
@@ -19,15 +20,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cli import ctl
 from cli.config import LocalConfig
+from evaluator.config import EvaluatorRunConfig
 from ps.config import ServerRunConfig
+from rpcps import threads
 from rpcps.address import Address
 from rpcps.messages import Mode
 from rpcps.ports import free_port
+from rpcps.process import ProcessOptions
 from rpcps.scrape import try_scrape
+from rpcps.secret_files import create_secret_file
 from rpcps.settings import declared, to_argv
 from rpcps.summary import read_summary, run_summary, write_summary
+from rpcps.transport.config import TransportOptions
 from worker.config import WorkerRunConfig
 
 logger = logging.getLogger(__name__)
@@ -83,8 +91,15 @@ class Supervisor:
         self.control_port = free_port()
         store = Address("127.0.0.1", self.port)
         server = config.server
+        # local restarts its children itself (and counts and reports those restarts), so its server
+        # does not supervise itself; every child proves the job's secret (a file: never on a command line).
+        server = replace(
+            server, supervise=False, transport=replace(server.transport, job_secret_file=self._job_secret(server.transport))
+        )
         if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
             server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
+        server_process, worker_process = _thread_shares(config)
+        server = replace(server, process=server_process)
         self.servers: list[Child] = []
         for k in range(server.core.shard_count):
             name, metrics_port = ("ps" if k == 0 else f"ps{k}"), free_port()
@@ -106,17 +121,42 @@ class Supervisor:
             child = WorkerRunConfig(
                 ps=store,
                 metrics_port=metrics_port,
-                process=replace(server.process, summary_json=str(self._summary_path(name))),
+                process=replace(worker_process, summary_json=str(self._summary_path(name))),
                 transport=server.transport,
                 worker=replace(config.worker, worker_index=i, num_workers=config.workers),
             )
             self.workers.append(self._child(name, "worker", child, metrics_port))
+        self.evaluators: list[Child] = []
+        if config.evaluator.eval_data is not None:
+            metrics_port = free_port()
+            evaluator = EvaluatorRunConfig(
+                ps=store,
+                metrics_port=metrics_port,
+                process=replace(server.process, summary_json=str(self._summary_path("evaluator"))),
+                transport=server.transport,
+                evaluator=config.evaluator,
+            )
+            self.evaluators.append(self._child("evaluator", "evaluate", evaluator, metrics_port))
+
+    def _job_secret(self, options: TransportOptions) -> str:
+        """The secret file every child gets: --job-secret-file, or one made in the run directory (0600)."""
+        if options.job_secret_file is not None:
+            return options.job_secret_file
+        path = self.run_dir / "job-secret"
+        if not path.exists():
+            create_secret_file(path)
+        return str(path)
 
     def _summary_path(self, name: str) -> Path:
         return self.run_dir / f"{name}.summary.json"
 
     def _child(
-        self, name: str, role: str, config: ServerRunConfig | WorkerRunConfig, metrics_port: int, control_port: int | None = None
+        self,
+        name: str,
+        role: str,
+        config: ServerRunConfig | WorkerRunConfig | EvaluatorRunConfig,
+        metrics_port: int,
+        control_port: int | None = None,
     ) -> Child:
         """A child process running ``role`` with ``config`` (as the command line that reproduces it)."""
         argv = [sys.executable, str(_ENTRY), role, *to_argv(config, declared(type(config)))]
@@ -124,13 +164,16 @@ class Supervisor:
 
     @property
     def children(self) -> list[Child]:
-        return [*self.servers, *self.workers]
+        return [*self.servers, *self.workers, *self.evaluators]
+
+    def _role(self, child: Child) -> str:
+        return "ps" if child in self.servers else "evaluator" if child in self.evaluators else "worker"
 
     def write_scrape_targets(self) -> Path:
         """Writes the children's /metrics addresses as a Prometheus file_sd targets file."""
         path = self.run_dir / "prometheus_targets.json"
         groups = [
-            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": "ps" if c in self.servers else "worker", "child": c.name}}
+            {"targets": [f"127.0.0.1:{c.metrics_port}"], "labels": {"role": self._role(c), "child": c.name}}
             for c in self.children
         ]
         tmp = path.with_suffix(".tmp")
@@ -161,7 +204,7 @@ class Supervisor:
         )
         for server in self.servers:
             server.start()
-        for w in self.workers:
+        for w in [*self.workers, *self.evaluators]:
             w.start()
         self.write_children()
         failed = False
@@ -272,9 +315,10 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> None:
-        # Workers first (their final pushes land), then shards > 0, then shard 0: it hosts the
-        # group's store, and the others would take its loss for a crash and restart themselves.
-        for group in (self.workers, self.servers[1:], [self.server]):
+        # Workers first (their final pushes land) with the evaluator (it scores the final model while
+        # the servers are still up), then shards > 0, then shard 0: it hosts the group's store, and
+        # the others would take its loss for a crash and restart themselves.
+        for group in ([*self.workers, *self.evaluators], self.servers[1:], [self.server]):
             for c in group:
                 c.signal(signal.SIGTERM)
             deadline = time.monotonic() + _STOP_GRACE_S
@@ -303,9 +347,15 @@ class Supervisor:
                 n += 1
         elapsed = time.monotonic() - started
         updates = server.get("rpcps_server_updates_applied_total", 0.0)  # shard 0's: every shard steps alike
+        held_out = ""
+        for e in self.evaluators:
+            m = try_scrape(e.metrics_port)
+            if "rpcps_evaluator_loss" in m:
+                held_out = f", held-out loss {m['rpcps_evaluator_loss']:.4f} at version {int(m['rpcps_evaluator_model_version'])}"
         print(
             f"[{elapsed:6.1f}s] steps {int(steps)}, updates {int(updates)} ({updates / elapsed:.1f}/s), "
-            f"loss {losses / n if n else float('nan'):.4f}, live workers {int(server.get('rpcps_server_live_workers', 0))}",
+            f"loss {losses / n if n else float('nan'):.4f}, live workers {int(server.get('rpcps_server_live_workers', 0))}"
+            f"{held_out}",
             flush=True,
         )
 
@@ -331,8 +381,27 @@ class Supervisor:
             server=server,
             shards=shards,
             workers=workers,
+            evaluator=read_summary(self.evaluators[0].summary_path) if self.evaluators else None,
             run_dir=str(self.run_dir),
         )
+
+
+def _thread_shares(config: LocalConfig) -> tuple[ProcessOptions, ProcessOptions]:
+    """The process settings of the servers and of the workers, with the machine's cores divided between them.
+
+    ``--threads`` (or ``OMP_NUM_THREADS``, which the children inherit) wins; otherwise every child
+    gets its share (``rpcps.threads.split_cores``), so the processes of one run never ask for more
+    compute threads than there are cores.
+    """
+    process = config.server.process
+    if process.threads is not None or threads.omp_num_threads() is not None:
+        return process, process
+    device = config.worker.device
+    gpu_workers = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    cores = threads.usable_cores()
+    server_threads, worker_threads = threads.split_cores(cores, config.server.core.shard_count, config.workers, gpu_workers=gpu_workers)
+    logger.info("%d usable cores: %d intra-op threads per server, %d per worker", cores, server_threads, worker_threads)
+    return replace(process, threads=server_threads), replace(process, threads=worker_threads)
 
 
 def _fmt(x: float | None) -> str:

@@ -1,7 +1,8 @@
 """The command line: parses flags and environment into typed configs and hands off to a role.
 
 Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``local`` (a server plus N
-workers on this machine, supervised), ``ctl`` (a client of a running server's control plane).
+workers on this machine, supervised), ``ctl`` (a client of a running server's control plane),
+``evaluate`` (the sidecar evaluator), ``export`` (a checkpoint to the model's own state_dict file).
 Every option is generated from the settings the config classes declare (``rpcps.settings``).
 Nothing but ``trainer_entry.py`` calls ``main``.
 """
@@ -49,13 +50,23 @@ ROLES: dict[str, Role] = {
         # local picks these for each child itself: loopback addresses, free ports, slots.
         exclude=(
             "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--worker-index",
-            "--num-workers",
+            "--num-workers", "--supervise", "--trust-network",
         ),
     ),
     "ctl": Role(
         "talk to a running server's control plane: status, checkpoint, pause, resume, shutdown",
         "cli.config:CtlConfig",
         "cli.ctl:run",
+    ),
+    "evaluate": Role(
+        "the sidecar evaluator: score the newest model on held-out data every few seconds, export the scores as metrics",
+        "evaluator.config:EvaluatorRunConfig",
+        "evaluator.runner:run_evaluator",
+    ),
+    "export": Role(
+        "write the model a checkpoint holds as a plain PyTorch state_dict (or safetensors) file",
+        "cli.config:ExportConfig",
+        "cli.export:run_export",
     ),
 }
 

@@ -62,25 +62,30 @@ def check_ledger(path: str | Path, every_updates: int | None = None, slack: int 
     history: dict[int, tuple[int, int]] = {}  # version -> (slot, seq) in the surviving history
     applied: set[tuple[int, int]] = set()
     prepared: list[int] = [0]  # snapshot versions whose ledger line was written, in order
+    committed: set[int] = {0}  # snapshot versions renamed into place (their "committed" line)
     open_captures: dict[int, int] = {}  # captured version -> the version when it was captured (pending its line)
     last_capture: int | None = None
     last_write_updates = 0
+    fresh_start = False
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         kind, *args, stamp = line.split()
         if kind == "start":
             report.restarts += 1
             report.starts.append(float(stamp))
             open_captures.clear()
+            fresh_start = version > 0  # a restart; until a "resume" line says otherwise, from nothing
         elif kind == "resume":
-            target = int(args[0])
-            _check_resume(report, n, target, version, prepared)
-            report.crashes.append(Crash(version, target, prepared[-1]))
-            for v in range(target + 1, version + 1):
-                applied.discard(history.pop(v))
-            version = target
-            last_capture, last_write_updates = target, 0  # the resumed server counts its interval from here
+            fresh_start = False
+            version = _resume(report, n, int(args[0]), version, prepared, committed, history, applied)
+            last_capture, last_write_updates = version, 0  # the resumed server counts its interval from here
         elif kind == "apply":
             v, slot, seq = (int(a) for a in args)
+            if fresh_start:
+                # A server that crashed before any snapshot committed starts over from version 0: a
+                # resume to 0 (wrong if a snapshot had been written, which _check_resume reports).
+                fresh_start = False
+                version = _resume(report, n, 0, version, prepared, committed, history, applied)
+                last_capture, last_write_updates = 0, 0
             if v != version + 1:
                 report.problems.append(f"line {n}: version went from {version} to {v}")
             if (slot, seq) in applied:
@@ -105,6 +110,7 @@ def check_ledger(path: str | Path, every_updates: int | None = None, slack: int 
             prepared.append(int(args[0]))
         elif kind == "committed":
             snapshot = int(args[0])
+            committed.add(snapshot)
             if open_captures.pop(snapshot, None) is not None:
                 last_write_updates = version - snapshot
                 report.write_updates.append(last_write_updates)
@@ -114,15 +120,36 @@ def check_ledger(path: str | Path, every_updates: int | None = None, slack: int 
     return report
 
 
-def _check_resume(report: LedgerReport, n: int, target: int, version: int, prepared: list[int]) -> None:
+def _resume(
+    report: LedgerReport,
+    n: int,
+    target: int,
+    version: int,
+    prepared: list[int],
+    committed: set[int],
+    history: dict[int, tuple[int, int]],
+    applied: set[tuple[int, int]],
+) -> int:
+    """Rolls the surviving history back to ``target`` after a crash; returns the new version."""
+    _check_resume(report, n, target, version, prepared, committed)
+    report.crashes.append(Crash(version, target, prepared[-1]))
+    for v in range(target + 1, version + 1):
+        applied.discard(history.pop(v))
+    return target
+
+
+def _check_resume(
+    report: LedgerReport, n: int, target: int, version: int, prepared: list[int], committed: set[int]
+) -> None:
     if target > version:
         report.problems.append(f"line {n}: resumed to version {target}, ahead of the last applied {version}")
     if target not in prepared:
         report.problems.append(f"line {n}: resumed to version {target}, for which no snapshot was ever written")
         return
-    # The newest prepared snapshot may or may not have been renamed into place before the crash.
+    # The newest prepared snapshot may or may not have been renamed into place before the crash;
+    # once its "committed" line is written it was.
     newest = sorted(set(prepared))
-    acceptable = set(newest[-2:])
+    acceptable = {newest[-1]} if newest[-1] in committed else set(newest[-2:])
     if target not in acceptable:
         report.problems.append(
             f"line {n}: resumed to version {target}, but snapshots up to {newest[-1]} had been written: an older one "

@@ -250,7 +250,11 @@ class ProcessGroup:
         return proc
 
     def ps(self, name: str = "ps", *args: str, port: int | None = None, **kwargs: object) -> tuple[Proc, int, int]:
-        """Starts a server on 127.0.0.1 with free ports. Returns (process, rpc port, metrics port)."""
+        """Starts a server on 127.0.0.1 with free ports. Returns (process, rpc port, metrics port).
+
+        The server does not supervise itself unless ``args`` says ``--supervise on``: tests signal,
+        freeze and kill the serving process by its pid, and a supervisor in between would restart it.
+        """
         if port is None:
             port, metrics_port = free_ports(2)
         else:
@@ -259,7 +263,8 @@ class ProcessGroup:
             name,
             [
                 "ps", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1",
-                *(() if "--control-port" in args else ("--control-port", "0", "--control-addr", "127.0.0.1")), *args,
+                *(() if "--control-port" in args else ("--control-port", "0", "--control-addr", "127.0.0.1")),
+                *(() if "--supervise" in args else ("--supervise", "off")), *args,
             ],
             **kwargs,  # type: ignore[arg-type]
         )

@@ -8,6 +8,7 @@ a non-finite push is refused, or under ``--on-nonfinite skip`` answered ``SkipNo
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,10 +127,11 @@ def _first_nonfinite(chunks: list[torch.Tensor]) -> tuple[int, int] | None:
     """(chunk, element) of the first NaN/Inf, or None.
 
     A finite sum proves every element finite (NaN and Inf propagate through a sum), so the full
-    element-wise scan only runs when the cheap reduction says there may be one.
+    element-wise scan only runs when the cheap reduction says there may be one. The sum is checked
+    as a Python float: one tensor operation per chunk, not two, on a path every push takes.
     """
     for i, chunk in enumerate(chunks):
-        if torch.isfinite(chunk.sum()):
+        if math.isfinite(float(chunk.sum())):
             continue
         bad = (~torch.isfinite(chunk)).nonzero()
         if bad.numel():

@@ -26,7 +26,9 @@ from ps.config import CheckpointConfig
 from ps.metrics import ServerMetrics
 from ps.snapshot_files import (
     InvalidSnapshot,
+    Signer,
     SnapshotInfo,
+    UnsignedSnapshot,
     leftover_tmp_dirs,
     list_snapshots,
     load_snapshot,
@@ -67,6 +69,7 @@ class Checkpointer:
         meta: dict[str, Any],
         metrics: ServerMetrics,
         ledger: AuditLog | None = None,
+        sign: Signer | None = None,
     ) -> None:
         if config.directory is None:
             raise CheckpointUnavailable("checkpointing is off; start the server with --checkpoint-dir DIR")
@@ -77,6 +80,8 @@ class Checkpointer:
         self.metrics = metrics
         self.ledger = ledger
         """Told of each snapshot just before it is committed (fault-injection checks)."""
+        self.sign = sign
+        """Signs each manifest (``--sign-checkpoints``: an HMAC keyed by the job secret)."""
         self._write_lock = threading.Lock()
         """One write at a time."""
         self._due = threading.Event()
@@ -234,7 +239,7 @@ class Checkpointer:
             failpoints.hit("snapshot.before_commit")
 
         try:
-            info = write_snapshot(self.directory, version, state, self.meta, before_commit=before_commit)
+            info = write_snapshot(self.directory, version, state, self.meta, before_commit=before_commit, sign=self.sign)
         except OSError as e:
             self.metrics.checkpoint_failures.inc()
             logger.error(
@@ -357,13 +362,21 @@ def shard_checkpoint_config(config: CheckpointConfig, shard_index: int, shard_co
 
 
 def find_resume_point(
-    config: CheckpointConfig, signature: ModelSignature, optimizer: str, partition: str | None = None
+    config: CheckpointConfig,
+    signature: ModelSignature,
+    optimizer: str,
+    partition: str | None = None,
+    verify: Signer | None = None,
 ) -> tuple[SnapshotInfo, dict[str, Any]] | None:
     """Picks the snapshot to resume from per ``config.resume``; None to start fresh.
 
     ``auto`` walks from the newest snapshot to older ones, skipping (and logging why) any that is
     incomplete, truncated or corrupt; skipped ones are renamed ``.invalid-*`` so later versions
     never sort behind them. Raises ResumeRefused for a snapshot of another model or optimizer.
+
+    With ``verify`` (``--sign-checkpoints``) a snapshot signed with another key counts as corrupt;
+    an unsigned one refuses ``auto`` (it may be this job's own, from before signing was on, so it
+    is neither skipped nor moved aside), and is taken, with a warning, only when named by ``--resume PATH``.
     """
     if config.resume == "never":
         if config.directory and list_snapshots(Path(config.directory)):
@@ -385,6 +398,14 @@ def find_resume_point(
             raise ResumeRefused(f"--resume {config.resume}: no such snapshot directory")
     for path in candidates:
         try:
+            manifest, state = load_snapshot(path, verify)
+        except UnsignedSnapshot:
+            if config.resume == "auto":
+                raise ResumeRefused(
+                    f"snapshot {path} is not signed, and this server requires signed snapshots (--sign-checkpoints): "
+                    f"if it is this job's own, resume it once with --resume {path}; otherwise remove it"
+                ) from None
+            logger.warning("resuming from the unsigned snapshot %s because --resume names it", path)
             manifest, state = load_snapshot(path)
         except InvalidSnapshot as e:
             if config.resume != "auto":
@@ -407,6 +428,12 @@ def find_resume_point(
 
 def _check_compatible(path: Path, manifest: dict[str, Any], signature: ModelSignature, optimizer: str) -> None:
     theirs = ModelSignature.from_wire(manifest.get("signature", []))
+    if signature.buffers and not theirs.buffers:
+        logger.warning(
+            "snapshot %s was written before rpcps kept a model's buffers: resuming its parameters, with the model's "
+            "initial buffers (BatchNorm statistics start afresh)", path,
+        )
+        signature = ModelSignature(signature.params)
     diff = signature.first_difference(theirs, ours="server", theirs="snapshot")
     if diff is not None:
         raise ResumeRefused(

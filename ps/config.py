@@ -185,6 +185,12 @@ class CheckpointConfig:
     resume: str = setting(
         "auto", help="auto (the newest valid snapshot), never, or a snapshot directory", metavar="auto|never|PATH"
     )
+    sign: bool = setting(
+        False,
+        flag="--sign-checkpoints",
+        help="sign every snapshot manifest with the job secret (HMAC) and resume only from signed ones: someone who "
+        "can write the checkpoint directory but lacks the secret cannot plant a snapshot",
+    )
 
     def __post_init__(self) -> None:
         if self.every_updates is not None and self.every_updates < 1:
@@ -199,7 +205,11 @@ class CheckpointConfig:
 class ControlConfig:
     """Control plane (gRPC: status, checkpoint, pause, resume, shutdown; docs/CONTROL.md)."""
 
-    addr: str = setting("0.0.0.0", flag="--control-addr", help="address the gRPC control plane listens on")
+    addr: str = setting(
+        "127.0.0.1",
+        flag="--control-addr",
+        help="address the gRPC control plane listens on; anything but loopback needs --control-token-file",
+    )
     port: int = setting(9500, flag="--control-port", help="control-plane port; 0 picks a free one (logged)")
     token_file: str | None = setting(
         None, flag="--control-token-file", help="file holding the bearer token every control call must carry (recommended)",
@@ -226,7 +236,10 @@ class ServerRunConfig:
     """Server process."""
 
     listen: Address = setting(
-        Address("0.0.0.0", 29500), help="HOST:PORT of the server's rendezvous store; workers use it as --ps", metavar="HOST:PORT"
+        Address("127.0.0.1", 29500),
+        help="HOST:PORT of the server's rendezvous store; workers use it as --ps. Anything but loopback needs "
+        "--trust-network and --job-secret-file (docs/SECURITY.md)",
+        metavar="HOST:PORT",
     )
     store: Address | None = setting(None, help="HOST:PORT of shard 0's --listen (shards > 0 only)", metavar="HOST:PORT")
     model: str = model_setting()
@@ -235,6 +248,16 @@ class ServerRunConfig:
     progress_s: float = setting(5.0, help="seconds between progress log lines")
     audit_log: str | None = setting(
         None, help="append a ledger of every applied update to this file (fault-injection checks)", metavar="PATH"
+    )
+    trust_network: bool = setting(
+        False,
+        help="acknowledge that the RPC ports (--listen and every process's TensorPipe port) are reachable only from an "
+        "isolated training network: torch RPC has no authentication or encryption (docs/SECURITY.md)",
+    )
+    supervise: bool = setting(
+        True,
+        help="run the server under a small supervisor process that restarts it from its newest snapshot when it "
+        "crashes; off when something else restarts it and must see each crash (rpcps local)",
     )
     finish_timeout_s: float = 60.0
     """On a control-plane Shutdown: how long to wait for workers to finish before stopping anyway."""
@@ -251,6 +274,8 @@ class ServerRunConfig:
             raise ValueError("lease_s and progress_s must be > 0")
         if self.core.shard_index > 0 and self.store is None:
             raise ValueError("--shard-index > 0 needs --store HOST:PORT (shard 0's --listen address)")
+        if self.checkpoint.sign and (self.transport.job_secret_file is None or self.checkpoint.directory is None):
+            raise ValueError("--sign-checkpoints signs snapshots with the job secret: it needs --job-secret-file and --checkpoint-dir")
 
     @property
     def store_address(self) -> Address:

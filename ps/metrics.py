@@ -12,6 +12,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps.admission import RejectReason
+from ps.registration_auth import REASONS as REGISTRATION_REFUSALS
+from rpcps.rpc_policy import refusal_counter
+from rpcps.transport.membership import REPAIR_KINDS
 
 if TYPE_CHECKING:
     from ps.server import UpdateApplied
@@ -74,6 +77,9 @@ class ServerMetrics:
         )
         self.version = Gauge("rpcps_server_model_version", "Updates applied to the model since it was created.", registry=r)
         self.in_flight = Gauge("rpcps_server_pushes_in_flight", "Pushes being validated or applied now.", registry=r)
+        self.intra_op_threads = Gauge(
+            "rpcps_server_intra_op_threads", "Intra-op CPU threads the server computes with (--threads).", registry=r
+        )
         self.paused = Gauge("rpcps_server_paused", "1 while the server holds updates (paused by the control plane).", registry=r)
         self.registrations = Counter("rpcps_server_worker_registrations", "Worker registrations (joins and rejoins).", registry=r)
         self.workers_reaped = Counter(
@@ -81,6 +87,21 @@ class ServerMetrics:
         )
         self.rpc_listener_lost = Counter(
             "rpcps_server_rpc_listener_lost", "Times the RPC listener was closed by a stray connection.", registry=r
+        )
+        self.rpc_refused = refusal_counter(r)
+        self.registrations_refused = _labelled_counter(
+            r, "rpcps_server_registrations_refused", "Worker registrations refused for lack of a valid job-secret proof, by reason.",
+            "reason", REGISTRATION_REFUSALS,
+        )
+        self.store_repairs = _labelled_counter(
+            r, "rpcps_server_store_repairs",
+            "Changes a stranger made to the group's store (member list, addresses, rank counter) that the server put back.",
+            "what", REPAIR_KINDS,
+        )
+        self.crash_restarts = Gauge(
+            "rpcps_server_crash_restarts",
+            "Times this server's supervisor restarted its serving process after a crash (0 without --supervise).",
+            registry=r,
         )
         self.resumes = Counter("rpcps_server_resumes", "Times this server resumed from a checkpoint.", registry=r)
         self.resumed_version = Gauge("rpcps_server_resumed_from_version", "Model version of the checkpoint resumed from (-1: none).", registry=r)
@@ -169,6 +190,14 @@ class ServerMetrics:
     def watch_workers(self, snapshot: Callable[[], Iterable[tuple[int, bool, float | None]]]) -> None:
         """Adds live-worker gauges computed at scrape time from (slot, live, seconds since its last push)."""
         self.registry.register(_WorkerCollector(snapshot))
+
+
+def _labelled_counter(registry: CollectorRegistry, name: str, doc: str, label: str, values: Iterable[str]) -> Counter:
+    """A counter with one label whose series all exist from the start (at 0, so rate() sees the first event)."""
+    counter = Counter(name, doc, [label], registry=registry)
+    for value in values:
+        counter.labels(value)
+    return counter
 
 
 class _WorkerCollector(Collector):

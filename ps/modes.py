@@ -39,9 +39,10 @@ class ConsistencyMode(Protocol):
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
-        sparse: CheckedPush | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
-        """Applies (now or with its round) an admitted push; the future gives its PushReply.
+        """Applies (now or with its round) an admitted push and the model buffers it carried; the
+        future gives its PushReply.
 
         ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``; sync mode never
         gets one (a server with sparse tables refuses to start in sync mode)."""
@@ -72,7 +73,7 @@ class AsyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
-        sparse: CheckedPush | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         server = self.server
         with server.lock:
@@ -82,7 +83,7 @@ class AsyncMode:
             if refusal is not None:
                 return done(refusal)
             staleness = server.version - base_version
-            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness)], sparse)
+            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness, buffers)], sparse)
         return done(PushReply(PushStatus.APPLIED, version, staleness))
 
     def drop_locked(self, slot: int) -> None:
@@ -107,7 +108,7 @@ class SyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
-        sparse: CheckedPush | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         if sparse:
             raise ValueError("sync mode cannot apply sparse rows")  # the server refuses sparse tables in sync mode
@@ -121,7 +122,7 @@ class SyncMode:
             if refusal is not None:
                 return done(refusal)
             live = {r.slot for r in server.workers.live()}
-            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0), reply), grads, len(server.workers.records))
+            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records))
             record.last_seen = time.monotonic()
             closed = self._close_locked(time.monotonic())
         _answer(closed)

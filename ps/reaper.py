@@ -22,13 +22,13 @@ snapshot and rejoin the group of shard 0's successor.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Protocol
 
 from ps.metrics import ServerMetrics
 from rpcps import transport
 from rpcps.endpoints import server_name
+from rpcps.periodic import Periodic
 from rpcps.transport import membership
 
 STORE_HOST = server_name(0)
@@ -75,22 +75,13 @@ class MembershipReaper:
         """Members to remove from the group; kept until a removal succeeds."""
         self._first_silent: dict[str, float] = {}
         """Unregistered members that stopped answering pings, and since when."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="membership-reaper", daemon=True)
+        self._task = Periodic("membership-reaper", interval_s, self.sweep)
 
     def start(self) -> None:
-        self._thread.start()
+        self._task.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sweep()
-            except Exception:  # one bad sweep must not end membership upkeep
-                logger.exception("membership sweep failed; trying again in %.1fs", self.interval_s)
+        self._task.stop()
 
     def sweep(self) -> None:
         retired = self.roster.take_retired_rpc_names()

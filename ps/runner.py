@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -13,15 +14,21 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ps import exposure, supervisor
 from ps.audit import AuditLog
 from ps.checkpointer import Checkpointer, find_resume_point, shard_checkpoint_config
 from ps.config import CheckpointConfig, ServerRunConfig
 from ps.control.service import start_control_server
+from ps.listener_recovery import ListenerRecovery
 from ps.metrics import ServerMetrics
+from ps.optim import torch_kwargs
 from ps.reaper import MembershipReaper
+from ps.registration_auth import RegistrationGate
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, plugins, transport
+from ps.store_guard import StoreGuard
+from rpcps import endpoints, memory, plugins, rpc_policy, threads, transport
+from rpcps.jobsecret import JobSecret
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
@@ -33,28 +40,42 @@ RESTART_FROM_ENV = "RPCPS_RESTART_FROM"
 LISTENER_LOST_ENV = "RPCPS_LISTENER_LOST"
 """How often earlier incarnations of this server lost their RPC listener (the counter outlives the restart)."""
 JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
+_RESTART_DIR_PREFIX = "rpcps-restart-"
 
 
 def run_server(config: ServerRunConfig) -> int:
+    exposure.check(config, os.environ)  # refused here, in the foreground, before any supervisor starts
+    if config.supervise and not supervisor.is_child():
+        supervisor.become_supervisor()
+    secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = ServerMetrics()
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
+    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads)))
+    metrics.crash_restarts.set(supervisor.crash_restarts())
     build_info(metrics.registry, "ps", _flat_config(config))
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    largest_chunk = max(server.layout.chunk_numels) * server.wire.itemsize
+    config = replace(config, transport=replace(config.transport, rpc_channels=config.transport.channels(largest_chunk)))
+    rpc_policy.protect(
+        on_refusal=rpc_policy.counting(metrics.rpc_refused),
+        max_message_bytes=rpc_policy.message_limit(server.signature.numel, config.transport.max_message_mb),
+    )
     ledger = None
     if config.audit_log:
         suffix = f".shard{config.core.shard_index}" if config.core.shard_count > 1 else ""
         ledger = AuditLog(config.audit_log + suffix)
         server.on_applied(ledger.on_applied)
-    service = WorkerService(server)
+    service = WorkerService(server, gate=RegistrationGate(secret, metrics))
     logger.info(
-        "model %s: %d parameters in %d chunks; optimizer %s %s",
-        config.model, server.signature.numel, len(server.layout), config.core.optimizer.name,
-        config.core.optimizer.optimizer_kwargs,
+        "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
+        config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),
+        config.core.optimizer.name, torch_kwargs(config.core.optimizer),
     )
     finish_workers = threading.Event()
 
@@ -66,10 +87,10 @@ def run_server(config: ServerRunConfig) -> int:
         server, config.control, checkpoint=None, request_shutdown=request_shutdown, registry=metrics.registry
     )
     try:
-        checkpointer = _resume(server, config, ledger)
+        checkpointer = _resume(server, config, ledger, secret)
         control.attach_checkpointer(checkpointer)
         service.durability = checkpointer
-        _join_group(config)
+        _join_group(config, secret)
     except BaseException:
         control.stop(grace_s=0)
         http.shutdown()  # type: ignore[attr-defined]
@@ -83,18 +104,29 @@ def run_server(config: ServerRunConfig) -> int:
     endpoints.publish(service)
     reaper = MembershipReaper(service, metrics, config.lease_s, owns_group=config.core.shard_index == 0)
     reaper.start()
+    store_guard = StoreGuard(metrics) if config.core.shard_index == 0 else None
+    if store_guard is not None:
+        store_guard.start()
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
+    recovery = ListenerRecovery(time.monotonic(), transport.membership.ranks_handed_out)
     control.set_serving(True)
-    logger.info("serving on %s (send SIGTERM or Ctrl-C to stop)", config.listen)
+    supervisor.note_serving()
+    logger.info(
+        "serving on %s (send SIGTERM or Ctrl-C to stop)%s", config.listen,
+        "; registrations must prove the job secret" if secret is not None else "",
+    )
     restart_from: str | None = None
     try:
         progress = _Progress(server, service, config.progress_s)
         while not stop.wait(1.0):
             progress.maybe_log()
             if listener.lost():
-                restart_from = _on_listener_lost(server, checkpointer, listener, config)
-                if restart_from is not None:
-                    break
+                _on_listener_lost(server, listener, recovery)
+            why = recovery.restart_due(time.monotonic())
+            if why is not None:
+                logger.warning("restarting this server to listen again: %s", why)
+                restart_from = _snapshot_for_restart(server, checkpointer, config)
+                break
             if reaper.store_host_lost:
                 logger.error("shard 0 (the group's store host) is gone; snapshotting and rejoining its successor")
                 restart_from = _snapshot_for_restart(server, checkpointer, config)
@@ -110,6 +142,8 @@ def run_server(config: ServerRunConfig) -> int:
     finally:
         control.stop(grace_s=5)
         reaper.stop()
+        if store_guard is not None:
+            store_guard.stop()
         if server.sparse is not None:
             server.sparse.stop()
         endpoints.withdraw()
@@ -153,33 +187,34 @@ class _Progress:
         )
 
 
-def _on_listener_lost(
-    server: ParameterServer, checkpointer: Checkpointer | None, listener: ListenerWatch, config: ServerRunConfig
-) -> str | None:
+def _on_listener_lost(server: ParameterServer, listener: ListenerWatch, recovery: ListenerRecovery) -> None:
     """The RPC listener was closed under us (a stray connection to TensorPipe's port).
 
-    Running workers are unaffected, but no new worker could ever join. We take a snapshot and
-    restart this process from it (workers rejoin by themselves). Returns the snapshot to restart from.
+    Running workers are unaffected, but no new worker can join until this process restarts, which
+    ``ListenerRecovery`` decides (when someone wants to join, rate-limited).
     """
     server.metrics.rpc_listener_lost.inc()
     ports = listener.lost()
     listener.watched.clear()  # report once
+    recovery.on_lost(time.monotonic())
     logger.error(
-        "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); "
-        "taking a snapshot and restarting this server from it so workers can keep joining; keep the RPC ports "
-        "reachable only from the training network", ports,
+        "the RPC listener on port(s) %s was closed by a stray connection (a TensorPipe limitation); running workers "
+        "carry on, and this server restarts from a snapshot as soon as a new process wants to join; keep the RPC "
+        "ports reachable only from the training network", ports,
     )
-    return _snapshot_for_restart(server, checkpointer, config)
 
 
 def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | None, config: ServerRunConfig) -> str:
     """Stops updates and writes the exact current state for this process to restart from.
 
-    Without --checkpoint-dir the snapshot goes to a private temporary directory: nothing is lost.
+    With --checkpoint-dir it is an ordinary snapshot there (kept like the others). Without, it goes
+    to a private directory (the supervisor's, removed when it exits; else a temporary one), which
+    the restarted process removes once it resumed: nothing is lost and nothing is left behind.
     """
     server.stop()
     if checkpointer is None:
-        directory = tempfile.mkdtemp(prefix=f"rpcps-restart-shard{config.core.shard_index}-")
+        scratch = supervisor.scratch_dir()
+        directory = tempfile.mkdtemp(prefix=f"{_RESTART_DIR_PREFIX}shard{config.core.shard_index}-", dir=scratch)
         checkpointer = Checkpointer(
             server, CheckpointConfig(directory=directory, every_seconds=None), _meta(server, config), server.metrics
         )
@@ -189,16 +224,19 @@ def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | 
     return path
 
 
-def _resume(server: ParameterServer, config: ServerRunConfig, ledger: AuditLog | None) -> Checkpointer | None:
+def _resume(server: ParameterServer, config: ServerRunConfig, ledger: AuditLog | None, secret: JobSecret | None) -> Checkpointer | None:
     """Restores the server from a snapshot per --resume; returns the checkpointer (None when off)."""
+    sign = secret.manifest_signature if secret is not None and config.checkpoint.sign else None
     checkpoint_config = shard_checkpoint_config(config.checkpoint, config.core.shard_index, config.core.shard_count)
     restart_from = os.environ.pop(RESTART_FROM_ENV, None)
     if restart_from:  # this process restarted itself from a snapshot it just wrote
         checkpoint_config = replace(checkpoint_config, resume=restart_from)
-    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest)
+    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest, sign)
     if point is not None:
         info, state = point
         server.restore_state(state)
+        if restart_from and checkpoint_config.directory is None:
+            _remove_restart_snapshot(Path(restart_from))
         if ledger is not None:
             ledger.resumed(info.version)
         server.metrics.resumes.inc()
@@ -211,11 +249,18 @@ def _resume(server: ParameterServer, config: ServerRunConfig, ledger: AuditLog |
         )
         return None
     Path(checkpoint_config.directory).mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger)
+    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger, sign)
     if point is not None:
         checkpointer.adopt(*point)
     _report_rolled_back(server, checkpointer)
     return checkpointer
+
+
+def _remove_restart_snapshot(path: Path) -> None:
+    """Deletes the private restart snapshot this process just resumed from (see _snapshot_for_restart)."""
+    if path.parent.name.startswith(_RESTART_DIR_PREFIX):
+        shutil.rmtree(path.parent, ignore_errors=True)
+        logger.info("resumed; removed the restart snapshot %s", path)
 
 
 def _report_rolled_back(server: ParameterServer, checkpointer: Checkpointer) -> None:
@@ -253,11 +298,11 @@ def _meta(server: ParameterServer, config: ServerRunConfig) -> dict[str, Any]:
     }
 
 
-def _join_group(config: ServerRunConfig) -> None:
+def _join_group(config: ServerRunConfig, secret: JobSecret | None) -> None:
     """Shard 0 hosts the group's store; other shards join it under their fixed names."""
     name = endpoints.server_name(config.core.shard_index)
     if config.core.shard_index == 0:
-        transport.serve(config.listen, name, config.transport)
+        transport.serve(config.listen, name, config.transport, secret)
         return
     attempts = int(os.environ.get(JOIN_ATTEMPTS_ENV, "0"))
     try:

@@ -8,7 +8,7 @@ after.
 
 What lives elsewhere: the worker API and deduplication (``ps.service``), push validation
 (``ps.admission``), the consistency modes (``ps.modes``), and everything that watches the server
-through the small interfaces below: ``on_applied`` listeners (metrics, audit ledger, checkpoint
+through the small interfaces below: the model's buffers (``ps.buffers``), ``on_applied`` listeners (metrics, audit ledger, checkpoint
 trigger), ``capture_state``/``restore_state`` (the checkpointer) and ``status`` (control plane,
 progress log, summary).
 """
@@ -25,15 +25,17 @@ from typing import Any
 
 import torch
 
+from ps.buffers import BufferStore
 from ps.config import ServerCoreConfig
 from ps.dedup import SequenceTracker
+from ps.export import named_state
 from ps.metrics import ServerMetrics
-from ps.optim import build_optimizer
+from ps.optim import build_optimizer, load_state
 from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.messages import Mode, PushReply, PushStatus
 from rpcps.partition import partition_digest, shard_signature
-from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature
+from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, persistent_buffers
 from rpcps.sparse.spec import declared_tables
 from rpcps.wire import wire_dtype
 
@@ -48,6 +50,8 @@ class Contribution:
     seq: int
     loss: float | None
     staleness: int
+    buffers: list[torch.Tensor] | None = None
+    """The model buffers the push carried; the update that applies it makes them the server's."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class ServerStatus:
     shard_index: int
     shard_count: int
     workers: tuple[WorkerView, ...]
+    intra_op_threads: int
+    """torch's intra-op threads in this process (rpcps.threads chose them at start-up)."""
 
     @property
     def live_workers(self) -> int:
@@ -111,6 +117,7 @@ class ParameterServer:
             for view, slot in zip(self.layout.views(self._masters), self.layout.slots):
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
         self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
+        self.buffers = BufferStore(self.signature.buffers, dict(persistent_buffers(model)))
         specs = declared_tables(model)
         if specs and config.mode == Mode.SYNC:
             raise ValueError("sparse embedding tables need --mode async or bounded (sync rounds average dense gradients only)")
@@ -165,7 +172,9 @@ class ParameterServer:
         sparse_rows = self.sparse.apply(sparse) if sparse and self.sparse is not None else 0
         self.version += 1
         now = time.monotonic()
-        for c in contributions:
+        for c in contributions:  # in arrival order: the last one's buffers are the newest
+            if c.buffers is not None:
+                self.buffers.replace_locked(c.buffers)
             c.record.tracker.mark(c.seq)
             c.record.last_push = c.record.last_seen = now
             c.record.live = True
@@ -214,6 +223,8 @@ class ParameterServer:
             started = time.perf_counter()
             state["sparse"] = self.sparse.capture()
             self.metrics.sparse_capture_seconds.observe(time.perf_counter() - started)
+        if self.buffers:
+            state["buffers"] = self.buffers.named_locked()
         return self.version, state
 
     def restore_state(self, state: dict[str, Any]) -> None:
@@ -226,13 +237,22 @@ class ParameterServer:
                 self.sparse.restore(state.get("sparse", {}))
             for mine, saved in zip(self._masters, masters):
                 mine.copy_(saved)
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_state(self.optimizer, state["optimizer"])
             if self.schedule is not None and state.get("schedule") is not None:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
             self.workers.restore({int(k): SequenceTracker.from_state(v) for k, v in state["workers"].items()})
+            if self.buffers and "buffers" in state:  # a snapshot from before buffers were kept has none
+                self.buffers.restore_locked(state["buffers"])
             self._pull_copy_version = -1
         self.metrics.version.set(self.version)
+
+    def model_state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The version and this server's part of the model as a state_dict: parameters in the model's
+        own dtypes, then buffers (export; ``ps.export``). Copied under the lock, converted after it."""
+        with self.lock:
+            version, masters, buffers = self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
+        return version, named_state(self.layout, masters, buffers)
 
     def master_tensors(self) -> dict[str, torch.Tensor]:
         """Named copies of the current parameters (for evaluation and tests)."""
@@ -275,6 +295,7 @@ class ParameterServer:
                 version=self.version, mode=self.config.mode, optimizer=self.config.optimizer.name, paused=self.paused,
                 finishing=self.finishing, uptime_s=now - self.started, server_id=self.server_id,
                 shard_index=self.config.shard_index, shard_count=self.config.shard_count, workers=workers,
+                intra_op_threads=torch.get_num_threads(),
             )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -17,13 +18,14 @@ from torch.futures import Future
 
 from ps.admission import Admission, Refused, RejectReason, SkipNonfinite
 from ps.modes import ConsistencyMode, done, make_mode
+from ps.registration_auth import RegistrationGate
 from ps.server import ParameterServer
 from ps.snapshot_files import SnapshotInfo
 from ps.sparse_store import BadSparse, CheckedPush
 from ps.workers import WorkerRecord
 from rpcps import failpoints
-from rpcps.errors import CheckpointFailed, ServerStopping, SignatureMismatch, UnknownWorker
-from rpcps.messages import FinishReply, PullReply, PushReply, PushStatus, Registration
+from rpcps.errors import CheckpointFailed, RpcpsError, ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps.messages import FinishReply, Observation, PullReply, PushReply, PushStatus, Registration, RegistrationProof
 from rpcps.signature import ModelSignature
 from rpcps.sparse.spec import SparsePull
 from rpcps.summary import run_summary
@@ -40,8 +42,10 @@ class Durability(Protocol):
 
 
 class WorkerService:
-    def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None) -> None:
+    def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None, gate: RegistrationGate | None = None) -> None:
         self.server = server
+        self.gate = gate or RegistrationGate(None, server.metrics)
+        """Who may register (the job secret); without one, anyone who reaches the RPC port."""
         self.durability: Durability | None = None
         """Set once resume is done when the server checkpoints; None: nothing is durable."""
         self.mode = mode or make_mode(server, server.config)
@@ -56,7 +60,13 @@ class WorkerService:
     def shard_count(self) -> int:
         return self.server.config.shard_count
 
-    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
+    def challenge(self) -> str:
+        return self.gate.challenge()
+
+    def register(
+        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None = None
+    ) -> Registration:
+        self.gate.check(slot, rpc_name, proof)
         server = self.server
         diff = server.model_signature.first_difference(ModelSignature.from_wire(signature))
         if diff is not None:
@@ -77,12 +87,40 @@ class WorkerService:
         )
 
     def submit(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: Any,
+        loss: float | None = None,
+        have_version: int | None = None,
+        sparse: Any = None,
     ) -> Future:
         """Admits one push and hands it to the mode; the future gives its PushReply (or raises).
 
-        ``sparse`` is the push's sparse part (``rpcps.sparse.spec``): checked with the dense part and
-        applied in the same update, so the (slot, step) deduplication covers both."""
+        With ``have_version`` the reply carries the parameters once the push is answered (what
+        ``pull(slot, incarnation, have_version)`` gives then): one call per step instead of a push
+        and a pull, the per-call cost that dominates small models. ``sparse`` is the push's sparse
+        part (``rpcps.sparse.spec``): checked with the dense part and applied in the same update, so
+        the (slot, step) deduplication covers both.
+        """
+        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
+        if have_version is None:
+            return answered
+        return answered.then(lambda f: self._with_params(f.value(), slot, incarnation, have_version))
+
+    def _with_params(self, reply: Any, slot: int, incarnation: str, have_version: int) -> Any:
+        if not isinstance(reply, PushReply):
+            return reply  # an ErrorReply (the server is stopping)
+        try:
+            return replace(reply, pulled=self.pull(slot, incarnation, have_version))
+        except RpcpsError:  # the slot was taken over meanwhile: the push's own answer stands
+            return reply
+
+    def _submit(
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None, sparse: Any
+    ) -> Future:
         started = time.perf_counter()
         self.metrics.count_received()
         self.metrics.in_flight.inc()
@@ -90,18 +128,21 @@ class WorkerService:
             record = self._record_for_push(slot, incarnation, seq)
             if record is None:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
+            chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
                 grads = self.admission.check(slot, seq, chunks)
+                if buffers is not None and not isinstance(grads, SkipNonfinite):
+                    buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
                 checked = self._check_sparse(slot, seq, sparse)
             except Refused as e:
                 self._refused(record, seq, e)
                 raise
-            for verdict in (grads, checked):
-                if isinstance(verdict, SkipNonfinite):
-                    self._skipped(record, seq, verdict.where)
+            for skip in (grads, buffers, checked):
+                if isinstance(skip, SkipNonfinite):
+                    self._skipped(record, seq, skip.where)
                     return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
-            assert not isinstance(grads, SkipNonfinite) and not isinstance(checked, SkipNonfinite)
-            return self.mode.submit(record, seq, loss, base_version, grads, checked)
+            assert not isinstance(checked, SkipNonfinite)
+            return self.mode.submit(record, seq, loss, base_version, grads, buffers, checked)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
@@ -135,7 +176,7 @@ class WorkerService:
             if have_version == server.version or server.finishing:
                 self.metrics.pulls.labels("unchanged").inc()
                 return PullReply(server.version, None, server.paused, server.finishing)
-            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused)
+            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused, buffers=server.buffers.for_pull_locked())
         self.metrics.pulls.labels("full").inc()
         self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
@@ -153,6 +194,19 @@ class WorkerService:
             return server.sparse.pull(request, server.wire)
         except BadSparse as e:
             raise Refused(f"sparse pull from worker {slot}: {e}", RejectReason.SHAPE) from None
+
+    def observe(self, have_version: int) -> Observation:
+        """A read-only look at the newest model (the sidecar evaluator): no slot, no record, no effect."""
+        server, config = self.server, self.server.config
+        with server.lock:
+            fresh = have_version != server.version
+            chunks = server.params_for_pull_locked() if fresh else None
+            buffers = server.buffers.for_pull_locked() if fresh else None
+            version = server.version
+        return Observation(
+            version, chunks, buffers, server.model_signature.to_wire(), config.chunk_bytes,
+            shard_index=config.shard_index, shard_count=config.shard_count,
+        )
 
     def heartbeat(self, slot: int, incarnation: str) -> int:
         with self.server.lock:

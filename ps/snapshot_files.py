@@ -10,19 +10,30 @@ Why ``torch.save`` and not ``torch.distributed.checkpoint``: every server (and, 
 shard) owns a disjoint set of whole flat chunks plus its own optimizer state and writes them alone,
 with no process group to coordinate a DCP save; one file per shard plus a manifest is all that
 needs. Loading uses ``weights_only=True``, so a snapshot file can never execute code.
+
+Reading trusts nothing the directory says: a manifest may name only plain file names (no ``/``, no
+``..``), and every file is opened without following links and must be a regular file, so a
+planted manifest or link cannot make resume read another file, or hang on a device or a FIFO. A
+manifest may carry an HMAC (``sign``/``verify``, keyed by the job secret) so that a snapshot written
+by someone without the secret is told apart from this job's own.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import hmac
 import json
 import os
+import re
 import shutil
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -31,10 +42,53 @@ STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+"""A manifest is a few KB; a bigger one is not ours (and is not read into memory)."""
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+
+Signer = Callable[[dict[str, Any]], str]
+"""Computes a manifest's HMAC (``rpcps.jobsecret.JobSecret.manifest_signature``)."""
 
 
 class InvalidSnapshot(ValueError):
     """A snapshot directory that must be treated as absent (the message says why)."""
+
+
+class UnsignedSnapshot(InvalidSnapshot):
+    """A valid snapshot without a signature, read by a server that requires signed ones.
+
+    Not treated as damaged: it may well be this job's own, written before signing was turned on.
+    """
+
+
+def is_plain_name(name: object) -> bool:
+    """A file name inside the snapshot directory: no path separator, no '..', no leading dot."""
+    return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None
+
+
+@contextmanager
+def open_regular(path: Path) -> Iterator[IO[bytes]]:
+    """Opens ``path`` for reading only if it is a regular file and not a symbolic link.
+
+    Raises InvalidSnapshot otherwise (a link, a directory, a device, a FIFO: opening a FIFO without
+    O_NONBLOCK would wait for a writer forever) or when it cannot be opened.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidSnapshot(f"{path} is missing") from None
+    except OSError as e:
+        raise InvalidSnapshot(f"{path} cannot be opened as a regular file: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidSnapshot(f"{path} is not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f
 
 
 @dataclass(frozen=True)
@@ -55,12 +109,13 @@ def write_snapshot(
     state: dict[str, Any],
     meta: dict[str, Any],
     before_commit: Callable[[], None] | None = None,
+    sign: Signer | None = None,
 ) -> SnapshotInfo:
     """Writes and commits one snapshot; returns where it landed. Raises OSError on any I/O failure
     (the temporary directory is removed, committed snapshots are never touched).
 
     ``before_commit`` runs once everything is durable under the temporary name, just before the
-    rename that commits it.
+    rename that commits it. ``sign`` adds the manifest's HMAC (field ``hmac``).
     """
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist (was it removed or unmounted?)")
@@ -81,6 +136,8 @@ def write_snapshot(
             "files": {STATE_FILE: {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}},
             **meta,
         }
+        if sign is not None:
+            manifest["hmac"] = sign(manifest)
         with open(tmp / MANIFEST_FILE, "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.flush()
@@ -113,35 +170,58 @@ def write_json_durably(path: Path, data: Any) -> None:
         raise
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Returns the manifest after checking every file against it; raises InvalidSnapshot."""
+def read_manifest(path: Path, verify: Signer | None = None) -> dict[str, Any]:
+    """Returns the manifest after checking every file against it; raises InvalidSnapshot.
+
+    With ``verify``, the manifest must carry the HMAC ``verify`` computes: UnsignedSnapshot when it
+    has none, InvalidSnapshot when it does not match.
+    """
     manifest_path = path / MANIFEST_FILE
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        raise InvalidSnapshot(f"{path} has no {MANIFEST_FILE} (incomplete write)") from None
-    except (OSError, ValueError) as e:
+        with open_regular(manifest_path) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except InvalidSnapshot as e:
+        if not manifest_path.exists() and not manifest_path.is_symlink():
+            raise InvalidSnapshot(f"{path} has no {MANIFEST_FILE} (incomplete write)") from None
         raise InvalidSnapshot(f"{manifest_path} is unreadable: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    except OSError as e:
+        raise InvalidSnapshot(f"{manifest_path} is unreadable: {e}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise InvalidSnapshot(f"{manifest_path} is larger than {MAX_MANIFEST_BYTES} bytes: not an rpcps manifest")
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:
+        raise InvalidSnapshot(f"{manifest_path} is unreadable: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files", {}), dict):
         raise InvalidSnapshot(f"{manifest_path} is not an {FORMAT} manifest")
+    if verify is not None:
+        if "hmac" not in manifest:
+            raise UnsignedSnapshot(f"{manifest_path} is not signed")
+        if not isinstance(manifest["hmac"], str) or not hmac.compare_digest(verify(manifest), manifest["hmac"]):
+            raise InvalidSnapshot(f"{manifest_path} is not signed with this job's secret (written elsewhere, or altered)")
     for name, expected in manifest.get("files", {}).items():
+        if not is_plain_name(name) or not isinstance(expected, dict):
+            raise InvalidSnapshot(f"{manifest_path} names {name!r}, which is not a plain file name in the snapshot")
         file = path / name
-        try:
-            size = file.stat().st_size
-        except OSError:
-            raise InvalidSnapshot(f"{file} is missing") from None
-        if size != expected["size"]:
-            raise InvalidSnapshot(f"{file} is {size} bytes, manifest says {expected['size']} (truncated?)")
-        if _sha256(file) != expected["sha256"]:
-            raise InvalidSnapshot(f"{file} fails its SHA-256 checksum (corrupted)")
+        with open_regular(file) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != expected.get("size"):
+                raise InvalidSnapshot(f"{file} is {size} bytes, manifest says {expected.get('size')} (truncated?)")
+            if _sha256(f) != expected.get("sha256"):
+                raise InvalidSnapshot(f"{file} fails its SHA-256 checksum (corrupted)")
     return manifest
 
 
-def load_snapshot(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_snapshot(path: Path, verify: Signer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(manifest, state) of a verified snapshot; never executes code from the file."""
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, verify)
+    if STATE_FILE not in manifest.get("files", {}):
+        raise InvalidSnapshot(f"{path / MANIFEST_FILE} does not list {STATE_FILE}")
     try:
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        with open_regular(path / STATE_FILE) as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except InvalidSnapshot:
+        raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
         raise InvalidSnapshot(f"{path / STATE_FILE} cannot be loaded: {e}") from None
     return manifest, state
@@ -164,11 +244,13 @@ def leftover_tmp_dirs(directory: Path) -> list[Path]:
     return [p for p in directory.iterdir() if p.name.startswith(TMP_PREFIX)]
 
 
-def _sha256(path: Path) -> str:
+def _sha256(source: Path | IO[bytes]) -> str:
+    if isinstance(source, Path):
+        with open(source, "rb") as f:
+            return _sha256(f)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
+    while block := source.read(1 << 22):
+        h.update(block)
     return h.hexdigest()
 
 

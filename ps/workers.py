@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ps.dedup import SequenceTracker
-from rpcps.errors import UnknownWorker
+from rpcps.errors import UnknownWorker, WorkerRemoved
 
 
 @dataclass
@@ -73,6 +73,10 @@ class WorkerTable:
             raise UnknownWorker(
                 f"worker slot {slot} was taken over by a newer registration ({record.rpc_name}); this process must stop"
             )
+        if record.left:
+            # Reaped after not answering for its lease (e.g. a cut link that healed), or it left: what
+            # it sends now must not count, or the server would apply the steps of a worker it no longer tracks.
+            raise WorkerRemoved(f"worker slot {slot} ({record.rpc_name}) was removed from this server; register again to go on")
         return record
 
     def live(self) -> list[WorkerRecord]:

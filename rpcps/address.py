@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for names and addresses that only this machine can reach (127.0.0.0/8, ::1, localhost).
+
+    Any other name counts as reachable from the network, even one that happens to resolve to loopback.
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -34,4 +48,4 @@ class Address:
 
     @property
     def is_loopback(self) -> bool:
-        return self.host in ("localhost", "::1") or self.host.startswith("127.")
+        return is_loopback_host(self.host)

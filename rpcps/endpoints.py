@@ -3,7 +3,11 @@
 A server process publishes the object that implements ``WorkerApi`` with ``publish``; workers fetch
 a reference to it with ``server_ref`` and pass that reference to every other call here, which runs
 on the server and forwards to the published object. Nothing is looked up by a name the peer sends:
-a reference that is not the published one is refused. Everything else a server can do (pause,
+a reference that is not the published one is refused. The reference is a random token (``ServerRef``)
+rather than a torch RRef: passing an RRef to its owner makes the owner send an extra acknowledgement
+message back on every call (RRef fork protocol), which cost a third of a small push's round trip
+(docs/BENCHMARKS.md), and RRef ids are a counter a peer could guess. ``observe`` is the one read-only call: it
+needs no worker slot (the sidecar evaluator reads the model with it). Everything else a server can do (pause,
 resume, finish, stop, snapshot, restore) is reachable only through the authenticated control plane.
 
 Errors rpcps raises on purpose come back as ``ErrorReply`` values (torch RPC would lose their
@@ -13,6 +17,8 @@ here that may be called remotely (the transport's unpickler allows exactly these
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from typing import Any, Protocol
 
 import torch
@@ -20,8 +26,11 @@ from torch.futures import Future
 
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
+from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration, RegistrationProof
 from rpcps.sparse.spec import SparsePull, SparsePush
+
+ServerRef = str
+"""What ``server_ref`` hands out and every other call carries: this server incarnation's token."""
 
 Chunks = list[Any]
 """Gradient chunks as sent: dense tensors, or (indices, values) pairs of sparse ones."""
@@ -37,10 +46,22 @@ class WorkerApi(Protocol):
 
     def shard_count(self) -> int: ...
 
-    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration: ...
+    def challenge(self) -> str: ...
+
+    def register(
+        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None
+    ) -> Registration: ...
 
     def submit(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None, sparse: SparsePush | None
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: Chunks,
+        loss: float | None,
+        have_version: int | None,
+        sparse: SparsePush | None,
     ) -> Future: ...
 
     def push_named(
@@ -57,14 +78,16 @@ class WorkerApi(Protocol):
 
     def leave(self, slot: int, incarnation: str) -> None: ...
 
+    def observe(self, have_version: int) -> Observation: ...
 
-_published: transport.Ref | None = None
+
+_published: tuple[WorkerApi, ServerRef] | None = None
 
 
 def publish(api: WorkerApi) -> None:
-    """Makes ``api`` the object this process's endpoints serve."""
+    """Makes ``api`` the object this process's endpoints serve, under a fresh token."""
     global _published
-    _published = transport.make_ref(api)
+    _published = (api, secrets.token_hex(16))
 
 
 def withdraw() -> None:
@@ -73,11 +96,13 @@ def withdraw() -> None:
 
 
 def _api(ref: Any) -> WorkerApi:
-    if _published is None:
+    published = _published
+    if published is None:
         raise ServerStarting("the parameter server is still starting (no model loaded yet); retry shortly")
-    if not transport.is_local(ref) or ref.local_value() is not _published.local_value():
+    api, token = published
+    if not isinstance(ref, str) or not hmac.compare_digest(ref, token):
         raise UnknownWorker("the call named a server object this process does not serve; fetch it with server_ref")
-    return ref.local_value()
+    return api
 
 
 def _reply(run: Any) -> Any:
@@ -98,35 +123,49 @@ def _public_name(error: RpcpsError) -> str:
 # ---- the functions peers call ------------------------------------------------------------------
 
 
-def server_ref() -> transport.Ref | ErrorReply:
-    if _published is None:
+def server_ref() -> ServerRef | ErrorReply:
+    published = _published
+    if published is None:
         return ErrorReply("ServerStarting", "the parameter server is still starting (no model loaded yet); retry shortly")
-    return _published
+    return published[1]
 
 
-def shard_count(ref: transport.Ref) -> int | ErrorReply:
+def shard_count(ref: ServerRef) -> int | ErrorReply:
     return _reply(lambda: _api(ref).shard_count())
 
 
-def register(ref: transport.Ref, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Any:
-    return _reply(lambda: _api(ref).register(slot, rpc_name, signature))
+def challenge(ref: ServerRef) -> str | ErrorReply:
+    """A fresh single-use challenge; a worker answers it in ``register`` to prove it holds the job secret."""
+    return _reply(lambda: _api(ref).challenge())
+
+
+def register(
+    ref: ServerRef,
+    slot: int,
+    rpc_name: str,
+    signature: list[tuple[str, list[int], str]],
+    proof: RegistrationProof | None = None,
+) -> Any:
+    return _reply(lambda: _api(ref).register(slot, rpc_name, signature, proof))
 
 
 @transport.async_endpoint
 def submit(
-    ref: transport.Ref,
+    ref: ServerRef,
     slot: int,
     incarnation: str,
     seq: int,
     base_version: int,
     chunks: Chunks,
     loss: float | None,
+    have_version: int | None = None,
     sparse: SparsePush | None = None,
 ) -> Future:
-    """A push (dense chunks, and the sparse tables' rows of this shard when the model has any); its
-    future completes at once, or in 'sync' mode when the round closes."""
+    """A push (dense chunks, and this shard's sparse table rows when the model has any); its future
+    completes at once, or in 'sync' mode when the round closes. With ``have_version`` the reply also
+    carries the parameters, as a pull from that version would."""
     try:
-        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
+        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, have_version, sparse)
     except RpcpsError as e:
         future: Future = Future()
         future.set_result(ErrorReply(_public_name(e), str(e)))
@@ -134,31 +173,37 @@ def submit(
 
 
 def push_named(
-    ref: transport.Ref, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
+    ref: ServerRef, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
 ) -> Any:
     return _reply(lambda: _api(ref).push_named(slot, incarnation, seq, base_version, grads, loss))
 
 
-def pull(ref: transport.Ref, slot: int, incarnation: str, have_version: int) -> Any:
+def pull(ref: ServerRef, slot: int, incarnation: str, have_version: int) -> Any:
     return _reply(lambda: _api(ref).pull(slot, incarnation, have_version))
 
 
-def pull_rows(ref: transport.Ref, slot: int, incarnation: str, request: SparsePull) -> Any:
+def pull_rows(ref: ServerRef, slot: int, incarnation: str, request: SparsePull) -> Any:
     """Rows of sparse tables for ``{table name: unique ids}`` (ids of this shard's buckets only)."""
     return _reply(lambda: _api(ref).pull_rows(slot, incarnation, request))
 
 
-def heartbeat(ref: transport.Ref, slot: int, incarnation: str) -> Any:
+def heartbeat(ref: ServerRef, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).heartbeat(slot, incarnation))
 
 
-def finish(ref: transport.Ref, slot: int, incarnation: str, steps: int) -> Any:
+def finish(ref: ServerRef, slot: int, incarnation: str, steps: int) -> Any:
     """The worker is done with ``steps`` steps; returns once they are durable (or cannot be)."""
     return _reply(lambda: _api(ref).finish(slot, incarnation, steps))
 
 
-def leave(ref: transport.Ref, slot: int, incarnation: str) -> Any:
+def leave(ref: ServerRef, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-ENDPOINTS = (server_ref, shard_count, register, submit, push_named, pull, pull_rows, heartbeat, finish, leave)
+def observe(ref: ServerRef, have_version: int) -> Any:
+    """Read-only: the newest parameters and buffers (None when ``have_version`` is current), for an
+    observer that holds no worker slot and changes nothing (the sidecar evaluator)."""
+    return _reply(lambda: _api(ref).observe(have_version))
+
+
+ENDPOINTS = (server_ref, shard_count, challenge, register, submit, push_named, pull, pull_rows, heartbeat, finish, leave, observe)

@@ -24,6 +24,11 @@ class UnknownWorker(RpcpsError, LookupError):
     """A call named a worker slot that has not registered, or an incarnation that was replaced."""
 
 
+class WorkerRemoved(UnknownWorker):
+    """The server removed this worker's registration (it stopped answering, or it left): register
+    again to go on. Unlike a slot taken over by a newer registration, the slot is still this worker's."""
+
+
 class ServerStopping(RpcpsError):
     """The server is shutting down and takes no more pushes."""
 
@@ -36,7 +41,13 @@ class CheckpointFailed(RpcpsError):
     """The server could not commit a checkpoint (full disk, I/O error); nothing committed was lost."""
 
 
+class RegistrationRefused(RpcpsError, PermissionError):
+    """The server requires the job secret and the registration did not prove it (docs/SECURITY.md)."""
+
+
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
     cls.__name__: cls
-    for cls in (PushRejected, SignatureMismatch, UnknownWorker, ServerStopping, ServerStarting, CheckpointFailed)
+    for cls in (
+        PushRejected, SignatureMismatch, UnknownWorker, WorkerRemoved, ServerStopping, ServerStarting, CheckpointFailed, RegistrationRefused,
+    )
 }

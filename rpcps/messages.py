@@ -1,4 +1,8 @@
-"""The small records exchanged between workers and the server (tensors travel beside them)."""
+"""The small records exchanged between workers and the server (tensors travel beside them).
+
+Every record and enum defined here may cross the wire, and nothing else may (``rpcps.rpc_policy``
+builds the transport's allow-list from this module): a new reply type belongs here.
+"""
 
 from __future__ import annotations
 
@@ -52,10 +56,23 @@ class Registration:
 
 
 @dataclass(frozen=True)
+class RegistrationProof:
+    """A worker's answer to the server's challenge: it holds the job secret (``rpcps.jobsecret``)."""
+
+    challenge: str
+    """What the server's ``challenge`` endpoint returned (single use)."""
+    mac: str
+    """``JobSecret.registration_proof(challenge, slot, rpc_name)``."""
+
+
+@dataclass(frozen=True)
 class PushReply:
     status: PushStatus
     version: int
     staleness: int
+    pulled: PullReply | None = None
+    """The server's parameters after this push, when the push asked for them (``have_version``):
+    what a pull at that moment would have answered, so a worker needs no pull call of its own."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,24 @@ class PullReply:
     paused: bool = False
     stop: bool = False
     """The server is shutting down for good: finish in-flight pushes, leave and exit cleanly."""
+    buffers: list[torch.Tensor] | None = None
+    """The model's buffers in signature order and their own dtypes, with every full pull from the
+    shard that holds them (shard 0); None for a model without buffers."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an observer (the sidecar evaluator) reads: the newest parameters and buffers, without a slot."""
+
+    version: int
+    chunks: list[torch.Tensor] | None
+    """None when the observer already holds ``version``."""
+    buffers: list[torch.Tensor] | None
+    model_signature: list[tuple[str, list[int], str] | tuple[str, list[int], str, str]]
+    """The whole model's signature (wire form): the observer checks its own model against it."""
+    chunk_bytes: int
+    shard_index: int = 0
+    shard_count: int = 1
 
 
 @dataclass(frozen=True)

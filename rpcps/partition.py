@@ -5,7 +5,8 @@ holding the fewest bytes so far (ties: the lowest shard index), parameters of eq
 order. The result depends only on the model signature and the shard count, so every process
 computes the same partition on its own; it is recorded in every snapshot and checked at resume.
 Tensors are never split: one tensor larger than a fair share leaves that shard heavier (say so in
-the log and docs rather than split optimizer state across processes).
+the log and docs rather than split optimizer state across processes). Buffers are not partitioned:
+shard 0 holds them all (they are small, and one shard keeps them in one order of updates).
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ def partition(signature: ModelSignature, shards: int) -> list[list[int]]:
 def shard_signature(signature: ModelSignature, shards: int, index: int) -> ModelSignature:
     if not 0 <= index < shards:
         raise ValueError(f"shard index must be in [0, {shards}), got {index}")
-    return ModelSignature(tuple(signature.params[i] for i in partition(signature, shards)[index]))
+    params = tuple(signature.params[i] for i in partition(signature, shards)[index])
+    return ModelSignature(params, signature.buffers if index == 0 else ())
 
 
 def partition_digest(signature: ModelSignature, shards: int) -> str:
-    h = hashlib.sha256(f"{signature.digest()}|{shards}|{partition(signature, shards)}".encode())
+    # Of the parameters only: the partition does not depend on buffers, and snapshots written before
+    # buffers were part of a signature must still match.
+    params_only = ModelSignature(signature.params)
+    h = hashlib.sha256(f"{params_only.digest()}|{shards}|{partition(signature, shards)}".encode())
     return h.hexdigest()[:16]
 
 

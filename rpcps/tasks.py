@@ -3,6 +3,8 @@
 ``teacher_student``: a fixed random "teacher" network labels Gaussian inputs; a student MLP learns to
 imitate it. Batches are generated from (worker, batch index) seeds, so every worker reads its own
 shard, a restarted worker can seek straight to its recorded position, and runs are reproducible.
+``teacher_student_held_out`` is its held-out set (for ``rpcps evaluate --eval-data``): batches from
+seeds no worker reads.
 
 ``mlp_5m`` / ``mlp_25m``: wide MLPs for throughput benchmarks (each weight <= 16 MB so one weight is
 one wire chunk).
@@ -64,6 +66,17 @@ class TeacherStudentData:
 
 def teacher_student_data(worker_index: int, num_workers: int) -> TeacherStudentData:
     return TeacherStudentData(worker_index, num_workers)
+
+
+HELD_OUT_BATCHES = 8
+
+
+def teacher_student_held_out() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out batches of the teacher-student task: a stream of a slot no run has (batches are seeded by
+    slot and index, and slots stop at --max-workers, at most 32000)."""
+    stream = TeacherStudentData(0, 1)
+    stream.worker_index = 1_000_000
+    return [stream.batch(i) for i in range(HELD_OUT_BATCHES)]
 
 
 def _wide_mlp(width: int, depth: int) -> nn.Module:

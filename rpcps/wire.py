@@ -37,6 +37,11 @@ def check_chunk(chunk: object, numel: int, dtype: torch.dtype) -> str | None:
             return f"has sparse indices of dtype {indices.dtype} and shape {list(indices.shape)}, expected 1-D int64"
         if values.dtype != dtype or values.shape != indices.shape:
             return f"has sparse values of dtype {values.dtype} and shape {list(values.shape)}, expected {dtype} like the indices"
+        # More entries than the chunk has elements can only repeat indices: refused, so a sparse
+        # chunk never costs more than a dense one. Repeats below that are summed like any gradient
+        # (index_put_ accumulates), which is why they are not checked for (a sort per chunk).
+        if indices.numel() > numel:
+            return f"has {indices.numel()} sparse entries, more than the chunk's {numel} elements"
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
             return f"has sparse indices outside [0, {numel})"
         return None

@@ -7,7 +7,7 @@ Two checks, both of which must pass:
    that: the expressions go into a temporary rules file, one recording rule each, and
    ``promtool check rules`` parses them with Prometheus's own parser.
 2. Every metric an expression selects is one rpcps defines (ps/metrics.py, worker/metrics.py,
-   rpcps/metrics_http.py, read from the live registries, not from a list kept by hand) or one
+   evaluator/metrics.py, rpcps/metrics_http.py, read from the live registries, not from a list kept by hand) or one
    Prometheus adds to every target (``up``, ``scrape_*``), and every label matcher names a label
    that metric has or a target label. A renamed metric otherwise leaves a panel silently empty.
 
@@ -171,10 +171,11 @@ def _matchers(expr: str, i: int) -> tuple[tuple[str, ...], int]:
 
 
 def rpcps_families() -> list[Metric]:
-    """Every metric family rpcps's processes expose, from the real registries (server, then worker)."""
+    """Every metric family rpcps's processes expose, from the real registries (server, worker, evaluator)."""
     sys.path.insert(0, str(REPO))  # tools/ runs from a checkout, not an installed package
     from prometheus_client import CollectorRegistry
 
+    from evaluator.metrics import EvaluatorMetrics
     from ps.metrics import ServerMetrics
     from rpcps.metrics_http import build_info
     from worker.metrics import WorkerMetrics
@@ -185,7 +186,10 @@ def rpcps_families() -> list[Metric]:
     build_info(server.registry, "ps", {})
     worker = WorkerMetrics(CollectorRegistry())
     build_info(worker.registry, "worker", {})
-    return [*server.registry.collect(), *worker.registry.collect()]
+    evaluator = EvaluatorMetrics(CollectorRegistry())
+    evaluator.metric.labels("loss").set(0)  # a labelled gauge shows its labels once it has a child
+    build_info(evaluator.registry, "evaluator", {})
+    return [*server.registry.collect(), *worker.registry.collect(), *evaluator.registry.collect()]
 
 
 def exposed_name(family: Metric) -> str:

@@ -60,6 +60,41 @@ def env_map(service: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
+def setting(args: Iterable[str], env: dict[str, Any], flag_name: str, default: str | None = None) -> str | None:
+    """An rpcps setting as the process resolves it: flag, then RPCPS_<NAME>, then the default."""
+    value = flag(args, flag_name)
+    if value is None:
+        value = env.get("RPCPS_" + flag_name.lstrip("-").replace("-", "_").upper())
+    return default if value is None else str(value)
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def exposure_problems(where: str, role: str, args: list[str], env: dict[str, Any]) -> list[str]:
+    """What rpcps itself would refuse at start (ps/exposure.py), caught before anyone deploys it.
+
+    The server's RPC ports off loopback need --trust-network on and a job secret; every worker of
+    such a server needs the secret too (it cannot register without it); a control plane off
+    loopback needs a token.
+    """
+    problems = []
+    if role == "ps":
+        listen = setting(args, env, "--listen", "127.0.0.1:29500") or ""
+        if not _loopback(listen.rsplit(":", 1)[0]):
+            if setting(args, env, "--trust-network", "off") not in ("on", "true", "yes", "1"):
+                problems.append(f"{where}: --listen {listen} is not loopback, so rpcps needs --trust-network on (docs/SECURITY.md)")
+            if setting(args, env, "--job-secret-file") is None:
+                problems.append(f"{where}: --listen {listen} is not loopback, so rpcps needs --job-secret-file")
+        control = setting(args, env, "--control-addr", "127.0.0.1") or ""
+        if not _loopback(control) and setting(args, env, "--control-token-file") is None:
+            problems.append(f"{where}: --control-addr {control} is not loopback, so rpcps needs --control-token-file")
+    elif setting(args, env, "--job-secret-file") is None:
+        problems.append(f"{where}: a worker without --job-secret-file cannot register with a server off loopback")
+    return problems
+
+
 def default_expanded(text: str) -> str:
     """Compose interpolation with defaults only: ${VAR:-default} -> default, ${VAR} -> ''."""
     return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", text)
@@ -114,6 +149,9 @@ def check_compose(path: Path) -> list[str]:
         metrics_port[name] = int(flag(command, "--metrics-port") or env.get("RPCPS_METRICS_PORT", WORKER_METRICS_DEFAULT))
     if sorted(slots) != list(range(len(workers))):
         problems.append(f"compose: worker slots {sorted(slots)} are not 0..{len(workers) - 1}, each once")
+    for name in [servers[0], *workers]:
+        command = [default_expanded(str(c)) for c in services[name]["command"]]
+        problems += exposure_problems(f"compose: service {name}", command[0], command, env_map(services[name]))
 
     prometheus = next((s for s in services.values() if "prom/prometheus" in str(s.get("image", ""))), None)
     if prometheus is None:
@@ -244,7 +282,10 @@ def check_k8s(docs: list[dict[str, Any]]) -> list[str]:
             scrape_port = int(annotations.get("prometheus.io/port", -1))
             if annotations.get("prometheus.io/scrape") == "true" and scrape_port != ports.get("metrics"):
                 problems.append(f"k8s: {workload} prometheus.io/port {scrape_port} is not its metrics port {ports.get('metrics')}")
-            problems += _check_token_mount(workload, c, template)
+            problems += _check_secret_mounts(workload, c, template)
+            args = [str(a) for a in c.get("args", [])]
+            if args and args[0] in ("ps", "worker"):
+                problems += exposure_problems(f"k8s: {workload}", args[0], args, env_list(c))
         if spec["kind"] == "Job":
             problems += _check_worker_job(spec, template, services, pods)
         if spec["kind"] == "StatefulSet":
@@ -257,15 +298,16 @@ def check_k8s(docs: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-def _check_token_mount(workload: str, container: dict[str, Any], template: dict[str, Any]) -> list[str]:
-    token = flag(container.get("args", []), "--control-token-file") or env_list(container).get("RPCPS_CONTROL_TOKEN_FILE")
-    if token is None:
-        return []
+def _check_secret_mounts(workload: str, container: dict[str, Any], template: dict[str, Any]) -> list[str]:
+    """The control token and the job secret are read from files that a Secret volume provides."""
+    problems = []
     secrets = {v["name"] for v in template["spec"].get("volumes", []) if "secret" in v}
-    for mount in container.get("volumeMounts", []):
-        if mount["name"] in secrets and str(token).startswith(mount["mountPath"].rstrip("/") + "/"):
-            return []
-    return [f"k8s: {workload} reads its control token from {token}, which no Secret volume is mounted over"]
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts", []) if m["name"] in secrets]
+    for what, name in (("control token", "--control-token-file"), ("job secret", "--job-secret-file")):
+        path = setting(container.get("args", []), env_list(container), name)
+        if path is not None and not any(str(path).startswith(m) for m in mounts):
+            problems.append(f"k8s: {workload} reads its {what} from {path}, which no Secret volume is mounted over")
+    return problems
 
 
 def _check_worker_job(job: dict[str, Any], template: dict[str, Any], services: dict[str, Any], pods: list) -> list[str]:

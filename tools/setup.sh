@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Sets up rpcps in ./.venv on a fresh machine (Python 3.11+). With --test, also what the tests need:
-# the test extras and Debian packages (needs root or sudo). CI fails when a test that needs one of
-# them skips (tests/must_run.txt), so whatever a listed test needs is installed here.
+# Sets up rpcps in ./.venv on a fresh machine (Python 3.11+), with the examples' extra (scikit-learn,
+# whose bundled digits the digits example trains on) and safetensors (`rpcps export --out X.safetensors`).
+# With --test, also what the tests need: the test extras and Debian packages (needs root or sudo). CI
+# fails when a test that needs one of them skips (tests/must_run.txt), so whatever a listed test needs
+# is installed here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -12,7 +14,7 @@ python=${PYTHON:-python3}
 # build; pyproject.toml keeps a version range so a newer torch still satisfies it.
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==${RPCPS_TORCH_VERSION:-2.13.0}"
 if [ "${1:-}" = "--test" ]; then
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -e '.[examples,safetensors,test]'
   # prometheus: prometheus + promtool; iproute2: `ip netns` for the multi-host test and `ss`;
   # systemd: systemd-analyze for deploy/validate.sh; openssl: the TLS tests' certificates.
   if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v shellcheck >/dev/null \
@@ -24,6 +26,6 @@ if [ "${1:-}" = "--test" ]; then
       systemd openssl
   fi
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e '.[examples,safetensors]'
 fi
 echo "rpcps is set up in $(pwd)/.venv"

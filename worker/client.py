@@ -15,7 +15,8 @@ import torch
 
 from rpcps import endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration
+from rpcps.jobsecret import JobSecret
+from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof
 from rpcps.sparse.spec import SparsePull, SparsePush
 
 
@@ -34,11 +35,12 @@ def result(pending: transport.Pending) -> Any:
 class ServerClient:
     """Calls on one server shard (``ps<shard>``)."""
 
-    def __init__(self, timeout_s: float, shard: int = 0, wait_s: float = 0.0) -> None:
+    def __init__(self, timeout_s: float, shard: int = 0, wait_s: float = 0.0, secret: JobSecret | None = None) -> None:
         """Fetches the shard's reference; waits up to ``wait_s`` for a shard that has not joined or
-        loaded its model yet."""
+        loaded its model yet. ``secret`` proves this worker belongs to the job when it registers."""
         self.timeout_s = timeout_s
         self.shard = shard
+        self._secret = secret
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -48,7 +50,7 @@ class ServerClient:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        self._owner = transport.owner(self._ref)
+        self._owner = endpoints.server_name(shard)
 
     def _call(self, fn: Any, *args: Any, timeout: float | None = None) -> transport.Pending:
         return transport.call_async(self._owner, fn, (self._ref, *args), timeout or self.timeout_s)
@@ -58,7 +60,12 @@ class ServerClient:
         return int(result(self._call(endpoints.shard_count)))
 
     def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
-        return result(self._call(endpoints.register, slot, rpc_name, signature))
+        """Takes ``slot``; with a job secret, answers a fresh challenge of the server's to prove it."""
+        proof = None
+        if self._secret is not None:
+            challenge = str(result(self._call(endpoints.challenge)))
+            proof = RegistrationProof(challenge, self._secret.registration_proof(challenge, slot, rpc_name))
+        return result(self._call(endpoints.register, slot, rpc_name, signature, proof))
 
     def push(
         self,
@@ -68,14 +75,16 @@ class ServerClient:
         base_version: int,
         chunks: list[Any],
         loss: float | None,
+        have_version: int | None = None,
         sparse: SparsePush | None = None,
     ) -> transport.Pending:
         """Starts a push (with this shard's sparse rows, if any); ``result(pending)`` gives a PushReply.
         In 'sync' mode the reply waits for the round, which closes within the server's round timeout
-        (below the RPC timeout)."""
+        (below the RPC timeout). With ``have_version`` the reply brings the parameters too
+        (``PushReply.pulled``)."""
         if sparse is None:  # the dense-only call stays exactly what it was
-            return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss)
-        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, sparse)
+            return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version)
+        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version, sparse)
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
@@ -100,6 +109,10 @@ class ServerClient:
         """Returns once the server committed a checkpoint holding the slot's ``steps`` (a disk write:
         it may take a while, hence the full RPC timeout)."""
         return result(self._call(endpoints.finish, slot, incarnation, steps))
+
+    def observe(self, have_version: int) -> transport.Pending:
+        """Starts a read-only look at the newest model (no slot needed); ``result`` gives an Observation."""
+        return self._call(endpoints.observe, have_version)
 
     def leave(self, slot: int, incarnation: str) -> None:
         result(self._call(endpoints.leave, slot, incarnation, timeout=min(self.timeout_s, 10.0)))

@@ -44,7 +44,9 @@ class WorkerConfig:
     topk_ratio: float | None = setting(
         None, help="send only this share of each gradient chunk (largest first), with error feedback", metavar="R"
     )
-    prefetch_pull: bool = setting(True, help="async mode: fetch the next step's parameters while this step computes")
+    prefetch_pull: bool = setting(
+        True, help="parameters come back with the push replies (no pull call per step); off: every refresh pulls and waits"
+    )
     pause_poll_s: float = 0.5
     """How often a paused worker asks whether training resumed."""
 

@@ -13,13 +13,15 @@ import logging
 import os
 import signal
 
-from rpcps import endpoints, plugins, transport
-from rpcps.errors import ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps import endpoints, memory, plugins, rpc_policy, threads, transport
+from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
+from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
 from worker.client import ServerClient
 from worker.config import DEFAULT_METRICS_PORT, WorkerRunConfig
+from worker.device import pick_device
 from worker.metrics import WorkerMetrics
 from worker.trainer import NotDurable, ServerBehind, TooManyRejects, Trainer, WorkerStats
 
@@ -37,9 +39,12 @@ EXIT_NOT_DURABLE = 6
 
 
 def run_worker(config: WorkerRunConfig) -> int:
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
     metrics = WorkerMetrics()
     metrics.reconnects.set(reconnects)
+    gpu = pick_device(config.worker.device).type == "cuda"
+    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads, gpu=gpu)))
     build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
     http = _serve_metrics(metrics, config)
     stats = WorkerStats.from_carry(os.environ.get(STATS_ENV))
@@ -57,6 +62,10 @@ def run_worker(config: WorkerRunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
+    options = config.transport
+    secret = JobSecret.from_file(options.job_secret_file) if options.job_secret_file else None
+    # The size limit follows the model, which is loaded after joining (see below).
+    rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused))
     name: str | None = None
     try:
         assert config.ps is not None  # WorkerRunConfig requires it
@@ -66,12 +75,13 @@ def run_worker(config: WorkerRunConfig) -> int:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.
             raise transport.PeerUnreachable(str(e)) from e
-        options = config.transport
-        first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s)
+        first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s, secret=secret)
         clients = [first] + [
-            ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s) for k in range(1, first.shard_count())
+            ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s, secret=secret)
+            for k in range(1, first.shard_count())
         ]
         trainer = Trainer(config.worker, clients, name, metrics, stats)
+        transport.set_max_message_bytes(rpc_policy.message_limit(trainer.signature.numel, options.max_message_mb))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
         summary = trainer.run()
@@ -87,7 +97,8 @@ def run_worker(config: WorkerRunConfig) -> int:
         write_summary(config.process.summary_json, summary)
         logger.info("done: %d steps, final loss %s", summary["steps"], summary["final_loss"])
         return EXIT_OK
-    except (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind) as e:
+    # WorkerRemoved: the server dropped this slot's registration (silent past its lease): rejoin as for a lost server.
+    except (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind, WorkerRemoved) as e:
         if stopping:
             logger.info("stopped by signal while the server went away (%s)", e)
             return EXIT_OK
@@ -98,7 +109,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
         restart_self({RECONNECTS_ENV: str(reconnects + 1), STATS_ENV: stats.to_carry()})
-    except (SignatureMismatch, UnknownWorker) as e:
+    except (SignatureMismatch, UnknownWorker, RegistrationRefused) as e:
         logger.error("%s", e)
         return EXIT_REFUSED
     except TooManyRejects as e:
@@ -109,7 +120,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         return EXIT_NOT_DURABLE
     finally:
         if name is not None:
-            transport.leave(name, endpoints.server_name(0))  # bounded: fails fast (or in 5 s) when the server is gone
+            transport.leave(name, endpoints.server_name(0), secret)  # bounded: fails fast (or in 5 s) when the server is gone
         transport.shutdown()
     raise AssertionError("unreachable")
 

@@ -4,6 +4,13 @@ Pushes are fire-and-forget within a bounded window: step t+1 computes while step
 the wire. A window slot (and its gradient buffers) is reused only after its reply arrives, so a
 buffer is never overwritten while TensorPipe may still be reading it.
 
+Parameters come back with the push replies (``--prefetch-pull on``, the default): a push asks for
+them when a refresh is due within the window, and the next refresh loads the newest that arrived, so
+a step costs one call, not a push and a pull. Step t computes on parameters at least as fresh as
+the reply to push t - window brings (with the default window of 2, what a pull issued when step t - 1
+started would have answered), so the newest push stays on the wire while step t computes. Only when
+no such reply came (the first step, a paused server, a refused push) does a refresh pull on its own.
+
 With several server shards each step sends one push per shard (its own parameters' gradients), in
 parallel, and pulls from every shard. A push a shard refuses as too stale ('bounded' and 'sync'
 modes) is recomputed on that shard's fresh parameters from the same batch, with the same step
@@ -27,12 +34,13 @@ import torch
 
 from rpcps import plugins, transport
 from rpcps.errors import CheckpointFailed, PushRejected
-from rpcps.messages import FinishReply, Mode, PushReply, PushStatus, Registration
+from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.summary import run_summary
 from rpcps.sparse.spec import SparsePush, declared_tables
 from rpcps.wire import TopK, wire_dtype
+from worker.buffers import ModelBuffers
 from worker.client import ServerClient, result
 from worker.config import WorkerConfig
 from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
@@ -92,8 +100,13 @@ class ShardLink:
     free: list[list[torch.Tensor]]
     topk: TopK | None = None
     version: int = -1
-    prefetch: Any = None
-    """A pull issued ahead of time (see WorkerConfig.prefetch_pull)."""
+    pending: PullReply | None = None
+    """The newest parameters a push reply brought that are not loaded yet."""
+    fresh_as_of: int = -1
+    """The newest parameters received (loaded or pending) are the server's as of this step: the
+    reply to push t brings them as of step t + 1, a pull made for step t as of step t."""
+    last_reply: float = 0.0
+    """time.monotonic() of the latest push reply (the server saw us then: no heartbeat needed)."""
 
 
 @dataclass
@@ -159,6 +172,7 @@ class Trainer:
         self.model = plugins.load_model(config.model).to(self.device)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = plugins.load_loss(config.loss)
         self.signature = ModelSignature.of_module(self.model)
+        self.model_buffers = ModelBuffers(self.model, self.signature)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
         registrations = [c.register(config.worker_index, rpc_name, self.signature.to_wire()) for c in clients]
@@ -195,7 +209,8 @@ class Trainer:
         # shards that already have a step answer 'duplicate'.
         self.step = min(r.next_step for r in registrations)
         self.pull_every = 1 if self.mode == Mode.SYNC else config.pull_every
-        self.prefetch = config.prefetch_pull and self.mode == Mode.ASYNC
+        self.window = window
+        self.pull_with_push = config.prefetch_pull
         self.stats = stats or WorkerStats()
         self._in_flight: deque[_InFlight] = deque()
         self._redo: deque[_InFlight] = deque()
@@ -225,7 +240,7 @@ class Trainer:
                 comm = 0.0
                 if self._redo:
                     item = self._redo.popleft()
-                    comm += self._refresh([self.shards[item.shard]])
+                    comm += self._refresh([self.shards[item.shard]], None)
                     comm += self._compute_and_send(item.seq, item.batch, [self.shards[item.shard]], count=False)
                     self.metrics.step_seconds.observe(time.perf_counter() - step_started)
                     continue
@@ -235,13 +250,11 @@ class Trainer:
                     self._complete_oldest()
                     continue
                 if first or self.step % self.pull_every == 0:
-                    comm += self._refresh(self.shards)
+                    # Pushed parameters may lag by the window (the newest push is still on the wire).
+                    comm += self._refresh(self.shards, self.step - self.window + 1 if self.pull_with_push else self.step)
                     first = False
                     if self._stop.is_set():
                         break
-                if self.prefetch and (self.step + 1) % self.pull_every == 0:
-                    for link in self.shards:  # lands while this step computes
-                        link.prefetch = link.client.pull(self.slot, link.registration.incarnation, link.version)
                 inputs, targets = next(batches)
                 batch = (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
                 comm += self._compute_and_send(self.step, batch, self.shards, count=True, started=step_started, blocked_before=comm)
@@ -322,8 +335,10 @@ class Trainer:
             link.stager.stage(buffers)
             link.stager.wait()
             payload = link.topk.compress(buffers) if link.topk is not None else buffers
+            if link.index == 0 and self.model_buffers:  # shard 0 holds the model's buffers
+                payload = [*payload, *self.model_buffers.for_push()]
             part = None if sparse is None else sparse[link.index]
-            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload, part))
+            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload, sparse=part))
         if self.mode == Mode.SYNC:
             comm += self._drain_timed()
         if count and started is not None:
@@ -347,32 +362,84 @@ class Trainer:
         # No seek: skip to the recorded position by reading (and discarding) what came before.
         return itertools.islice(iter(data), self.step, None)
 
-    def _refresh(self, shards: list[ShardLink]) -> float:
-        """Pulls changed parameters from ``shards`` in parallel; waits while paused. Returns blocked time."""
+    def _refresh(self, shards: list[ShardLink], as_of: int | None) -> float:
+        """Loads parameters at least as fresh as the server's at step ``as_of`` into ``shards``;
+        waits while paused. Returns blocked time.
+
+        What push replies brought serves when it is fresh enough (waiting for the replies of
+        pushes in flight to that shard if needed); the other shards are pulled, in parallel.
+        ``as_of=None`` pulls every shard (a push refused as stale is recomputed on the newest).
+        """
         started = time.perf_counter()
-        while True:
-            replies = self._with_retries(lambda: [result(f) for f in [self._pull(s) for s in shards]])
+        if as_of is None:
+            as_of = self.step + 1  # newer than anything received: pull
+        else:
+            as_of = max(as_of, 0)  # the first step always starts from a pull
+            if self.pull_with_push:
+                self._await_pushed_params(shards, as_of)
+        stale = [link for link in shards if link.fresh_as_of < as_of]
+        for link in shards:
+            if link.fresh_as_of >= as_of and link.pending is not None:
+                self._load(link, link.pending)
+            link.pending = None
+        while stale:
+            replies = self._with_retries(
+                lambda: [result(f) for f in [s.client.pull(self.slot, s.registration.incarnation, s.version) for s in stale]]
+            )
             paused = False
-            for link, reply in zip(shards, replies):
-                if reply.stop:
-                    logger.info("the server is shutting down for good; stopping after in-flight pushes")
-                    self._stop.set()
+            for link, reply in zip(stale, replies):
+                self._note_stop(reply)
                 if reply.chunks is not None:
-                    load_parameters(link.layout, link.params, reply.chunks)
-                    link.version = reply.version
+                    self._load(link, reply)
+                link.fresh_as_of = max(link.fresh_as_of, self.step)  # pulled now
                 paused = paused or reply.paused
-            self.metrics.model_version.set(sum(s.version for s in self.shards))
             if not paused or self._stop.is_set():
                 break
             self._stop.wait(self.config.pause_poll_s)
+        self.metrics.model_version.set(sum(s.version for s in self.shards))
         elapsed = time.perf_counter() - started
         self.metrics.pull_seconds.observe(elapsed)
         return elapsed
 
-    def _pull(self, link: ShardLink) -> Any:
-        """The prefetched pull if one is waiting, else a new one."""
-        future, link.prefetch = link.prefetch, None
-        return future if future is not None else link.client.pull(self.slot, link.registration.incarnation, link.version)
+    def _await_pushed_params(self, shards: list[ShardLink], as_of: int) -> None:
+        """Takes the replies that already arrived, then, for each shard whose parameters are older
+        than step ``as_of``, waits for its pushes in flight, oldest first, until one brings newer."""
+        while self._in_flight and self._in_flight[0].future.done():
+            self._complete_oldest()
+        for link in shards:
+            while not self._stop.is_set() and link.fresh_as_of < as_of and self._unanswered(link):
+                self._complete_oldest()
+
+    def _unanswered(self, link: ShardLink) -> int:
+        return sum(1 for item in self._in_flight if item.shard == link.index)
+
+    def _load(self, link: ShardLink, reply: PullReply) -> None:
+        assert reply.chunks is not None
+        load_parameters(link.layout, link.params, reply.chunks)
+        if reply.buffers is not None:
+            self.model_buffers.load(reply.buffers)
+        link.version = reply.version
+
+    def _note_stop(self, reply: PullReply) -> None:
+        if reply.stop and not self._stop.is_set():
+            logger.info("the server is shutting down for good; stopping after in-flight pushes")
+            self._stop.set()
+
+    def _take_pushed_params(self, link: ShardLink, seq: int, pulled: PullReply) -> None:
+        """Keeps the parameters the reply to push ``seq`` brought for the next refresh (loading them
+        now would change the model under a step that is computing its gradients)."""
+        self._note_stop(pulled)
+        if pulled.paused:
+            return  # the refresh pulls on its own and waits the pause out
+        newest = link.pending.version if link.pending is not None else link.version
+        if pulled.chunks is not None and pulled.version > newest:
+            link.pending = pulled
+        link.fresh_as_of = max(link.fresh_as_of, seq + 1)
+
+    def _wants_params(self, seq: int) -> bool:
+        """Whether push ``seq``'s reply should bring parameters: the next refresh is within the window."""
+        next_refresh = (seq // self.pull_every + 1) * self.pull_every
+        return self.pull_with_push and next_refresh - seq <= self.window
 
     def _with_retries(self, call: Callable[[], Any]) -> Any:
         for attempt in range(self.config.max_retries + 1):
@@ -392,6 +459,7 @@ class Trainer:
         item.sent = time.perf_counter()
         item.future = link.client.push(
             self.slot, link.registration.incarnation, item.seq, item.base_version, item.payload or item.buffers, item.loss,
+            link.version if self._wants_params(item.seq) else None,
             item.sparse,
         )
         self._in_flight.append(item)
@@ -412,7 +480,7 @@ class Trainer:
                 self._complete_oldest()
             else:
                 item = self._redo.popleft()
-                self._refresh([self.shards[item.shard]])
+                self._refresh([self.shards[item.shard]], None)
                 self._compute_and_send(item.seq, item.batch, [self.shards[item.shard]], count=False)
 
     def _drain_timed(self) -> float:
@@ -446,6 +514,9 @@ class Trainer:
                 raise TooManyRejects(f"{self._rejects_in_a_row} pushes in a row were rejected; last: {e}") from e
             return
         self.metrics.push_seconds.observe(time.perf_counter() - item.sent)
+        link.last_reply = time.monotonic()
+        if reply.pulled is not None:
+            self._take_pushed_params(link, item.seq, reply.pulled)
         if reply.status == PushStatus.PAUSED:  # not applied and not recorded: send it again once resumed
             self._stop.wait(self.config.pause_poll_s)
             self._send(item)
@@ -478,6 +549,8 @@ class Trainer:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):
             for link in self.shards:
+                if time.monotonic() - link.last_reply < self.config.heartbeat_s:
+                    continue  # a push was answered lately: the server knows we are alive
                 try:
                     link.client.heartbeat(self.slot, link.registration.incarnation)
                 except Exception as e:  # noqa: BLE001 - the training loop reports real failures

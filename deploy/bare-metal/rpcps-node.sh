@@ -39,12 +39,21 @@ options (flag / environment variable / default):
   --backoff-s S          RPCPS_RESTART_BACKOFF_S     1 first delay before a restart, doubling ...
   --backoff-max-s S      RPCPS_RESTART_BACKOFF_MAX_S 60 ... up to this
   --stable-s S           RPCPS_RESTART_STABLE_S      600
+  --memory-max-mb M      RPCPS_MEMORY_MAX_MB         0 (none): cap each process's heap (ulimit -d). A message
+                                                     too large to allocate then ends in a crash and a
+                                                     restart from the newest snapshot, not in swapping
+                                                     the node; under systemd prefer the unit's MemoryMax=
   --no-supervise         RPCPS_SUPERVISE=0           run one process in place (exec), no restarts:
-                                                     for systemd, Kubernetes or any other supervisor
+                                                     for systemd, Kubernetes or any other supervisor.
+                                                     rpcps ps reads RPCPS_SUPERVISE too (its own
+                                                     --supervise): the variable turns both off, the
+                                                     flag only this launcher's
   --dry-run                                          print the commands and exit
 
 server:
-  --listen HOST:PORT     RPCPS_LISTEN                0.0.0.0:29500 (the torch RPC port: training network only)
+  --listen HOST:PORT     RPCPS_LISTEN                0.0.0.0:29500 (the torch RPC port: training network only;
+                                                     rpcps then needs RPCPS_TRUST_NETWORK=on and
+                                                     RPCPS_JOB_SECRET_FILE, see docs/SECURITY.md)
   --checkpoint-dir DIR   RPCPS_CHECKPOINT_DIR        /var/lib/rpcps/checkpoints (resume is automatic)
   --metrics-port P       RPCPS_METRICS_PORT          9400
   --control-port P       RPCPS_CONTROL_PORT          9500
@@ -85,7 +94,7 @@ case $role in
     *) die "unknown role '$role'; use 'server' or 'workers' (see $prog --help)" ;;
 esac
 
-common_flags=" env-file log-dir python ifname max-restarts backoff-s backoff-max-s stable-s no-supervise dry-run "
+common_flags=" env-file log-dir python ifname max-restarts backoff-s backoff-max-s stable-s memory-max-mb no-supervise dry-run "
 server_flags=" listen checkpoint-dir metrics-port control-port "
 worker_flags=" ps count first-index local-index num-workers metrics-port-base torchrun nnodes rdzv-endpoint rdzv-id "
 switches=" no-supervise dry-run torchrun "
@@ -151,7 +160,9 @@ max_restarts=$(setting max-restarts RPCPS_MAX_RESTARTS 10)
 backoff_s=$(setting backoff-s RPCPS_RESTART_BACKOFF_S 1)
 backoff_max_s=$(setting backoff-max-s RPCPS_RESTART_BACKOFF_MAX_S 60)
 stable_s=$(setting stable-s RPCPS_RESTART_STABLE_S 600)
+memory_max_mb=$(setting memory-max-mb RPCPS_MEMORY_MAX_MB 0)
 need_uint --max-restarts "$max_restarts"
+need_uint --memory-max-mb "$memory_max_mb"
 need_uint --backoff-s "$backoff_s"
 need_uint --backoff-max-s "$backoff_max_s"
 need_uint --stable-s "$stable_s"
@@ -252,6 +263,16 @@ else
             add_process "worker$slot" "$(log_for "worker$slot")" "LOCAL_RANK=$local_rank" "$python" "${entry[@]}" worker \
                 --ps "$ps" --worker-index "$slot" --num-workers "$num_workers" --metrics-port "$port" "${extra[@]}"
         done
+    fi
+fi
+
+if ((memory_max_mb > 0)); then
+    # RLIMIT_DATA counts heap and private mappings (what torch allocates tensors from), not the
+    # address space CUDA reserves; every process started below inherits it.
+    if ((dry_run)); then
+        echo "ulimit -d $((memory_max_mb * 1024))"
+    else
+        ulimit -d $((memory_max_mb * 1024)) || die "cannot set --memory-max-mb $memory_max_mb (ulimit -d): above the hard limit?"
     fi
 fi
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
-import stat
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import grpc
+
+from rpcps.secret_files import read_secret_line, warn_if_readable_by_others
+
+__all__ = ["TokenInterceptor", "bearer_metadata", "check_bearer", "read_token", "warn_if_readable_by_others"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,34 +28,13 @@ SCHEME = "Bearer"
 
 
 def read_token(path: str) -> str:
-    """Reads a token file: one line of printable text without spaces; surrounding whitespace is ignored.
+    """Reads a token file: one line of printable text without spaces (``rpcps.secret_files``).
 
     Raises:
         OSError: the file cannot be read (the message names the file).
         ValueError: the file is empty or holds more than one word.
     """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise OSError(f"cannot read token file {path}: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise ValueError(f"token file {path} is not UTF-8 text: {e}") from e
-    token = text.strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty; write a random token into it, e.g. `openssl rand -hex 32 > {path}`")
-    if any(c.isspace() or not c.isprintable() for c in token):
-        raise ValueError(f"token file {path} must hold one token on one line, without spaces or control characters")
-    return token
-
-
-def warn_if_readable_by_others(path: str) -> None:
-    """Logs a warning when the token file can be read by group or others (like ssh does for keys)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
-        logger.warning("token file %s is readable by other users; run `chmod 600 %s`", path, path)
+    return read_secret_line(path, "token file")
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -43,7 +43,7 @@ class CheckpointInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model_version", "mode", "optimizer", "paused", "uptime_seconds", "workers", "newest_checkpoint", "checkpointing_enabled", "shutting_down", "server_id", "checkpoint_error", "slots", "shard_index", "shard_count")
+    __slots__ = ("model_version", "mode", "optimizer", "paused", "uptime_seconds", "workers", "newest_checkpoint", "checkpointing_enabled", "shutting_down", "server_id", "checkpoint_error", "slots", "shard_index", "shard_count", "intra_op_threads")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GetStatusResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INTRA_OP_THREADS_FIELD_NUMBER: _ClassVar[int]
     model_version: int
     mode: str
     optimizer: str
@@ -72,7 +73,8 @@ class GetStatusResponse(_message.Message):
     slots: _containers.RepeatedCompositeFieldContainer[SlotProgress]
     shard_index: int
     shard_count: int
-    def __init__(self, model_version: _Optional[int] = ..., mode: _Optional[str] = ..., optimizer: _Optional[str] = ..., paused: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., newest_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., checkpointing_enabled: _Optional[bool] = ..., shutting_down: _Optional[bool] = ..., server_id: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotProgress, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+    intra_op_threads: int
+    def __init__(self, model_version: _Optional[int] = ..., mode: _Optional[str] = ..., optimizer: _Optional[str] = ..., paused: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., newest_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., checkpointing_enabled: _Optional[bool] = ..., shutting_down: _Optional[bool] = ..., server_id: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotProgress, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., intra_op_threads: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
@@ -119,3 +121,19 @@ class ShutdownResponse(_message.Message):
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     changed: bool
     def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
+class ExportModelRequest(_message.Message):
+    __slots__ = ("format",)
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    def __init__(self, format: _Optional[str] = ...) -> None: ...
+
+class ExportModelChunk(_message.Message):
+    __slots__ = ("data", "model_version", "total_bytes")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    model_version: int
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., model_version: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class ControlStub:
                 request_serializer=ps_dot_control_dot_control__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=ps_dot_control_dot_control__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.ExportModel = channel.unary_stream(
+                '/rpcps.control.v1.Control/ExportModel',
+                request_serializer=ps_dot_control_dot_control__pb2.ExportModelRequest.SerializeToString,
+                response_deserializer=ps_dot_control_dot_control__pb2.ExportModelChunk.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -102,6 +107,17 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportModel(self, request, context):
+        """The current model as the user's own state_dict file (parameters in the model's dtypes and its
+        buffers), streamed in pieces of at most 1 MiB; the first piece carries the model version and the
+        file's size. The client writes the file. FAILED_PRECONDITION on one shard of several (it holds
+        only part of the model: `rpcps export --checkpoint` exports a sharded checkpoint whole);
+        INVALID_ARGUMENT for an unknown format or one whose package the server lacks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +145,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=ps_dot_control_dot_control__pb2.ShutdownRequest.FromString,
                     response_serializer=ps_dot_control_dot_control__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'ExportModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportModel,
+                    request_deserializer=ps_dot_control_dot_control__pb2.ExportModelRequest.FromString,
+                    response_serializer=ps_dot_control_dot_control__pb2.ExportModelChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +287,33 @@ class Control:
             '/rpcps.control.v1.Control/Shutdown',
             ps_dot_control_dot_control__pb2.ShutdownRequest.SerializeToString,
             ps_dot_control_dot_control__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rpcps.control.v1.Control/ExportModel',
+            ps_dot_control_dot_control__pb2.ExportModelRequest.SerializeToString,
+            ps_dot_control_dot_control__pb2.ExportModelChunk.FromString,
             options,
             channel_credentials,
             insecure,

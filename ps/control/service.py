@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -30,14 +30,19 @@ from ps.config import ControlConfig
 from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
 from ps.control.hooks import CheckpointHook
+from rpcps.model_file import to_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from ps.server import ServerStatus
 
 logger = logging.getLogger(__name__)
 
 CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 METHODS = tuple(m.name for m in control_pb2.DESCRIPTOR.services_by_name["Control"].methods)
+EXPORT_PIECE_BYTES = 1 << 20
+"""Under gRPC's default 4 MiB message limit, so no client needs to raise it."""
 
 
 class Steerable(Protocol):
@@ -53,6 +58,8 @@ class Steerable(Protocol):
     def resume(self) -> None: ...
 
     def status(self) -> ServerStatus: ...
+
+    def model_state(self) -> tuple[int, dict[str, torch.Tensor]]: ...
 
 
 class ControlMetrics:
@@ -176,6 +183,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             checkpointing_enabled=self.checkpoint is not None,
             shutting_down=self.shutdown_requested,
             server_id=status.server_id,
+            intra_op_threads=status.intra_op_threads,
         )
         if self.checkpoint is not None:
             # Status must answer even when the checkpoint directory is unreadable: that is exactly
@@ -269,6 +277,28 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         logger.info("shutdown requested over the control plane; health is NOT_SERVING")
         self._request_shutdown()
         return control_pb2.ShutdownResponse(changed=True)
+
+
+    @_control_call
+    def ExportModel(self, request: control_pb2.ExportModelRequest, context: grpc.ServicerContext) -> Iterator[control_pb2.ExportModelChunk]:
+        status = self.server.status()
+        if status.shard_count > 1:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this server is shard {status.shard_index} of {status.shard_count} and holds only part of the model; "
+                "`rpcps ctl checkpoint` every shard, then `rpcps export --checkpoint ROOT` exports it whole",
+            )
+        fmt = request.format or "torch"
+        version, state = self.server.model_state()
+        try:
+            # Serialised before the first piece is sent, so a failure is a clean status, not half a file.
+            data = to_bytes(state, fmt)
+        except ValueError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        logger.info("exporting the model of version %d (%d bytes, %s) on request", version, len(data), fmt)
+        pieces = [data[i : i + EXPORT_PIECE_BYTES] for i in range(0, len(data), EXPORT_PIECE_BYTES)] or [b""]
+        first = control_pb2.ExportModelChunk(data=pieces[0], model_version=version, total_bytes=len(data))
+        return iter([first, *(control_pb2.ExportModelChunk(data=piece) for piece in pieces[1:])])
 
 
 class ControlServer:

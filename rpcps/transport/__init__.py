@@ -2,8 +2,9 @@
 
 Roles see: ``serve``/``join``/``leave``/``shutdown`` (the process's membership in the group),
 ``call``/``call_async``/``ping`` (calls on other members, failing with the classified errors of
-``calls``), ``async_endpoint`` and ``make_ref`` (what a server exposes), and ``membership`` (the
-store host's upkeep of the member list). torch RPC is in maintenance mode upstream; keeping it
+``calls``), ``async_endpoint`` (what a server exposes), ``protect`` (what peers may make this
+process run; required before joining), and ``membership`` (the store host's upkeep of the member
+list and of the store). torch RPC is in maintenance mode upstream; keeping it
 behind this seam is what lets another transport replace it later.
 """
 
@@ -14,20 +15,19 @@ from rpcps.transport.calls import (
     PeerUnknown,
     PeerUnreachable,
     Pending,
-    Ref,
     async_endpoint,
     call,
     call_async,
     classify,
-    is_local,
-    make_ref,
-    owner,
     ping,
 )
 from rpcps.transport.config import Address, TransportOptions
 from rpcps.transport.group import JoinFailed, TransportError, join, leave, serve, shutdown
+from rpcps.transport.pickling import REFUSAL_KINDS, Refusal, set_max_message_bytes
+from rpcps.transport.protection import Surface, protect, protected
 
 __all__ = [
+    "REFUSAL_KINDS",
     "Address",
     "CallFailed",
     "JoinFailed",
@@ -35,20 +35,21 @@ __all__ = [
     "PeerUnknown",
     "PeerUnreachable",
     "Pending",
-    "Ref",
+    "Refusal",
+    "Surface",
     "TransportError",
     "TransportOptions",
     "async_endpoint",
     "call",
     "call_async",
     "classify",
-    "is_local",
     "join",
     "leave",
-    "make_ref",
     "membership",
-    "owner",
     "ping",
+    "protect",
+    "protected",
     "serve",
+    "set_max_message_bytes",
     "shutdown",
 ]

@@ -23,10 +23,6 @@ from torch.futures import Future
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-Ref = rpc.RRef
-"""A remote reference to an object owned by one process (torch's RRef)."""
-
-
 class CallFailed(RuntimeError):
     """A call failed in the transport (not an error the callee raised on purpose)."""
 
@@ -46,16 +42,17 @@ class PeerUnknown(CallFailed):
 _DEAD_MARKERS = (
     "eof", "econnreset", "econnrefused", "connection reset", "connection refused", "broken pipe", "epipe",
     "pipe closed", "rpc agent is not running", "shutdown",
+    # No route to the peer (its host or our link is cut): tests/integration/test_multihost.py saw
+    # "EHOSTUNREACH: host is unreachable" on the reaper's ping while the server's cable was pulled.
+    "ehostunreach", "host is unreachable", "enetunreach", "network is unreachable",
     # The peer is alive but removed us from its group (we were unreachable past the lease, e.g. a
     # cut link that healed): seen by tests/integration/test_multihost.py as "could not find destination id 2".
     "could not find destination id",
 )
 _TIMEOUT_MARKERS = ("ran for more than set timeout", "rpcerr:1", "timed out")
-_UNKNOWN_MARKERS = (
-    "unknown destination worker", "unknown worker name",
-    # A name this agent has not heard of yet (a shard that has not joined): "could not find destination name ps1".
-    "could not find destination name",
-)
+# torch 2.13 says "could not find destination name <name>" for a member that has not joined yet
+# (a worker asking for shard 1 before that shard's process joined the group).
+_UNKNOWN_MARKERS = ("unknown destination worker", "unknown worker name", "could not find destination name")
 
 
 def classify(error: BaseException) -> BaseException:
@@ -120,17 +117,3 @@ def ping(to: str, timeout_s: float) -> Pending:
 def async_endpoint(fn: F) -> F:
     """Marks a function callable over RPC that returns a torch Future the reply waits for."""
     return rpc.functions.async_execution(fn)
-
-
-def make_ref(obj: Any) -> Ref:
-    """A reference to ``obj``, owned by this process, that other members can send calls through."""
-    return rpc.RRef(obj)
-
-
-def owner(ref: Ref) -> rpc.WorkerInfo:
-    return ref.owner()
-
-
-def is_local(ref: Any) -> bool:
-    """True for a reference owned by this process (the only kind ``local_value`` may read)."""
-    return isinstance(ref, rpc.PyRRef) and ref.is_owner()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 import time
 
@@ -16,13 +17,11 @@ import torch.distributed as dist
 from torch.distributed import rpc
 
 from rpcps.address import Address
-from rpcps.transport import membership
+from rpcps.jobsecret import JobSecret
+from rpcps.transport import membership, protection
 from rpcps.transport.config import TransportOptions
 
 logger = logging.getLogger(__name__)
-
-_RANK_COUNTER_KEY = "rpcps/next_rank"
-_MAX_RANK = 32767  # TensorPipe ranks are int16
 
 
 class TransportError(RuntimeError):
@@ -39,12 +38,37 @@ def _backend_options(address: Address, options: TransportOptions) -> rpc.TensorP
         rpc_timeout=options.rpc_timeout_s,
         init_method=f"tcp://{address}",
         _transports=list(options.rpc_transports),
-        _channels=list(options.rpc_channels),
+        _channels=list(options.channels()),
     )
 
 
-def serve(address: Address, name: str, options: TransportOptions) -> None:
-    """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``."""
+def _loopback_agent(address: Address) -> None:
+    """Keeps TensorPipe's own port on loopback when the group's store is.
+
+    TensorPipe listens on the interface named by TP_SOCKET_IFNAME, or else on the address the
+    hostname resolves to, whatever the store's address: a job whose store is on loopback would
+    otherwise still answer anyone on the network at each process's TensorPipe port.
+    """
+    if address.is_loopback and not os.environ.get("TP_SOCKET_IFNAME"):
+        os.environ["TP_SOCKET_IFNAME"] = "lo"
+
+
+def _require_protection() -> None:
+    if not protection.protected():
+        raise TransportError(
+            "refusing to join the RPC group unprotected: call rpcps.transport.protect(...) first "
+            "(without it any peer could run any Python function in this process)"
+        )
+
+
+def serve(address: Address, name: str, options: TransportOptions, secret: JobSecret | None = None) -> None:
+    """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``.
+
+    With ``secret``, a member asking to be dropped from the group must prove it holds it.
+    """
+    _require_protection()
+    _loopback_agent(address)
+    membership.require_leave_proofs(secret)
     try:
         rpc.init_rpc(name, rank=0, world_size=None, rpc_backend_options=_backend_options(address, options))
     except (RuntimeError, dist.DistError) as e:
@@ -62,6 +86,8 @@ def join(address: Address, base_name: str, options: TransportOptions, fixed_name
     Without ``fixed_name`` the name is ``<base_name>_r<rank>``, fresh for every process; with it,
     ``base_name`` itself (a server shard keeps its name: workers look it up).
     """
+    _require_protection()
+    _loopback_agent(address)
     unreachable = TransportError(
         f"no parameter server answered at {address} within {options.connect_timeout_s:g}s; "
         "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
@@ -74,10 +100,10 @@ def join(address: Address, base_name: str, options: TransportOptions, fixed_name
             address.host, address.port, is_master=False,
             timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
         )
-        rank = int(store.add(_RANK_COUNTER_KEY, 1))
+        rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
     except (RuntimeError, dist.DistError) as e:
         raise unreachable from e
-    if rank > _MAX_RANK:
+    if rank > membership.MAX_RANK:
         raise TransportError(f"the server at {address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
     name = base_name if fixed_name else f"{base_name}_r{rank}"
@@ -106,19 +132,26 @@ def _wait_for_listener(address: Address, deadline: float) -> bool:
             time.sleep(0.1)
 
 
-def leave(name: str, store_host: str, timeout_s: float = 5.0) -> bool:
+def leave(name: str, store_host: str, secret: JobSecret | None = None, timeout_s: float = 5.0) -> bool:
     """Asks the store's host (``store_host``, an RPC name) to drop member ``name`` before this process exits.
 
     A process that exits while still listed makes every join in the meantime fail (and then hold
     the group token for the store's timeout), until the host's reaper notices it is gone. Returns
-    True when the host confirmed; False (logged at debug) when it could not be asked in time.
+    True when the host confirmed; False (logged at debug) when it could not be asked in time, or
+    refused (a host with a job secret needs ``secret``'s proof).
     """
+    proof = secret.leave_proof(name) if secret is not None else ""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            answer = rpc.rpc_sync(store_host, membership.forget_me, args=(name,), timeout=max(deadline - time.monotonic(), 0.5))
+            answer = rpc.rpc_sync(
+                store_host, membership.forget_me, args=(name, proof), timeout=max(deadline - time.monotonic(), 0.5)
+            )
         except RuntimeError as e:
             logger.debug("could not leave the RPC group: %s", str(e).splitlines()[0])
+            return False
+        if answer == "refused":
+            logger.warning("the server refused to drop %s from the RPC group: this process lacks the job's secret", name)
             return False
         if answer != "busy":
             return True

@@ -1,10 +1,13 @@
-"""Private torch RPC internals, in one place: removing departed members from a dynamic group.
+"""Private torch RPC internals, in one place: the group's member list and the store keys behind it.
 
 In a dynamic group a joining process calls every member listed in the store. A member that died
 stays listed, so every later join would fail (and leak the group's join token). The server
 therefore removes dead or departed members itself: from its own agent's view and from the store's
-member list, holding the same token that joins hold. Both steps use private torch APIs (pinned by
-tests/integration/test_membership.py); nothing else in rpcps touches them.
+member list, holding the same token that joins hold. The store has no authentication, so the server
+also puts back what a stranger changed there (``StoreKeeper``), and the join handshake's membership
+call is handed out guarded (``guarded_update_group_membership``). All of it uses private torch APIs
+and store keys (pinned by tests/integration/test_membership.py and test_hostile_peers.py); nothing
+else in rpcps touches them.
 """
 
 from __future__ import annotations
@@ -14,14 +17,29 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
-from torch.distributed.rpc import api
+from torch.distributed.rpc import _utils, api
+
+from rpcps.jobsecret import JobSecret, matches
 
 logger = logging.getLogger(__name__)
 
+# Keys of torch's RPC prefix store (the agent's ``store``): agent_utils.cpp and tensorpipe_agent.cpp.
 _MEMBERS_KEY = "names/_ALL_WORKER_INFOS"
+"""The member list, "name-rank," entries; every join reads it and appends itself."""
+_ADDRESS_PREFIX = "addrs/"
+"""``addrs/<name>``: where member ``name``'s agent listens; joiners connect there."""
 _TOKEN_KEY = "RpcGroupManagementToken"
+"""Held (compare-and-set) by whoever changes the member list: a join, or the server here."""
 _token_names = itertools.count()
+
+# Keys of the raw store (not prefixed): rpcps's own.
+RANK_COUNTER_KEY = "rpcps/next_rank"
+"""Every joining process takes its rank from this counter (ranks are never reused)."""
+MAX_RANK = 32767
+"""TensorPipe ranks are int16."""
 
 
 class TokenBusy(RuntimeError):
@@ -104,17 +122,47 @@ def _forget_locked(name: str) -> bool:
     return forgotten
 
 
-def forget_me(name: str) -> str:
-    """Runs on the server at a departing worker's request (see ``transport.leave_group``).
+_leave_secret: JobSecret | None = None
 
-    Returns 'done', 'unknown' or 'busy' rather than raising, so the caller can retry a busy token
-    without parsing a remote traceback.
+
+def require_leave_proofs(secret: JobSecret | None) -> None:
+    """From now on ``forget_me`` drops only members that prove they hold ``secret`` (None: anyone)."""
+    global _leave_secret
+    _leave_secret = secret
+
+
+def forget_me(name: str, proof: str = "") -> str:
+    """Runs on the server at a departing process's request (see ``group.leave``).
+
+    With a job secret, the caller must prove it (``JobSecret.leave_proof``): otherwise any peer
+    could drop any member from the group. Returns 'done', 'unknown', 'busy' or 'refused' rather
+    than raising, so the caller can retry a busy token without parsing a remote traceback.
     """
+    secret = _leave_secret
+    if secret is not None and not matches(secret.leave_proof(str(name)), proof):
+        logger.warning("refused a request to drop %r from the RPC group: no valid job-secret proof", name)
+        return "refused"
     try:
         return "done" if forget_member(name) else "unknown"
     except TokenBusy:
         return "busy"
 
+
+def guarded_update_group_membership(worker_info: Any, my_devices: Any, reverse_device_map: Any, is_join: bool) -> Any:
+    """Stands in for torch's ``_update_group_membership`` when a peer calls it (see ``protection``).
+
+    A joining process calls it on every member while it holds the group's join token. torch's
+    graceful shutdown calls it with ``is_join=False``, which rpcps never uses (it shuts down
+    non-gracefully and leaves through ``forget_me``). Unguarded, any peer could evict any member or
+    add a fake one; the token check stops a peer that does not take the token (the store is
+    unauthenticated, so it cannot stop one that does).
+    """
+    if is_join is not True:
+        raise PermissionError("leaving the RPC group through _update_group_membership is refused here")
+    holder = api._get_current_rpc_agent().store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
+    if holder != f"Token_for_{worker_info.name}_join":
+        raise PermissionError(f"{worker_info.name} does not hold the group's join token; refused")
+    return _utils._update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
 
 
 
@@ -156,3 +204,124 @@ def my_name() -> str:
 
 def member_names() -> list[str]:
     return [w.name for w in api._get_current_rpc_agent().get_worker_infos()]
+
+
+REPAIR_KINDS = ("members", "address", "rank_counter")
+"""What ``StoreKeeper`` puts back (a metric label)."""
+
+
+@dataclass(frozen=True)
+class Repair:
+    """One thing ``StoreKeeper`` found changed in the store and put back."""
+
+    what: str
+    """One of ``REPAIR_KINDS``."""
+    detail: str
+
+
+class StoreKeeper:
+    """Puts back what a stranger changed in the group's store (run on the store's host, shard 0).
+
+    The store has no authentication: one ``set`` used to block every later join for good. Checked
+    (``check``, every second from ``ps.store_guard``):
+
+    - the member list holds every member this agent knows, under its rank, and nothing unparsable
+      (checked while holding the group token, when no join can be changing it; names the agent does
+      not know are left for the reaper, which drops them as failed joins);
+    - every known member's address is the one it published when it joined (this server's own
+      from the start), keyed by (name, rank) so a restarted shard's new address is its own;
+    - the rank counter moves forward and by a plausible step: set back, or thrown to its limit, it
+      would hand out ranks already taken or none at all.
+    """
+
+    MAX_RANK_STEP = 1024
+    """More ranks than this handed out between two checks (a second apart) is not joins but tampering."""
+
+    def __init__(self) -> None:
+        agent = api._get_current_rpc_agent()
+        self._store = agent.store
+        self._raw = agent.store.underlying_store
+        self._addresses: dict[tuple[str, int], bytes] = {}
+        self._seen_rank = self._rank_counter()
+        self._remember_addresses(self._known())
+
+    def check(self) -> list[Repair]:
+        known = self._known()
+        repairs = self._check_addresses(known) + self._check_rank_counter(known)
+        try:
+            with _holding_token():
+                repairs += self._check_members(self._known())
+        except TokenBusy:
+            pass  # a join is changing the list right now; the next check sees its result
+        return repairs
+
+    def _known(self) -> dict[str, int]:
+        return {w.name: w.id for w in api._get_current_rpc_agent().get_worker_infos()}
+
+    def _get(self, key: str) -> bytes | None:
+        # get() on a missing key blocks for the store's timeout; check first.
+        return self._store.get(key) if self._store.check([key]) else None
+
+    def _remember_addresses(self, known: dict[str, int]) -> None:
+        for name, rank in known.items():
+            if (name, rank) not in self._addresses:
+                address = self._get(_ADDRESS_PREFIX + name)
+                if address:
+                    self._addresses[(name, rank)] = address
+
+    def _check_addresses(self, known: dict[str, int]) -> list[Repair]:
+        self._addresses = {k: v for k, v in self._addresses.items() if known.get(k[0]) == k[1]}
+        repairs = []
+        for (name, _), address in self._addresses.items():
+            now = self._get(_ADDRESS_PREFIX + name)
+            if now != address:
+                self._store.set(_ADDRESS_PREFIX + name, address)
+                repairs.append(Repair("address", f"{name}'s address was {_show(now)}; put back {address.decode(errors='replace')}"))
+        self._remember_addresses(known)
+        return repairs
+
+    def _rank_counter(self) -> int:
+        return int(self._raw.add(RANK_COUNTER_KEY, 0))
+
+    def _check_rank_counter(self, known: dict[str, int]) -> list[Repair]:
+        # Every member took its rank from the counter, so it is at least the highest known rank.
+        floor = max(self._seen_rank, *known.values())
+        now = self._rank_counter()
+        if floor <= now <= min(floor + self.MAX_RANK_STEP, MAX_RANK):
+            self._seen_rank = now
+            return []
+        self._raw.set(RANK_COUNTER_KEY, str(floor))
+        self._seen_rank = floor
+        return [Repair("rank_counter", f"the rank counter was set to {now}; put back {floor}")]
+
+    def _check_members(self, known: dict[str, int]) -> list[Repair]:
+        raw = self._get(_MEMBERS_KEY)
+        entries = [e for e in (raw or b"").decode(errors="replace").split(",") if e]
+        parsed: dict[str, int] = {}
+        garbage = []
+        for entry in entries:
+            name, sep, rank = entry.rpartition("-")
+            if not sep or not name or "-" in name or not rank.isdigit() or name in parsed:
+                garbage.append(entry)
+            else:
+                parsed[name] = int(rank)
+        wrong = sorted(n for n, r in known.items() if parsed.get(n) != r)
+        if not wrong and not garbage:
+            return []
+        strangers = {n: r for n, r in parsed.items() if n not in known}  # failed joins: the reaper's
+        members = sorted({**strangers, **known}.items(), key=lambda item: item[1])
+        self._store.set(_MEMBERS_KEY, "".join(f"{name}-{rank}," for name, rank in members))
+        return [Repair("members", f"the member list lacked or misstated {wrong} and held {len(garbage)} unparsable entries; rewrote it")]
+
+
+def _show(value: bytes | None) -> str:
+    return "deleted" if value is None else repr(value.decode(errors="replace")[:80])
+
+
+def ranks_handed_out() -> int | None:
+    """The group's rank counter (each joining process takes one); None when the store does not answer."""
+    try:
+        return int(api._get_current_rpc_agent().store.underlying_store.add(RANK_COUNTER_KEY, 0))
+    except (RuntimeError, ValueError) as e:
+        logger.debug("could not read the rank counter: %s", e)
+        return None

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rpcps import plugins, transport
+from rpcps import plugins, rpc_policy, transport
 from rpcps.address import Address
 from rpcps.endpoints import server_name
 from rpcps.errors import RpcpsError
@@ -78,6 +78,7 @@ SCENARIOS = {"bad_pushes": bad_pushes}
 def main() -> int:
     address = Address.parse(sys.argv[1])
     scenario = SCENARIOS[sys.argv[2]]
+    rpc_policy.protect()
     name = transport.join(address, "worker0", transport.TransportOptions(rpc_timeout_s=20, connect_timeout_s=30))
     try:
         print(json.dumps(scenario(ServerClient(20.0), name)), flush=True)

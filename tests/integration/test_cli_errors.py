@@ -67,6 +67,8 @@ def test_server_on_a_port_in_use_says_so(procs: ProcessGroup, busy_port: int) ->
 
 @pytest.mark.timeout(60)
 def test_metrics_port_in_use_says_so(procs: ProcessGroup, busy_port: int) -> None:
+    """Started as people start it: under its own supervisor, which does not retry a failed start."""
     ps = procs.start("ps", ["ps", "--listen", f"127.0.0.1:{free_port()}", "--metrics-port", str(busy_port)])
     assert ps.wait(45) == 1
-    _assert_one_clear_error(ps.stderr(), "ps", f"cannot serve metrics on 0.0.0.0:{busy_port}: Address already in use")
+    _assert_one_clear_error(ps.stderr(), "ps", f"cannot serve metrics on 127.0.0.1:{busy_port}: Address already in use")
+    assert "not restarting it: a restart cannot fix that" in ps.stderr()

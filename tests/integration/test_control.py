@@ -177,6 +177,7 @@ def test_status_reports_version_workers_and_newest_checkpoint(
     assert (first.model_version, first.mode, first.optimizer, first.paused) == (0, "async", "adam", False)
     assert first.checkpointing_enabled and not first.HasField("newest_checkpoint")
     assert list(first.workers) == [] and first.server_id == ps_server.server_id
+    assert first.intra_op_threads == torch.get_num_threads() >= 1
 
     w0, _w1 = _register(ps_server, 0), _register(ps_server, 1)
     assert _push(ps_server, 0, w0, seq=1) == "applied"
@@ -354,3 +355,37 @@ def test_ctl_cli_unreachable_server_is_one_line(start: Callable[..., Any]) -> No
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "unavailable" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ctl_export_streams_the_live_model_loadable_into_plain_pytorch(
+    start: Callable[..., Any], ps_server: InProcessServer, tmp_path: Path
+) -> None:
+    handle, _ = start()
+    handle.set_serving(True)
+    w0 = _register(ps_server, 0)
+    assert _push(ps_server, 0, w0, seq=1) == "applied"
+    out = tmp_path / "model.pt"
+    result = run_ctl(handle.address, "export", "--out", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["model_version"] == 1 and answer["bytes"] == out.stat().st_size and answer["format"] == "torch"
+    model = teacher_student_model()
+    model.load_state_dict(torch.load(out, weights_only=True))
+    for name, value in ps_server.master_tensors().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    missing = run_ctl(handle.address, "export")
+    assert missing.returncode == 2 and "needs --out" in missing.stderr
+
+
+def test_export_of_one_shard_of_several_is_refused(channel_to: Callable[..., Any], tmp_path: Path) -> None:
+    shard = InProcessServer(teacher_student_model(), ServerCoreConfig(shard_count=2, shard_index=1))
+    handle = start_control_server(
+        shard.core, ControlConfig(addr="127.0.0.1", port=0), checkpoint=None, request_shutdown=lambda: None,
+        registry=shard.core.metrics.registry,
+    )
+    try:
+        pieces = ControlStub(channel_to(handle.address)).ExportModel(pb.ExportModelRequest(), timeout=CALL_TIMEOUT_S)
+        code, details = _code(lambda: next(pieces))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "rpcps export --checkpoint" in details
+    finally:
+        handle.stop(grace_s=0)

@@ -46,7 +46,9 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
     tmp = tmp_path_factory.mktemp("prometheus")
     run_dir = tmp / "run"
     flags = checkpoint_flags(run_dir)
-    with LocalRun(run_dir, workers=2, steps=STEPS, extra=flags or []) as run:
+    # A sidecar evaluator scores the built-in task's held-out set every second (its panels need data).
+    evaluator = ["--eval-data", "rpcps.tasks:teacher_student_held_out", "--every-seconds", "1"]
+    with LocalRun(run_dir, workers=2, steps=STEPS, extra=[*(flags or []), *evaluator]) as run:
         run.targets()  # the config points at this file; wait until the launcher wrote it
         with Prometheus(PROMETHEUS, scrape_config_for(run.targets_file), tmp / "prometheus") as prom:
             yield Monitored(run=run, prom=prom, checkpointing=flags is not None)
@@ -65,8 +67,12 @@ def test_targets_are_scraped_and_routed_to_jobs_by_role(monitored: Monitored) ->
 
     wait_for(
         targets,
-        lambda t: t == [("rpcps-ps", "ps", "up"), ("rpcps-worker", "worker0", "up"), ("rpcps-worker", "worker1", "up")],
-        60, "the server in job rpcps-ps and both workers in rpcps-worker, all up", monitored.run.diagnostics,
+        lambda t: t == [
+            ("rpcps-evaluator", "evaluator", "up"), ("rpcps-ps", "ps", "up"), ("rpcps-worker", "worker0", "up"),
+            ("rpcps-worker", "worker1", "up"),
+        ],
+        60, "the server in job rpcps-ps, both workers in rpcps-worker, the evaluator in rpcps-evaluator, all up",
+        monitored.run.diagnostics,
     )
 
 

@@ -128,13 +128,15 @@ def test_stray_connections_to_every_port_do_not_take_the_system_down(procs: Proc
                     s.sendall(payload)
     before = version(mport)
     wait_until(lambda: version(mport) > before + 20, 30, "training to go on after the scan")
-    # TensorPipe's own listener closes on a bare connect; the server notices and restarts itself
-    # from a fresh snapshot (same pid: it re-executes), and workers rejoin.
+    # TensorPipe's own listener closes on a bare connect; the server notices, keeps serving w0, and
+    # restarts itself from a fresh snapshot (same pid: it re-executes) once a new process wants to
+    # join (ps/listener_recovery.py); the workers rejoin.
     tp_port = _tensorpipe_port(ps.pid, exclude={port, mport, control_port})
     socket.create_connection(("127.0.0.1", tp_port), timeout=5).close()
-    wait_until(lambda: "restarting this server" in ps.stderr(), 30, "the server to notice its closed listener")
+    wait_until(lambda: "was closed by a stray connection" in ps.stderr(), 30, "the server to notice its closed listener")
     w1, _ = procs.worker("w1", port, 1, 2, "--steps", "30")
     assert w1.wait(90) == 0, "a new worker must still be able to join"
+    assert "restarting this server to listen again: a process is trying to join" in ps.stderr()
     assert w0.wait(120) == 0
     assert ps.alive()
     # The restarted server went on from the snapshot it took, not from scratch: catches a restart
@@ -149,6 +151,9 @@ def test_a_lost_rpc_listener_stays_counted_after_the_server_restarts_itself(proc
     wait_until(lambda: "serving on" in ps.stderr(), 60, "the server to serve")
     tp_port = _tensorpipe_port(ps.pid, exclude={port, mport, _control_port(ps)})
     socket.create_connection(("127.0.0.1", tp_port), timeout=5).close()
+    wait_until(lambda: "was closed by a stray connection" in ps.stderr(), 30, "the server to notice its closed listener")
+    # The restart waits for a process that wants to join (ps/listener_recovery.py).
+    procs.worker("w0", port, 0, 1, "--steps", "5")
     wait_until(lambda: try_scrape(mport).get("rpcps_server_resumes_total", 0) == 1, 60, "the server to restart itself")
     assert try_scrape(mport)["rpcps_server_rpc_listener_lost_total"] == 1, "the loss must stay visible to Prometheus"
 

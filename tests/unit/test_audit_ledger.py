@@ -34,6 +34,22 @@ def test_resume_to_a_version_without_snapshot_is_caught(tmp_path: Path) -> None:
     assert any("no snapshot was ever written" in p for p in report.problems)
 
 
+def test_a_crash_before_any_snapshot_restarts_from_nothing(tmp_path: Path) -> None:
+    """No snapshot committed yet: the restarted server starts at version 0 and every step is
+    recomputed, which is not a double apply (the chaos suite's two-shard run, seed 744890)."""
+    report = check_ledger(ledger(tmp_path, [
+        "start 1", "apply 1 0 0", "apply 2 1 0", "start 2", "apply 1 0 0", "apply 2 1 0", "apply 3 0 1",
+    ]))
+    assert report.problems == [] and report.final_version == 3 and report.updates_lost == [2]
+
+
+def test_starting_over_when_a_snapshot_had_been_written_is_caught(tmp_path: Path) -> None:
+    report = check_ledger(ledger(tmp_path, [
+        "start 1", "apply 1 0 0", "capture 1", "snapshot 1", "committed 1", "apply 2 1 0", "start 2", "apply 1 0 0",
+    ]))
+    assert any("resumed to version 0, but snapshots up to 1 had been written" in p for p in report.problems)
+
+
 def test_version_gap_is_caught(tmp_path: Path) -> None:
     report = check_ledger(ledger(tmp_path, ["start 1", "apply 1 0 0", "apply 3 0 1"]))
     assert any("went from 1 to 3" in p for p in report.problems)

@@ -93,4 +93,4 @@ def test_control_config_validation(kwargs: dict[str, object], expected: str) -> 
 
 def test_control_config_defaults_are_valid() -> None:
     c = ControlConfig()
-    assert (c.addr, c.port, c.token_file) == ("0.0.0.0", 9500, None)
+    assert (c.addr, c.port, c.token_file) == ("127.0.0.1", 9500, None)  # loopback unless a token protects it

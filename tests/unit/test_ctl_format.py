@@ -98,3 +98,9 @@ def test_errors_are_one_line_with_advice() -> None:
     assert refused == "h:1 is unavailable: Connection refused"
     for line in (auth, slow, pre):
         assert "\n" not in line
+
+
+def test_status_says_how_many_threads_the_server_computes_with() -> None:
+    d = status_dict(_status(intra_op_threads=3))
+    assert d["intra_op_threads"] == 3
+    assert "threads       3 intra-op" in format_status({**d, "address": "h:9500", "health": "SERVING"})

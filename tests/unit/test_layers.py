@@ -1,6 +1,7 @@
 """The dependency picture: layers only point down, no cycles, one transport seam (read from the source).
 
     cli      (command line, launcher, ctl)
+    evaluator    (the sidecar evaluator: reuses the worker's client)
     ps  worker   (the two roles: never each other)
     rpcps    (shared: protocol, transport, settings, tasks)
 
@@ -16,13 +17,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RUNTIME = ("rpcps", "ps", "worker", "cli")
+RUNTIME = ("rpcps", "ps", "worker", "evaluator", "cli")
 ALLOWED = {
     "rpcps": {"rpcps"},
     "ps": {"rpcps", "ps"},
     "worker": {"rpcps", "worker"},
-    "cli": {"rpcps", "ps", "worker", "cli"},
-    "harness": {"rpcps", "ps", "worker", "cli", "harness"},
+    "evaluator": {"rpcps", "worker", "evaluator"},
+    "cli": {"rpcps", "ps", "worker", "evaluator", "cli"},
+    "harness": {"rpcps", "ps", "worker", "evaluator", "cli", "harness"},
 }
 TRANSPORT_ONLY = "torch.distributed.rpc"
 

@@ -167,3 +167,5 @@ def test_after_a_death_new_sync_rounds_need_only_the_live_workers() -> None:
     started = time.monotonic()
     assert server.submit(0, r0, 1, 1, zeros).wait().status == "applied"
     assert time.monotonic() - started < 5, "a round must not wait the 30 s timeout for min_workers after a death"
+    asked = server.submit(0, r0, 2, 2, zeros, have_version=2).wait()  # the reply brings the round's result
+    assert asked.status == "applied" and asked.pulled is not None and asked.pulled.version == server.version == 3

@@ -35,7 +35,7 @@ STUB = textwrap.dedent(
         *) who=$(echo "$*" | sed -n 's/.*--worker-index \([0-9]*\).*/\1/p') ;;
     esac
     env_json=$(env | grep -E '^(RPCPS_|LOCAL_RANK=|TP_SOCKET_IFNAME=)' | sort | sed 's/"/\\"/g; s/.*/"&"/' | paste -sd, -)
-    printf '{"who": "%s", "pid": %d, "args": "%s", "env": [%s]}\n' "$who" $$ "$*" "$env_json" >> "$dir/starts"
+    printf '{"who": "%s", "pid": %d, "args": "%s", "env": [%s], "data_limit_kb": "%s"}\n' "$who" $$ "$*" "$env_json" "$(ulimit -d)" >> "$dir/starts"
     codes="$dir/codes.$who"
     code=$(head -n 1 "$codes" 2>/dev/null)
     [ -f "$codes" ] && sed -i 1d "$codes"
@@ -118,6 +118,15 @@ def test_local_index_picks_one_worker_of_a_node_as_systemd_instances_do() -> Non
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("LOCAL_RANK=3 ")
     assert "--worker-index 11 --num-workers 16 --metrics-port 9413 > /var/log/rpcps/worker11.log" in result.stdout
+
+
+def test_memory_max_caps_every_process_it_starts(stub: Stub) -> None:
+    """An oversized message then fails to allocate and the process restarts, instead of swapping the node."""
+    assert dry("server", "--memory-max-mb", "2048").stdout.splitlines()[0] == f"ulimit -d {2048 * 1024}"
+    assert "ulimit" not in dry("server").stdout  # no cap unless asked
+    stub.script("ps", 0)
+    assert stub.run("server", env={"RPCPS_MEMORY_MAX_MB": "2048"}).returncode == 0
+    assert stub.starts("ps")[0]["data_limit_kb"] == str(2048 * 1024)
 
 
 def test_torchrun_mode_builds_a_torchrun_command_with_a_rendezvous() -> None:

@@ -12,7 +12,7 @@ import torch
 from harness.inprocess import assert_bit_identical, make_server, pack
 from ps.config import OptimizerConfig
 from ps.server import ParameterServer
-from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker
+from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1})
 
@@ -134,6 +134,22 @@ def test_push_from_a_replaced_incarnation_is_refused(server: ParameterServer) ->
         server.push(0, old, 0, 0, _good_chunks(server))
     assert_bit_identical(before, server.master_tensors())
     assert server.push(0, new, 0, 0, _good_chunks(server)).status == "applied"
+
+
+def test_a_reaped_worker_is_refused_until_it_registers_again(server: ParameterServer) -> None:
+    """A worker the reaper removed (silent past its lease, e.g. a cut link) must not have its pushes
+    applied when its link heals: the server no longer tracks it. It rejoins instead."""
+    old = _register(server, 0)
+    assert server.push(0, old, 0, 0, _good_chunks(server)).status == "applied"
+    server.mark_dead(0, old)
+    before = server.master_tensors()
+    with pytest.raises(WorkerRemoved, match="worker slot 0 .* was removed from this server; register again"):
+        server.push(0, old, 1, 1, _good_chunks(server))
+    with pytest.raises(WorkerRemoved):
+        server.pull(0, old, 0)
+    assert_bit_identical(before, server.master_tensors())
+    new = _register(server, 0)
+    assert server.push(0, new, 1, 1, _good_chunks(server)).status == "applied" and server.version == 2
 
 
 def test_registration_outside_the_slot_range_says_which_flag_to_change() -> None:
@@ -295,6 +311,25 @@ def test_pull_returns_a_snapshot_only_when_the_version_changed(server: Parameter
     assert all(torch.equal(a, b) for a, b in zip(kept, first.chunks)), "a sent snapshot must not change later"
     second = server.pull(0, incarnation, 0)
     assert second.version == 1 and not torch.equal(second.chunks[0], first.chunks[0])
+
+
+def test_a_push_that_asks_brings_back_what_a_pull_would(server: ParameterServer) -> None:
+    incarnation = _register(server)
+    reply = server.submit(0, incarnation, 0, 0, _good_chunks(server), 1.0, have_version=0).wait()
+    assert reply.status == "applied" and reply.pulled is not None and reply.pulled.version == 1
+    got = dict(zip(server.master_tensors(), server.layout.views(reply.pulled.chunks)))
+    assert_bit_identical(got, server.master_tensors())
+    assert server.pull(0, incarnation, 0).version == reply.pulled.version  # the same answer as a pull
+    assert server.submit(0, incarnation, 1, 1, _good_chunks(server)).wait().pulled is None  # not asked: no parameters
+    unchanged = server.submit(0, incarnation, 1, 1, _good_chunks(server), have_version=2).wait()
+    assert unchanged.status == "duplicate" and unchanged.pulled is not None and unchanged.pulled.chunks is None
+
+
+def test_a_push_that_asks_while_paused_hears_paused(server: ParameterServer) -> None:
+    incarnation = _register(server)
+    server.pause()
+    reply = server.submit(0, incarnation, 0, 0, _good_chunks(server), have_version=-1).wait()
+    assert reply.status == "paused" and reply.pulled is not None and reply.pulled.paused
 
 
 def test_paused_server_answers_paused_without_applying(server: ParameterServer) -> None:

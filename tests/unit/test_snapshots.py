@@ -184,3 +184,71 @@ def test_snapshot_files_load_without_executing_code(tmp_path: Path) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InvalidSnapshot, match="cannot be loaded"):
         load_snapshot(path)
+
+
+def _rewrite_manifest(path: Path, **changes: object) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(changes)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../../etc/hostname", "/dev/zero", "..", ".hidden", "a/b", ""])
+def test_manifests_name_only_plain_files(tmp_path: Path, name: str) -> None:
+    """A planted manifest cannot make resume read (or hang on) a file outside the snapshot."""
+    server = make_server()
+    train(server, 1)
+    path = Path(checkpointer(server, tmp_path).checkpoint_now()[0])
+    _rewrite_manifest(path, files={name: {"size": 0, "sha256": ""}})
+    with pytest.raises(InvalidSnapshot, match="not a plain file name"):
+        read_manifest(path)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_snapshot_files_must_be_regular_files_opened_without_following_links(tmp_path: Path, kind: str) -> None:
+    server = make_server()
+    train(server, 1)
+    (tmp_path / "ck").mkdir()
+    path = Path(checkpointer(server, tmp_path / "ck").checkpoint_now()[0])
+    state = path / "state.pt"
+    real = tmp_path / "elsewhere.pt"
+    os.replace(state, real)
+    if kind == "symlink":
+        state.symlink_to(real)  # same bytes: only the link itself is wrong
+    elif kind == "fifo":
+        os.mkfifo(state)  # opening it for reading would wait for a writer forever
+    else:
+        state.mkdir()
+    with pytest.raises(InvalidSnapshot, match="regular file"):
+        load_snapshot(path)
+    (path / "manifest.json").unlink()
+    (path / "manifest.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(InvalidSnapshot, match="manifest.json is unreadable"):
+        read_manifest(path)
+
+
+def test_signed_manifests_refuse_foreign_and_unsigned_snapshots(tmp_path: Path) -> None:
+    from rpcps.jobsecret import JobSecret
+
+    ours, theirs = JobSecret("a" * 64).manifest_signature, JobSecret("b" * 64).manifest_signature
+    server = make_server()
+    train(server, 1)
+    unsigned = Path(checkpointer(server, tmp_path).checkpoint_now()[0])
+    train(server, 1, start=1, rpc_name="worker0_r2")
+    signed = Checkpointer(
+        server.core, CheckpointConfig(directory=str(tmp_path), every_seconds=None),
+        {"signature": server.signature.to_wire(), "optimizer": "adam"}, server.core.metrics, sign=ours,  # type: ignore[arg-type]
+    )
+    good = Path(signed.checkpoint_now()[0])
+    assert read_manifest(good, ours)["hmac"]
+    with pytest.raises(InvalidSnapshot, match="not signed with this job's secret"):
+        read_manifest(good, theirs)
+    _rewrite_manifest(good, version=99)  # altered after signing (the checksums still hold)
+    with pytest.raises(InvalidSnapshot, match="not signed with this job's secret"):
+        read_manifest(good, ours)
+    good.rename(tmp_path / ".moved")
+    # The newest snapshot is unsigned: refused with a way out, neither skipped nor moved aside.
+    with pytest.raises(ResumeRefused, match=f"--resume {unsigned}"):
+        find_resume_point(CheckpointConfig(directory=str(tmp_path)), server.signature, "adam", verify=ours)
+    assert unsigned.exists()
+    point = find_resume_point(CheckpointConfig(directory=str(tmp_path), resume=str(unsigned)), server.signature, "adam", verify=ours)
+    assert point is not None and point[0].version == 1

@@ -18,6 +18,7 @@ from rpcps.transport import PeerTimeout, PeerUnknown, PeerUnreachable, classify
         # next call after the link healed got this (tests/integration/test_multihost.py).
         ("Error on Node 0: RuntimeError: name:ps,rank:0 could not find destination id 2", PeerUnreachable),
         ("Unknown destination worker ps1", PeerUnknown),
+        ("EHOSTUNREACH: host is unreachable (this error originated at tensorpipe/transport/uv/connection_impl.cc:62)", PeerUnreachable),
         # A worker asking for shard 1 before that shard joined the group (test_scale_out.py).
         ("name:worker0_r2,rank:2 could not find destination name ps1", PeerUnknown),
     ],

@@ -71,6 +71,18 @@ def test_sparse_chunks_are_densified_and_checked() -> None:
         server.push(0, inc, 2, 1, [(torch.tensor([3]), torch.tensor([float("nan")]))])
 
 
+def test_sparse_chunks_cannot_hold_more_entries_than_the_chunk() -> None:
+    """A member cannot make the server index more than a dense chunk's worth (docs/SECURITY.md)."""
+    server = InProcessServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD))
+    inc = server.register(0, "w0", server.model_signature.to_wire()).incarnation
+    (numel,) = server.layout.chunk_numels
+    every = torch.arange(numel)
+    assert server.push(0, inc, 0, 0, [(every, torch.zeros(numel))]).status == "applied"  # ratio 1 is fine
+    repeated = torch.zeros(numel + 1, dtype=torch.int64)
+    with pytest.raises(PushRejected, match=f"has {numel + 1} sparse entries, more than the chunk's {numel} elements"):
+        server.push(0, inc, 1, 1, [(repeated, torch.zeros(numel + 1))])
+
+
 def test_topk_error_feedback_sends_everything_eventually() -> None:
     topk = TopK((100,), ratio=0.1, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,168 @@
+"""Convergence of the real examples: one plain process vs rpcps async / bounded / sync, at equal samples seen.
+
+    python -m bench.convergence --example digits                     # ~5 min on two cores
+    python -m bench.convergence --example charlm                     # ~25 min on two cores
+    python -m bench.convergence --example digits --workers 1,2 --modes async --batches 200   # quick look
+    python -m bench.convergence --example charlm --modes async --workers 1,2 --no-reference \
+        --local-args "--max-in-flight 1 --prefetch-pull off"                 # rpcps with other settings
+
+For an example and a budget of ``--batches`` training batches (the example's batch size each):
+
+- **one process** (``bench.reference_train``): ``--batches`` steps reading the data cut into K shards
+  in turn, exactly as K async workers read it (one row per K); and, for sync, ``--batches / K`` steps
+  of K batches each (the same global batch as K sync workers).
+- **rpcps**: a real ``rpcps local`` run per mode and worker count K, each worker ``--batches / K``
+  steps, the example's optimizer recipe on the server, a final checkpoint; the trained model is
+  exported from it (``ps.export``), buffers included, and scored on the held-out set.
+  ``bounded`` uses ``--max-staleness K``.
+
+Nothing is pinned that the product does not pin (threads are torch's defaults in every process).
+Prints the table (markdown) on stderr as it goes and one JSON object on stdout at the end; the
+targets (issue 13) are checked and printed under the table: async with 2 workers within 1 accuracy
+point (digits) or 3 % bits per character (charlm) of one process at equal samples, and sync equal to
+one process with the same global batch (same tolerances).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.reference_train import RunConfig, train
+from ps.export import read_checkpoint
+from rpcps import examples
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_BATCHES = {"digits": 600, "charlm": 400}
+METRIC = {"digits": "accuracy", "charlm": "bits_per_char"}
+MODES = ("async", "bounded", "sync")
+
+
+@dataclass(frozen=True)
+class Row:
+    setup: str
+    workers: int
+    mode: str
+    """'one process', or the rpcps mode (with any --local-args after it)."""
+    steps: int
+    """Optimizer steps (one process) or steps per worker (rpcps)."""
+    global_batch: int
+    """Batches per optimizer step."""
+    scores: dict[str, float]
+    seconds: float
+
+
+def reference(example: str, batches: int, streams: int, per_step: int) -> Row:
+    recipe = examples.load(example).RECIPE
+    started = time.monotonic()
+    run = train(RunConfig(example=example, steps=batches // per_step, optimizer=recipe.optimizer, lr=recipe.lr,
+                          batches_per_step=per_step, streams=streams))
+    final = {k: v for k, v in run.report["final"].items() if k not in ("step", "train_seconds", "train_loss")}
+    return Row("one process", streams, "one process", batches // per_step, per_step, final, time.monotonic() - started)
+
+
+def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, local_args: list[str]) -> Row:
+    module = f"rpcps.examples.{example}"
+    recipe = examples.load(example).RECIPE
+    run_dir = work / f"{example}-{mode}-{workers}"
+    steps = batches // workers
+    argv = [
+        sys.executable, str(REPO / "trainer_entry.py"), "local", "--workers", str(workers), "--steps", str(steps),
+        "--model", f"{module}:model", "--data", f"{module}:data", "--loss", recipe.loss,
+        "--optimizer", recipe.optimizer, "--lr", str(recipe.lr), "--mode", mode,
+        "--checkpoint-dir", str(run_dir / "ckpt"), "--checkpoint-every-seconds", "3600",
+        "--run-dir", str(run_dir / "logs"), "--summary-json", str(run_dir / "summary.json"), "--progress-s", "30",
+    ]
+    if mode == "bounded":
+        argv += ["--max-staleness", str(workers)]
+    argv += local_args
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=3600, check=False)
+    seconds = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    model = examples.load(example).model()
+    model.load_state_dict(read_checkpoint(run_dir / "ckpt").state_dict)
+    label = " ".join([mode, *local_args])
+    return Row("rpcps", workers, label, steps, workers if mode == "sync" else 1, examples.load(example).evaluate(model), seconds)
+
+
+def check_targets(example: str, rows: list[Row]) -> list[str]:
+    """One line per target: the figures compared and whether the target is met."""
+    metric = METRIC[example]
+    lines = []
+
+    def find(setup: str, mode: str, workers: int, global_batch: int) -> Row | None:
+        return next((r for r in rows if (r.setup, r.mode, r.workers, r.global_batch) == (setup, mode, workers, global_batch)), None)
+
+    def compare(what: str, ours: Row | None, base: Row | None) -> None:
+        if ours is None or base is None:
+            return
+        a, b = ours.scores[metric], base.scores[metric]
+        if metric == "accuracy":
+            met, gap = b - a <= 0.01, f"{100 * (a - b):+.2f} points"
+        else:
+            met, gap = a <= b * 1.03, f"{100 * (a / b - 1):+.2f} %"
+        lines.append(f"{'MET   ' if met else 'MISSED'} {what}: {metric} {a:.4f} vs one process {b:.4f} ({gap})")
+
+    compare("async, 2 workers, equal samples", find("rpcps", "async", 2, 1), find("one process", "one process", 2, 1))
+    for workers in sorted({r.workers for r in rows if r.mode == "sync"}):
+        compare(f"sync, {workers} workers, same global batch", find("rpcps", "sync", workers, workers),
+                find("one process", "one process", workers, workers))
+    return lines
+
+
+def table(example: str, rows: list[Row]) -> str:
+    metric = METRIC[example]
+    head = f"| setup | workers | steps | global batch | held-out {metric} | held-out loss | wall s |\n|---|---|---|---|---|---|---|"
+    body = [
+        f"| {r.mode} | {r.workers} | {r.steps} | {r.global_batch} | {r.scores[metric]:.4f} | {r.scores['loss']:.4f} | {r.seconds:.0f} |"
+        for r in rows
+    ]
+    return "\n".join([head, *body])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.convergence", description=__doc__.split("\n\n")[0])
+    p.add_argument("--example", required=True, choices=examples.NAMES)
+    p.add_argument("--batches", type=int, help="training batches per run (default: digits 600, charlm 400)")
+    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
+    p.add_argument("--modes", default=",".join(MODES), help="rpcps modes, comma-separated")
+    p.add_argument("--local-args", default="", help="more `rpcps local` flags for every rpcps run (a variant's row is labelled with them)")
+    p.add_argument("--no-reference", action="store_true", help="leave out the one-process rows")
+    a = p.parse_args(argv)
+    batches = a.batches or DEFAULT_BATCHES[a.example]
+    counts = [int(k) for k in a.workers.split(",")]
+    modes = [m for m in a.modes.split(",") if m]
+    rows: list[Row] = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        print(f"{row.mode:>11} x{row.workers} steps {row.steps:>4} batch {row.global_batch}: {row.scores} ({row.seconds:.0f}s)",
+              file=sys.stderr, flush=True)
+
+    for k in counts if not a.no_reference else []:
+        add(reference(a.example, batches, k, 1))
+        if "sync" in modes and k > 1:
+            add(reference(a.example, batches, k, k))
+    with tempfile.TemporaryDirectory(prefix="rpcps-convergence-") as work:
+        for mode in modes:
+            for k in counts:
+                add(rpcps_run(a.example, batches, k, mode, Path(work), shlex.split(a.local_args)))
+    targets = check_targets(a.example, rows)
+    print(table(a.example, rows), *targets, sep="\n", file=sys.stderr, flush=True)
+    report: dict[str, Any] = {"example": a.example, "batches": batches, "rows": [r.__dict__ for r in rows], "targets": targets}
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The trained model as the user's own ``state_dict``: from a checkpoint directory, or from a live server.
+
+What the server holds is flat fp32 master chunks (one set per shard) and the model's buffers; this
+module turns them back into ``{name: tensor}`` with every parameter in the model's own dtype and
+shape, plus every persistent buffer, which is what ``model.load_state_dict`` takes. A sharded
+checkpoint is exported whole: each shard's newest valid snapshot gives its parameters, shard 0 the
+buffers. Parameters the model does not train (``requires_grad=False``) never reach the server and are
+not in the file: such a model loads it with ``strict=False`` and keeps those from its factory.
+
+Used by ``rpcps export`` (``cli.export``), the control plane's ``ExportModel`` (through
+``ParameterServer.model_state``) and from Python::
+
+    from ps.export import export_checkpoint
+    export_checkpoint("/ckpt", "model.pt")
+    model.load_state_dict(torch.load("model.pt", weights_only=True))
+
+Reading never changes the checkpoint directory (an invalid snapshot is skipped, not moved aside).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ps.snapshot_files import MANIFEST_FILE, InvalidSnapshot, list_snapshots, load_snapshot
+from rpcps.model_file import save_state_dict
+from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
+
+logger = logging.getLogger(__name__)
+
+_SHARD_DIR = re.compile(r"^shard-(\d+)-of-(\d+)$")
+
+
+class ExportError(ValueError):
+    """The directory holds no exportable model (the message says why and what to point at)."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    state_dict: dict[str, torch.Tensor]
+    versions: tuple[int, ...]
+    """The model version of each shard's snapshot (one entry when unsharded)."""
+    snapshots: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    size_bytes: int
+    versions: tuple[int, ...]
+    snapshots: tuple[Path, ...]
+    tensors: int
+
+
+def named_state(layout: FlatLayout, masters: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters (from flat master chunks, in the signature's dtypes) and then buffers, by name."""
+    state = {
+        slot.spec.name: view.to(getattr(torch, slot.spec.dtype)).clone()
+        for slot, view in zip(layout.slots, layout.views(masters))
+    }
+    state.update(buffers)
+    return state
+
+
+def read_checkpoint(path: str | Path) -> Exported:
+    """The whole model from a checkpoint: a snapshot directory (``step-N``), a ``--checkpoint-dir``
+    (its newest valid snapshot) or the root of a sharded one (each shard's newest valid snapshot).
+
+    Raises:
+        ExportError: nothing valid to export, shards missing, or shards of different models.
+    """
+    root = Path(path)
+    parts = [_newest_valid(candidates) for candidates in _candidates(root)]
+    manifests = [m for m, _, _ in parts]
+    if len(parts) == 1 and int(manifests[0].get("shard_count", 1)) > 1:
+        raise ExportError(
+            f"{parts[0][2]} is shard {manifests[0].get('shard_index')} of {manifests[0].get('shard_count')}: it holds only "
+            "that shard's parameters; export the checkpoint root (the directory holding the shard-K-of-S directories)"
+        )
+    digests = {m.get("signature_digest") for m in manifests}
+    if len(digests) > 1:
+        raise ExportError(f"the shards under {root} hold different models (signature digests {sorted(map(str, digests))})")
+    state: dict[str, torch.Tensor] = {}
+    for manifest, snapshot, where in parts:
+        signature = ModelSignature.from_wire(manifest.get("signature", []))
+        chunk_bytes = int(manifest.get("config", {}).get("core", {}).get("chunk_bytes", DEFAULT_CHUNK_BYTES))
+        layout = FlatLayout(signature, chunk_bytes)
+        if [m.numel() for m in snapshot["masters"]] != list(layout.chunk_numels):
+            raise ExportError(f"{where}: its parameter chunks do not match its manifest's signature")
+        state.update(named_state(layout, snapshot["masters"], snapshot.get("buffers", {})))
+    model = ModelSignature.from_wire(manifests[0].get("model_signature") or manifests[0].get("signature", []))
+    order = [p.name for p in model.params] + [b.name for b in model.buffers]
+    missing = [name for name in order if name not in state]
+    if missing:
+        raise ExportError(f"{root}: the snapshots lack {missing[:5]}; are all shards there?")
+    return Exported(
+        {name: state[name] for name in order},
+        tuple(int(m["version"]) for m in manifests),
+        tuple(where for _, _, where in parts),
+    )
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "auto") -> ExportResult:
+    """Writes the model held by ``checkpoint`` (see ``read_checkpoint``) to ``out`` as a state_dict.
+
+    ``fmt``: ``torch``, ``safetensors`` or ``auto`` (by ``out``'s suffix). Raises ExportError,
+    ValueError (format) and OSError (writing).
+    """
+    exported = read_checkpoint(checkpoint)
+    size = save_state_dict(exported.state_dict, out, fmt)
+    logger.info("exported %d tensors from %s (version %s) to %s", len(exported.state_dict),
+                ", ".join(map(str, exported.snapshots)), "/".join(map(str, exported.versions)), out)
+    return ExportResult(Path(out), size, exported.versions, exported.snapshots, len(exported.state_dict))
+
+
+def _candidates(root: Path) -> list[list[Path]]:
+    """Per shard, its snapshot directories newest first."""
+    if (root / MANIFEST_FILE).exists():
+        return [[root]]
+    snapshots = list_snapshots(root)
+    if snapshots:
+        return [snapshots]
+    shards: dict[int, dict[int, Path]] = {}
+    for child in root.iterdir() if root.is_dir() else []:
+        match = _SHARD_DIR.match(child.name)
+        if match and child.is_dir() and list_snapshots(child):
+            shards.setdefault(int(match.group(2)), {})[int(match.group(1))] = child
+    if not shards:
+        raise ExportError(f"{root} holds no snapshot (expected step-* directories, or shard-K-of-S directories holding them)")
+    if len(shards) > 1:
+        raise ExportError(f"{root} holds snapshots of several shard counts ({sorted(shards)}); export one run's directory")
+    (count, found), = shards.items()
+    absent = sorted(set(range(count)) - set(found))
+    if absent:
+        raise ExportError(f"{root} is a checkpoint of {count} shards but holds none of shard(s) {absent}")
+    return [list_snapshots(found[k]) for k in range(count)]
+
+
+def _newest_valid(candidates: list[Path]) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    for path in candidates:
+        try:
+            manifest, state = load_snapshot(path)
+        except InvalidSnapshot as e:
+            logger.warning("skipping snapshot %s: %s", path, e)
+            continue
+        return manifest, state, path
+    raise ExportError(f"no valid snapshot among {[str(p) for p in candidates]} (each was incomplete or corrupt; see the log)")

@@ -1,0 +1,68 @@
+"""The job secret: what a process proves to show it belongs to this job (docs/SECURITY.md).
+
+Every process of a job reads the same secret from a file (``--job-secret-file``). It never crosses
+the wire: a worker registering for a slot answers the server's fresh, single-use challenge with an
+HMAC over the challenge, the slot and its RPC name, so a proof seen on the network cannot be used
+again, for another slot or under another name. Leaving the group and signing snapshot manifests
+use keys derived from the same secret, each for its own purpose, so a value made for one can never
+pass for another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+from rpcps.secret_files import read_secret_line, warn_if_readable_by_others
+
+MIN_LENGTH = 32
+"""Characters a secret must have at least (``openssl rand -hex 32`` gives 64)."""
+_REGISTER, _LEAVE, _MANIFEST = b"register/v1", b"leave/v1", b"manifest/v1"
+
+
+class JobSecret:
+    """The secret of one job, read once at start. ``repr`` never shows it."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, value: str) -> None:
+        if len(value) < MIN_LENGTH:
+            raise ValueError(f"the job secret must be at least {MIN_LENGTH} characters; make one with `openssl rand -hex 32`")
+        self._key = value.encode("utf-8")
+
+    @classmethod
+    def from_file(cls, path: str) -> JobSecret:
+        """Raises OSError (unreadable) or ValueError (empty, several words, too short), naming the file."""
+        value = read_secret_line(path, "job secret file")
+        warn_if_readable_by_others(path)
+        try:
+            return cls(value)
+        except ValueError as e:
+            raise ValueError(f"job secret file {path}: {e}") from None
+
+    def __repr__(self) -> str:
+        return "JobSecret(<hidden>)"
+
+    def _mac(self, purpose: bytes, *parts: str) -> str:
+        key = hmac.new(self._key, purpose, hashlib.sha256).digest()  # one key per purpose
+        return hmac.new(key, "\0".join(parts).encode("utf-8"), hashlib.sha256).hexdigest()
+
+    def registration_proof(self, challenge: str, slot: int, rpc_name: str) -> str:
+        """What a worker sends with ``register``: binds the server's challenge, the slot and the name."""
+        return self._mac(_REGISTER, challenge, str(slot), rpc_name)
+
+    def leave_proof(self, rpc_name: str) -> str:
+        """What a departing process sends to be dropped from the group (its name is never reused)."""
+        return self._mac(_LEAVE, rpc_name)
+
+    def manifest_signature(self, manifest: dict[str, Any]) -> str:
+        """HMAC of a snapshot manifest (every field but the signature itself, canonical JSON)."""
+        body = {k: v for k, v in manifest.items() if k != "hmac"}
+        return self._mac(_MANIFEST, json.dumps(body, sort_keys=True, separators=(",", ":"), default=str))
+
+
+def matches(expected: str, given: object) -> bool:
+    """Constant-time comparison of a proof (anything a peer sent) with the expected one."""
+    return isinstance(given, str) and hmac.compare_digest(expected.encode("utf-8"), given.encode("utf-8", "replace"))

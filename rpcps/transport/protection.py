@@ -1,0 +1,66 @@
+"""What a peer may make this process run: installed in every process before it joins the group.
+
+torch RPC runs whatever function a peer names. ``protect`` narrows that to the application's
+``Surface`` (its endpoints and the records they exchange) plus what torch and this transport need
+themselves (the liveness probe, the leave request, the join handshake, remote errors), and denies
+the builtin operator that reads and writes files (``builtin_ops``). ``group.serve``/``group.join``
+refuse to start until it ran, so no process joins unprotected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rpcps.transport import builtin_ops, membership, pickling
+from rpcps.transport.calls import alive
+
+
+@dataclass(frozen=True, kw_only=True)
+class Surface:
+    """The application's part of what peers may name."""
+
+    calls: tuple[Callable[..., Any], ...]
+    """Functions a peer may ask this process to run (module-level, importable by name)."""
+    values: tuple[type, ...] = ()
+    """Classes a peer may send as arguments or replies (records, enums)."""
+
+    def __post_init__(self) -> None:
+        pickling.names_of(*self.calls, *self.values)  # raises ValueError for anything pickle cannot name
+
+
+def allowed_globals(surface: Surface) -> frozenset[pickling.GlobalName]:
+    """Every (module, name) a peer may name in this process: the surface plus transport and torch needs."""
+    return pickling.allow_list(
+        pickling.TORCH_PLUMBING,
+        pickling.JOIN_HANDSHAKE,
+        pickling.names_of(*pickling.EXCEPTION_TYPES),
+        pickling.names_of(alive, membership.forget_me),
+        pickling.names_of(*surface.calls, *surface.values),
+    )
+
+
+def protect(
+    surface: Surface,
+    max_message_bytes: int | None = None,
+    on_refusal: Callable[[pickling.Refusal], None] | None = None,
+) -> None:
+    """Restricts what peers can make this process run (call once, before joining the group).
+
+    Raises:
+        pickling.TorchInternalsChanged: this torch no longer works the way the hook expects.
+    """
+    pickling.install(
+        pickling.UnpicklePolicy(
+            allowed=allowed_globals(surface),
+            overrides={pickling.UPDATE_GROUP_MEMBERSHIP: membership.guarded_update_group_membership},
+            max_message_bytes=max_message_bytes,
+            on_refusal=on_refusal,
+        )
+    )
+    builtin_ops.deny()
+
+
+def protected() -> bool:
+    return pickling.installed() and builtin_ops.denied()

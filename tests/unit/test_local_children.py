@@ -1,0 +1,40 @@
+"""What `rpcps local` hands its children: the job secret as a 0600 file (never its value on a
+command line), and a server that leaves restarting to local."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from cli.config import LocalConfig
+from cli.local import Supervisor
+from rpcps.jobsecret import JobSecret
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_children_share_a_private_secret_file_and_local_supervises_the_server(tmp_path: Path) -> None:
+    local = Supervisor(LocalConfig(run_dir=str(tmp_path), workers=2))
+    path = tmp_path / "job-secret"
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    secret = path.read_text().strip()
+    JobSecret.from_file(str(path))
+    for child in local.children:
+        assert flag(child.argv, "--job-secret-file") == str(path), child.name
+        assert secret not in " ".join(child.argv)
+    assert flag(local.server.argv, "--supervise") == "off"
+    again = Supervisor(LocalConfig(run_dir=str(tmp_path), workers=1))  # a reused run directory keeps its secret
+    assert path.read_text().strip() == secret and flag(again.server.argv, "--job-secret-file") == str(path)
+
+
+def test_a_given_secret_file_is_used_as_is(tmp_path: Path) -> None:
+    given = tmp_path / "mine"
+    given.write_text("x" * 64)
+    base = LocalConfig(run_dir=str(tmp_path / "run"))
+    config = replace(base, server=replace(base.server, transport=replace(base.server.transport, job_secret_file=str(given))))
+    local = Supervisor(config)
+    assert all(flag(c.argv, "--job-secret-file") == str(given) for c in local.children)
+    assert not (tmp_path / "run" / "job-secret").exists()

@@ -1,0 +1,220 @@
+"""The restricted unpickler, driven through torch's own RPC serialize/deserialize (one process, no agent).
+
+What a peer's payload can name is exactly the worker API and its records; everything else is refused
+before any of it runs. The same paths over real RPC: tests/integration/test_hostile_peers.py.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.rpc import internal
+
+from ps.control.service import ControlServicer
+from ps.server import ParameterServer
+from ps.service import WorkerService
+from rpcps import endpoints, rpc_policy
+from rpcps.messages import ErrorReply, Mode, PullReply, PushReply, PushStatus, Registration, RegistrationProof
+from rpcps.transport import builtin_ops, membership, pickling, protection
+
+
+class _Reduce:
+    """Pickles as ``func(*args)``: what an attacker's payload looks like inside an allowed call."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.func, self.args
+
+
+@pytest.fixture
+def refusals() -> Iterator[list[pickling.Refusal]]:
+    seen: list[pickling.Refusal] = []
+    rpc_policy.protect(on_refusal=seen.append, max_message_bytes=1 << 20)
+    yield seen
+    pickling.uninstall()
+
+
+def roundtrip(obj: Any) -> Any:
+    payload, tensors = internal.serialize(obj)
+    return internal.deserialize(payload, tensors)
+
+
+def call(func: Any, *args: Any) -> Any:
+    return internal.PythonUDF(func, args, {})
+
+
+def test_every_endpoint_and_record_is_allowed(refusals: list[pickling.Refusal]) -> None:
+    allowed = protection.allowed_globals(rpc_policy.worker_api_surface())
+    for fn in endpoints.ENDPOINTS:
+        assert (fn.__module__, fn.__qualname__) in allowed, fn
+        assert roundtrip(call(fn, None, 0)).func is fn
+    assert roundtrip(call(endpoints.submit, None)).func is endpoints.submit  # the async_execution wrapper, by name
+    replies = [
+        Registration("inc", 3, 7, "sid", 1024, (10, 20), mode=Mode.SYNC),
+        PushReply(PushStatus.APPLIED, 3, 0),
+        PullReply(4, [torch.ones(2, dtype=torch.bfloat16), torch.arange(3)]),
+        ErrorReply("UnknownWorker", "no"),
+        RegistrationProof("c", "m"),
+        internal.RemoteException("boom", ValueError),
+    ]
+    for reply in replies:
+        assert repr(roundtrip(reply)) == repr(reply)
+    assert refusals == []
+
+
+def test_the_transport_itself_needs_only_its_probe_and_the_leave_request(refusals: list[pickling.Refusal]) -> None:
+    assert roundtrip(call(membership.forget_me, "w", "proof")).func is membership.forget_me
+    guarded = roundtrip(call(pickling._rpc_utils._update_group_membership, None, [], {}, True)).func
+    assert guarded is membership.guarded_update_group_membership
+
+
+@pytest.mark.parametrize(
+    ("func", "args"),
+    [
+        (os.system, ("true",)),
+        (eval, ("1",)),
+        (exec, ("pass",)),
+        (pathlib.Path.write_text, (pathlib.Path("/nonexistent/x"), "x")),
+        (functools.partial(os.system, "true"), ()),
+        (subprocess.Popen, (["true"],)),
+        (_Reduce(getattr, _Reduce(getattr, internal._InternalRPCPickler, "deserialize"), "__globals__"), ()),
+        (_Reduce(getattr, internal._InternalRPCPickler, "_script_module_receiver"), (b"",)),
+        (endpoints.register, (_Reduce(os.system, "true"),)),  # an allowed target, a gadget in its arguments
+        (torch.load, ("/etc/hostname",)),
+    ],
+)
+def test_gadgets_are_refused_before_running(refusals: list[pickling.Refusal], func: Any, args: tuple[Any, ...]) -> None:
+    payload, tensors = internal.serialize(call(func, *args))
+    with pytest.raises(pickling.RefusedPayload, match="rpc payload refused"):
+        internal.deserialize(payload, tensors)
+    assert len(refusals) == 1 and refusals[0].kind in ("global", "getattr")
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ParameterServer.pause, ParameterServer.resume, ParameterServer.stop, ParameterServer.finish,
+        ParameterServer.restore_state, ParameterServer.capture_state, ParameterServer.__setattr__,
+        WorkerService.register, WorkerService.mark_dead, endpoints.publish, endpoints._api,
+        membership.forget_member, ControlServicer.Shutdown,
+    ],
+)
+def test_no_server_method_is_callable(refusals: list[pickling.Refusal], method: Any) -> None:
+    """Everything but the worker API (pause, stop, restore, capture...) is the control plane's."""
+    with pytest.raises(pickling.RefusedPayload):
+        roundtrip(call(method, None))
+
+
+def test_a_refusal_is_not_returned_as_a_value(refusals: list[pickling.Refusal]) -> None:
+    """torch turns an AttributeError into a return value; a refusal must raise through instead."""
+    with pytest.raises(pickling.RefusedPayload):
+        roundtrip(PushReply(_Reduce(os.system, "true"), 1, 0))  # type: ignore[arg-type]
+
+
+def test_a_refused_message_does_not_pin_its_tensors(refusals: list[pickling.Refusal]) -> None:
+    payload, tensors = internal.serialize(call(os.system, torch.zeros(1000)))
+    with pytest.raises(pickling.RefusedPayload):
+        internal.deserialize(payload, tensors)
+    assert not hasattr(internal._thread_local_tensor_tables, "recv_tables")
+
+
+def test_oversized_messages_are_refused_before_running(refusals: list[pickling.Refusal]) -> None:
+    payload, tensors = internal.serialize(call(endpoints.submit, None, 0, "inc", 1, 0, [torch.zeros(300_000)], None))
+    with pytest.raises(pickling.RefusedPayload, match="size"):
+        internal.deserialize(payload, tensors)
+    assert refusals[0].kind == "size" and refusals[0].message_bytes > 1 << 20
+    pickling.set_max_message_bytes(None)
+    assert roundtrip(call(endpoints.submit, None, 0, "inc", 1, 0, [torch.zeros(300_000)], None)).func is endpoints.submit
+
+
+def test_the_default_message_limit_fits_a_full_topk_push() -> None:
+    n = 1_000_000
+    indices, values = torch.arange(n), torch.zeros(n)
+    carried = indices.nelement() * indices.element_size() + values.nelement() * values.element_size()
+    assert rpc_policy.message_limit(n, None) >= carried
+    assert rpc_policy.message_limit(n, 2.0) == 2 << 20
+
+
+def test_a_broken_callback_still_refuses() -> None:
+    def broken(_: pickling.Refusal) -> None:
+        raise RuntimeError("callback bug")
+
+    rpc_policy.protect(on_refusal=broken)
+    try:
+        with pytest.raises(pickling.RefusedPayload):
+            roundtrip(call(os.system, "true"))
+    finally:
+        pickling.uninstall()
+
+
+def _vanished() -> None:
+    """Stands for a function a newer peer has and this process lacks."""
+
+
+def test_a_listed_name_that_does_not_resolve_is_refused_not_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version skew: a peer names a listed function this process lacks."""
+    module = sys.modules[__name__]
+    monkeypatch.setattr(_vanished, "__qualname__", "gone")
+    monkeypatch.setattr(module, "gone", _vanished, raising=False)
+    payload, tensors = internal.serialize(call(_vanished))  # pickled by name, as <this module>.gone
+    monkeypatch.delattr(module, "gone")
+    pickling.install(pickling.UnpicklePolicy(allowed=pickling.TORCH_PLUMBING | {(__name__, "gone")}))
+    try:
+        with pytest.raises(pickling.RefusedPayload, match="missing"):
+            internal.deserialize(payload, tensors)
+    finally:
+        pickling.uninstall()
+
+
+def test_copyreg_extensions_fail_closed(refusals: list[pickling.Refusal]) -> None:
+    """A resolved copyreg extension code would bypass find_class: everything is refused instead."""
+    copyreg.add_extension("posix", "system", 240)
+    try:
+        assert pickle.loads(pickle.dumps(os.system, protocol=2)) is os.system  # a plain unpickler fills the cache
+        with pytest.raises(pickling.RefusedPayload, match="copyreg"):
+            roundtrip(PushReply(PushStatus.APPLIED, 1, 0))
+    finally:
+        copyreg.remove_extension("posix", "system", 240)
+        copyreg.clear_extension_cache()
+
+
+def test_install_fails_loudly_when_torch_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    surface = rpc_policy.worker_api_surface()
+    monkeypatch.setattr(internal, "_unpickler", type("Other", (pickle.Unpickler,), {}))
+    with pytest.raises(pickling.TorchInternalsChanged, match="_unpickler"):
+        protection.protect(surface)
+    monkeypatch.undo()
+    monkeypatch.delattr(internal._InternalRPCPickler, "_tensor_receiver")
+    with pytest.raises(pickling.TorchInternalsChanged, match="_tensor_receiver"):
+        protection.protect(surface)
+    monkeypatch.undo()
+    pickling.uninstall()
+
+
+def test_policies_name_only_importable_objects() -> None:
+    with pytest.raises(ValueError, match="no importable name"):
+        protection.Surface(calls=(lambda: None,))
+    with pytest.raises(ValueError, match="lacks"):
+        pickling.install(pickling.UnpicklePolicy(allowed=pickling.names_of(endpoints.pull)))
+    with pytest.raises(ValueError, match="overrides"):
+        pickling.UnpicklePolicy(allowed=frozenset(), overrides={("os", "system"): print})
+
+
+def test_from_file_is_denied_in_a_protected_process() -> None:
+    """The builtin operator that reads and writes files (it never passes through pickle)."""
+    builtin_ops.deny()
+    with pytest.raises(RuntimeError, match="refused"):
+        torch.from_file("/etc/hostname", False, 4, dtype=torch.uint8)
+    assert torch.zeros(2).sum().item() == 0.0  # other operators are untouched

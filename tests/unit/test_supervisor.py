@@ -1,0 +1,109 @@
+"""The supervisor of `rpcps ps`, with stand-in children (plain Python, no torch, no RPC).
+
+The real server under its supervisor, hit by garbage bytes: tests/integration/test_hostile_peers.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from harness.procs import pid_alive, wait_until
+from ps import supervisor
+from ps.supervisor import Supervisor
+
+CHILD = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys, time
+    scratch = pathlib.Path(os.environ["RPCPS_SUPERVISOR_DIR"])
+    restarts = int(os.environ["RPCPS_CRASH_RESTARTS"])
+    log, plan = pathlib.Path(sys.argv[1]), sys.argv[2].split(",")
+    with log.open("a") as f:
+        f.write(f"{restarts} {os.getpid()}\\n")
+    step = plan[min(restarts, len(plan) - 1)]
+    if step.startswith("serve"):
+        (scratch / "serving").write_text(str(os.getpid()))
+        step = step[len("serve-"):]
+    if step == "abort":
+        os.abort()
+    if step.startswith("exit"):
+        sys.exit(int(step[len("exit"):]))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def run(tmp_path: Path, plan: str, monkeypatch: pytest.MonkeyPatch, stop_at_start: int | None = None) -> tuple[int, list[str]]:
+    """Runs a Supervisor in this process over the stand-in child; returns (exit code, child log lines).
+
+    ``stop_at_start``: send the supervisor SIGTERM once the child started that many times.
+    """
+    monkeypatch.setattr(Supervisor, "_sleep", lambda self, seconds: None)  # no backoff waits in a unit test
+    log = tmp_path / "children.log"
+    sup = Supervisor([sys.executable, "-c", CHILD, str(log), plan])
+    if stop_at_start is not None:
+
+        def stop() -> None:
+            wait_until(lambda: log.exists() and len(log.read_text().splitlines()) >= stop_at_start, 60, "child starts")
+            wait_until(lambda: (sup.scratch / supervisor.READY_FILE).exists(), 60, "the last child to serve")
+            sup._on_signal(signal.SIGTERM, None)
+
+        threading.Thread(target=stop, daemon=True).start()
+    code = sup.run()
+    assert not sup.scratch.exists(), "the scratch directory must go with the supervisor"
+    return code, log.read_text().splitlines()
+
+
+def test_a_crash_after_serving_is_restarted_and_the_child_knows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code, lines = run(tmp_path, "serve-abort,serve-abort,serve", monkeypatch, stop_at_start=3)
+    assert code == 0  # SIGTERM was passed on and the child stopped cleanly
+    assert [line.split()[0] for line in lines] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize(("plan", "expected_code", "starts"), [("exit2", 2, 1), ("exit1", 1, 1), ("exit0", 0, 1), ("serve-exit1,serve-exit0", 0, 2)])
+def test_what_a_restart_cannot_fix_ends_the_supervisor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: str, expected_code: int, starts: int
+) -> None:
+    code, lines = run(tmp_path, plan, monkeypatch)
+    assert (code, len(lines)) == (expected_code, starts)
+
+
+def test_a_crash_loop_before_serving_gives_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    code, lines = run(tmp_path, "abort", monkeypatch)
+    assert code == 128 + signal.SIGABRT and len(lines) == supervisor.MAX_FAILED_STARTS
+
+
+def test_killing_the_supervisor_takes_its_child_along(tmp_path: Path) -> None:
+    log = tmp_path / "children.log"
+    script = Path(supervisor.__file__)
+    proc = subprocess.Popen([sys.executable, "-P", str(script), "--", sys.executable, "-c", CHILD, str(log), "serve"])
+    try:
+        line = wait_until(lambda: log.exists() and log.read_text().strip(), 30, "the child to start")
+        child = int(line.split()[1])
+        assert pid_alive(child)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_until(lambda: not pid_alive(child), 10, "the orphaned child to die with its supervisor")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_serving_child_sees_its_supervisor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(supervisor.CHILD_ENV, raising=False)
+    assert not supervisor.is_child() and supervisor.scratch_dir() is None and supervisor.crash_restarts() == 0
+    supervisor.note_serving()  # unsupervised: nothing to tell
+    monkeypatch.setenv(supervisor.CHILD_ENV, str(tmp_path))
+    monkeypatch.setenv(supervisor.RESTARTS_ENV, "3")
+    supervisor.note_serving()
+    assert supervisor.is_child() and supervisor.crash_restarts() == 3
+    assert (tmp_path / supervisor.READY_FILE).read_text() == str(os.getpid())
