@@ -151,7 +151,7 @@ class WorkerService:
         self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
     ) -> PushReply:
         """``submit`` waited for (in-process callers; in 'sync' mode it blocks until the round closes)."""
-        return self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse).wait()
+        return self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse).wait()
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None = None
