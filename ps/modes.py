@@ -23,6 +23,7 @@ from torch.futures import Future
 
 from ps.config import ServerCoreConfig
 from ps.server import Contribution, ParameterServer
+from ps.sparse_store import CheckedPush
 from ps.sync_rounds import RoundKeeper, SyncContribution
 from ps.workers import WorkerRecord
 from rpcps.errors import ServerStopping
@@ -38,10 +39,13 @@ class ConsistencyMode(Protocol):
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         """Applies (now or with its round) an admitted push and the model buffers it carried; the
-        future gives its PushReply."""
+        future gives its PushReply.
+
+        ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``; sync mode never
+        gets one (a server with sparse tables refuses to start in sync mode)."""
         ...
 
     def drop_locked(self, slot: int) -> None:
@@ -69,7 +73,7 @@ class AsyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         server = self.server
         with server.lock:
@@ -79,7 +83,7 @@ class AsyncMode:
             if refusal is not None:
                 return done(refusal)
             staleness = server.version - base_version
-            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness, buffers)])
+            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness, buffers)], sparse)
         return done(PushReply(PushStatus.APPLIED, version, staleness))
 
     def drop_locked(self, slot: int) -> None:
@@ -104,8 +108,10 @@ class SyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
+        if sparse:
+            raise ValueError("sync mode cannot apply sparse rows")  # the server refuses sparse tables in sync mode
         server = self.server
         reply: Future = Future()
         with server.lock:

@@ -98,6 +98,9 @@ def run_server(config: ServerRunConfig) -> int:
     if checkpointer is not None:
         server.on_applied(checkpointer.on_applied)
         checkpointer.start()
+    if server.sparse is not None:
+        server.sparse.start()
+        logger.info("sparse tables %s (%s, lr %g)", sorted(server.sparse.tables), config.core.sparse.optimizer, config.core.sparse.lr)
     endpoints.publish(service)
     reaper = MembershipReaper(service, metrics, config.lease_s, owns_group=config.core.shard_index == 0)
     reaper.start()
@@ -141,6 +144,8 @@ def run_server(config: ServerRunConfig) -> int:
         reaper.stop()
         if store_guard is not None:
             store_guard.stop()
+        if server.sparse is not None:
+            server.sparse.stop()
         endpoints.withdraw()
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]

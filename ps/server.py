@@ -31,10 +31,12 @@ from ps.dedup import SequenceTracker
 from ps.export import named_state
 from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer, load_state
+from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.messages import Mode, PushReply, PushStatus
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, persistent_buffers
+from rpcps.sparse.spec import declared_tables
 from rpcps.wire import wire_dtype
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class UpdateApplied:
     applied: tuple[tuple[int, int, int], ...]
     """(slot, step, staleness) of every contribution."""
     grad_bytes: int
+    sparse_rows: int = 0
+    """Sparse rows this update changed."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,13 @@ class ParameterServer:
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
         self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
         self.buffers = BufferStore(self.signature.buffers, dict(persistent_buffers(model)))
+        specs = declared_tables(model)
+        if specs and config.mode == Mode.SYNC:
+            raise ValueError("sparse embedding tables need --mode async or bounded (sync rounds average dense gradients only)")
+        self.sparse = SparseStore(specs, config.sparse, config.shard_index, config.shard_count) if specs else None
+        """The model's sparse tables (this server's buckets of them), or None."""
+        if self.sparse is not None:
+            self.metrics.watch_sparse(self.sparse.stats)
         self.version = 0
         self.workers = WorkerTable(config.max_workers)
         self.started = time.monotonic()
@@ -147,8 +158,9 @@ class ParameterServer:
             return PushReply(PushStatus.STALE, self.version, staleness)
         return None
 
-    def apply_locked(self, grads: list[torch.Tensor], contributions: list[Contribution]) -> int:
-        """Under the lock: one optimizer step from ``grads``; records every contribution. Returns the version."""
+    def apply_locked(self, grads: list[torch.Tensor], contributions: list[Contribution], sparse: CheckedPush | None = None) -> int:
+        """Under the lock: one optimizer step from ``grads`` and the rows of ``sparse``; records every
+        contribution. Returns the version."""
         started = time.perf_counter()
         for master, grad in zip(self._masters, grads):
             master.grad = grad
@@ -157,6 +169,7 @@ class ParameterServer:
             master.grad = None
         if self.schedule is not None:
             self.schedule.step()
+        sparse_rows = self.sparse.apply(sparse) if sparse and self.sparse is not None else 0
         self.version += 1
         now = time.monotonic()
         for c in contributions:  # in arrival order: the last one's buffers are the newest
@@ -171,6 +184,7 @@ class ParameterServer:
             time.perf_counter() - started,
             tuple((c.record.slot, c.seq, c.staleness) for c in contributions),
             sum(g.numel() * g.element_size() for g in grads) * len(contributions),
+            sparse_rows,
         )
         for listener in self._listeners:
             listener(event)
@@ -204,6 +218,11 @@ class ParameterServer:
             "version": self.version,
             "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
         }
+        if self.sparse is not None:
+            # Under the lock, like the rest: the rows match the dense state and the workers' progress.
+            started = time.perf_counter()
+            state["sparse"] = self.sparse.capture()
+            self.metrics.sparse_capture_seconds.observe(time.perf_counter() - started)
         if self.buffers:
             state["buffers"] = self.buffers.named_locked()
         return self.version, state
@@ -214,6 +233,8 @@ class ParameterServer:
         if [m.numel() for m in masters] != list(self.layout.chunk_numels):
             raise ValueError("the snapshot's parameter layout differs from this server's (different --chunk-mb?)")
         with self.lock, torch.no_grad():
+            if self.sparse is not None:  # first: it validates every table before anything else changes
+                self.sparse.restore(state.get("sparse", {}))
             for mine, saved in zip(self._masters, masters):
                 mine.copy_(saved)
             load_state(self.optimizer, state["optimizer"])
