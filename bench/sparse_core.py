@@ -41,10 +41,10 @@ import torch
 from bench.common import proc_memory_kb
 from ps.snapshot_files import load_snapshot, write_snapshot
 from ps.sparse.checkpoint import payload_nbytes
-from rpcps.sparse.hashing import derive_key, keyed_hash
 from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
+from rpcps.sparse.hashing import derive_key, keyed_hash
 
 OPTIMIZERS: dict[str, Callable[[], Any]] = {
     "sgd": lambda: SGD(lr=0.01),

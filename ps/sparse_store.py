@@ -22,7 +22,7 @@ import torch
 from ps.config import SPARSE_OPTIMIZERS, SparseConfig
 from ps.sparse import CountAdmissionConfig, EvictionConfig, RowInitConfig, SparseTable, TableConfig, TableStats
 from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
-from rpcps.sparse.spec import SparsePull, SparsePush, TableSpec
+from rpcps.sparse.spec import SparsePull, TableSpec
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class SparseStore:
             for name, table in self.tables.items():
                 try:
                     evicted = table.evict_step().evicted.numel()
-                except Exception:  # noqa: BLE001 - one bad sweep must not end eviction for good
+                except Exception:
                     logger.exception("eviction on sparse table %s failed; trying again next time", name)
                     continue
                 if evicted:

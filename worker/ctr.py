@@ -20,6 +20,7 @@ pairwise dot products of the 27 vectors, and a top MLP on those and the bottom o
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -143,7 +144,7 @@ def eval_batches(count: int = 8, batch_size: int = SMALL_BATCH, at_batch: int = 
 
 def _mlp(sizes: list[int]) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())

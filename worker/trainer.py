@@ -37,8 +37,8 @@ from rpcps.errors import CheckpointFailed, PushRejected
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
-from rpcps.summary import run_summary
 from rpcps.sparse.spec import SparsePush, declared_tables
+from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
 from worker.buffers import ModelBuffers
 from worker.client import ServerClient, result

@@ -19,8 +19,8 @@ from ps.sparse.eviction import EvictionConfig
 from ps.sparse.index import IndexConfig
 from ps.sparse.row_init import RowInitConfig
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
-from rpcps.sparse.sharding import BucketManifest, BucketRange, bucket_of
 from ps.sparse.table import ApplyResult, EvictionSlice, FullCapture, SparseTable, TableConfig, TableStats
+from rpcps.sparse.sharding import BucketManifest, BucketRange, bucket_of
 
 __all__ = [
     "FTRL",

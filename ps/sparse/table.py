@@ -64,13 +64,13 @@ from ps.sparse.checkpoint import (
     payload_records,
 )
 from ps.sparse.eviction import SAMPLE_ROWS, EvictionConfig, EvictionPlan
-from rpcps.sparse.hashing import derive_key
 from ps.sparse.index import IdIndex, IndexConfig, check_ids
-from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_image import RowImage
+from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer
-from rpcps.sparse.sharding import DEFAULT_BUCKETS
 from ps.sparse.slab import LIVE, RowSlab
+from rpcps.sparse.hashing import derive_key
+from rpcps.sparse.sharding import DEFAULT_BUCKETS
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class TableConfig:
         if not 1 <= self.dim <= 1 << 16:
             raise ValueError(f"dim must be in [1, 65536], got {self.dim}")
         if not isinstance(self.optimizer, ROW_OPTIMIZERS):
-            raise ValueError(f"optimizer must be one of {[c.__name__ for c in ROW_OPTIMIZERS]}, got {self.optimizer!r}")
+            raise ValueError(f"optimizer must be one of {[c.__name__ for c in ROW_OPTIMIZERS]}, got {self.optimizer!r}")  # noqa: TRY004 - every config error is a ValueError
         if self.clock not in ("applies", "seconds"):
             raise ValueError(f"clock must be 'applies' or 'seconds', got {self.clock!r}")
         if not 1 <= self.num_buckets < 1 << 31:

@@ -19,10 +19,10 @@ from ps.snapshot_files import list_snapshots, load_snapshot, write_snapshot
 from ps.sparse.admission import CountAdmissionConfig
 from ps.sparse.checkpoint import InvalidPayload, RowRecords, compact, payload_nbytes
 from ps.sparse.eviction import EvictionConfig
-from rpcps.sparse.hashing import derive_key, keyed_hash
 from ps.sparse.row_optim import LazyAdam, RowWiseAdagrad
-from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
 from ps.sparse.table import SparseTable, TableConfig
+from rpcps.sparse.hashing import derive_key, keyed_hash
+from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
 
 Chain = tuple[dict[str, Any], list[dict[str, Any]]]
 ALL = [(0, 4096)]
@@ -269,7 +269,7 @@ def test_broken_chains_and_foreign_payloads_are_refused_and_leave_the_table_empt
 
 
 def test_a_restore_may_change_hyperparameters_but_not_the_state_layout() -> None:
-    table, chain = _chain(7)
+    _, chain = _chain(7)
     SparseTable(_config(optimizer=LazyAdam(lr=0.5))).restore([chain], ALL)
     adagrad = _config(optimizer=RowWiseAdagrad(lr=0.1))
     with pytest.raises(InvalidPayload, match="checkpoint has width=25, table 'emb' has 9"):
