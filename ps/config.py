@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ps.optim import OPTIMIZERS, SCHEDULES, check_kwargs
+from ps.sparse.row_optim import ROW_OPTIMIZERS
 from rpcps.address import Address
 from rpcps.messages import Mode
 from rpcps.process import ProcessOptions, model_setting
@@ -60,11 +61,56 @@ class OptimizerConfig:
         return kwargs
 
 
+SPARSE_OPTIMIZERS = {cls.name: cls for cls in ROW_OPTIMIZERS}  # type: ignore[attr-defined]
+
+
+@dataclass(kw_only=True, frozen=True)
+class SparseConfig:
+    """Sparse embedding tables (the tables a model declares; docs/SPARSE.md)."""
+
+    optimizer: str = setting(
+        "rowwise_adagrad", flag="--sparse-optimizer", help="row optimizer of every sparse table, applied in place on the server",
+        choices=lambda: sorted(SPARSE_OPTIMIZERS),
+    )
+    lr: float = setting(0.05, flag="--sparse-lr", help="learning rate of the sparse row optimizer")
+    init_scale: float = setting(0.01, flag="--sparse-init-scale", help="new rows start uniform in [-scale, scale) from (seed, table, id)")
+    seed: int = setting(0, flag="--sparse-seed", help="seed of the deterministic row initialisation")
+    admit_count: int | None = setting(
+        None, flag="--sparse-admit-count", help="admit an id once it was pulled this many times (count-min, 4 MiB per table); "
+        "unset admits on first sight", metavar="N",
+    )
+    ttl: int | None = setting(
+        None, flag="--sparse-ttl", help="evict rows not updated for this many updates of their table", metavar="UPDATES"
+    )
+    max_rows: int | None = setting(
+        None, flag="--sparse-max-rows", help="row cap per table on each server: a sweep above it evicts the least used down to 0.9 of it",
+        metavar="N",
+    )
+    evict_every_s: float = setting(1.0, flag="--sparse-evict-every-s", help="seconds between eviction slices (off the request path)")
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"sparse optimizer {self.optimizer!r} is not supported; choose one of {sorted(SPARSE_OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise ValueError(f"sparse lr must be > 0, got {self.lr}")
+        if not self.init_scale > 0:
+            raise ValueError(f"sparse init_scale must be > 0, got {self.init_scale}")
+        if self.admit_count is not None and not 1 <= self.admit_count <= 255:
+            raise ValueError(f"sparse admit_count must be in [1, 255], got {self.admit_count}")
+        if self.ttl is not None and self.ttl < 1:
+            raise ValueError(f"sparse ttl must be >= 1, got {self.ttl}")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"sparse max_rows must be >= 1, got {self.max_rows}")
+        if not self.evict_every_s > 0:
+            raise ValueError(f"sparse evict_every_s must be > 0, got {self.evict_every_s}")
+
+
 @dataclass(kw_only=True, frozen=True)
 class ServerCoreConfig:
     """Parameters and updates."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     mode: Mode = setting(
         Mode.ASYNC,
         help="async: apply every push; bounded: refuse pushes staler than --max-staleness (the worker recomputes them); "

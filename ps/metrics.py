@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps.admission import RejectReason
@@ -18,6 +18,7 @@ from rpcps.transport.membership import REPAIR_KINDS
 
 if TYPE_CHECKING:
     from ps.server import UpdateApplied
+    from ps.sparse.table import TableStats
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -124,6 +125,14 @@ class ServerMetrics:
             "Updates applied while the newest checkpoint was written (a crash just before a commit loses them too).",
             registry=r,
         )
+        self.sparse_capture_seconds = Histogram(
+            "rpcps_sparse_checkpoint_pause_seconds",
+            "Time a snapshot held the server's lock to copy the sparse tables (updates wait that long).",
+            buckets=_LATENCY_BUCKETS + (30.0, 60.0),
+            registry=r,
+        )
+        self._sparse_stats: Callable[[], dict[str, TableStats]] = dict
+        r.register(_SparseCollector(lambda: self._sparse_stats()))
         self.checkpoint_behind = Counter(
             "rpcps_checkpoint_behind",
             "Checkpoint writes during which more updates were applied than --checkpoint-every-updates.",
@@ -174,6 +183,10 @@ class ServerMetrics:
         for _, _, staleness in event.applied:
             self.staleness.observe(staleness)
 
+    def watch_sparse(self, stats: Callable[[], dict[str, TableStats]]) -> None:
+        """Reads the sparse tables' counters at scrape time (``ps.sparse_store.SparseStore.stats``)."""
+        self._sparse_stats = stats
+
     def watch_workers(self, snapshot: Callable[[], Iterable[tuple[int, bool, float | None]]]) -> None:
         """Adds live-worker gauges computed at scrape time from (slot, live, seconds since its last push)."""
         self.registry.register(_WorkerCollector(snapshot))
@@ -206,3 +219,38 @@ class _WorkerCollector(Collector):
         live.add_metric([], count)
         yield live
         yield age
+
+
+_SPARSE_GAUGES = (
+    ("rows", "rows", "Live rows of each sparse table on this server."),
+    ("resident_bytes", "resident_bytes", "Bytes of each sparse table: index, rows with optimizer state, metadata, admission filter."),
+    ("index_bytes", "index_bytes", "Bytes of each sparse table's id -> row index."),
+)
+_SPARSE_COUNTERS = (
+    ("admitted_total", "admitted_ids", "Ids given a row by admission."),
+    ("filtered_total", "filtered_ids", "Pulled ids refused by admission (they read zeros)."),
+    ("dropped_gradients_total", "dropped_gradients", "Gradients of ids without a row (not admitted, or evicted since their pull), dropped."),
+    ("evicted_total", "evicted_rows", "Rows evicted (TTL or row cap), each recorded as a tombstone."),
+    ("pulled_rows_total", "pulled_rows", "Rows sent to workers by pulls."),
+    ("pushed_rows_total", "pushed_rows", "Rows updated by pushes."),
+)
+
+
+class _SparseCollector(Collector):
+    """Per-table series (label ``table``: the model's table names, a fixed set) read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, TableStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats()
+        for field, name, doc in _SPARSE_GAUGES:
+            gauge = GaugeMetricFamily(f"rpcps_sparse_{name}", doc, labels=["table"])
+            for table, s in stats.items():
+                gauge.add_metric([table], getattr(s, field))
+            yield gauge
+        for field, name, doc in _SPARSE_COUNTERS:
+            counter = CounterMetricFamily(f"rpcps_sparse_{name}", doc, labels=["table"])
+            for table, s in stats.items():
+                counter.add_metric([table], getattr(s, field))
+            yield counter

@@ -25,6 +25,7 @@ from torch.futures import Future
 
 from ps.config import ServerCoreConfig
 from ps.server import Contribution, ParameterServer, answer
+from ps.sparse_store import CheckedPush
 from ps.sync_rounds import RoundKeeper, SyncContribution
 from ps.workers import WorkerRecord
 from rpcps.errors import ServerStopping
@@ -40,11 +41,14 @@ class ConsistencyMode(Protocol):
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         """Sequences (now or with its round) an admitted push: ``chunks`` as received, ``grads`` their
         fp32 form, ``buffers`` the model buffers it carried. The future gives its PushReply once the
-        update is applied."""
+        update is applied.
+
+        ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``, in this process
+        only: a server with sparse tables refuses to start with a standby, and in sync mode."""
         ...
 
     def drop_locked(self, slot: int) -> None:
@@ -72,7 +76,7 @@ class AsyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         server = self.server
         reply: Future = Future()
@@ -86,7 +90,7 @@ class AsyncMode:
             if refusal is not None:
                 return done(refusal)
             staleness = server.log.last_version - base_version
-            update = server.sequence_update_locked(chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers)
+            update = server.sequence_update_locked(chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers, sparse=sparse)
             update.replies.append((reply, PushReply(PushStatus.APPLIED, update.entry.version, staleness)))  # type: ignore[union-attr]
             applied = server.apply_committed_locked()
         answer(applied)
@@ -114,9 +118,11 @@ class SyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         del chunks  # a round ships its mean, not the pushes it averages
+        if sparse:
+            raise ValueError("sync mode cannot apply sparse rows")  # the server refuses sparse tables in sync mode
         server = self.server
         reply: Future = Future()
         with server.lock:

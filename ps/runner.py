@@ -78,6 +78,10 @@ def run_server(config: ServerRunConfig) -> int:
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    if server.sparse is not None and config.replication.replicas > 1:
+        # Sparse rows are applied by the primary only (ps.replication ships dense updates): a standby
+        # would take over without them.
+        raise ValueError("sparse embedding tables cannot have a standby yet: run them with --replicas 1")
     largest_chunk = max(server.layout.chunk_numels) * server.wire.itemsize
     config = replace(config, transport=replace(config.transport, rpc_channels=config.transport.channels(largest_chunk)))
     rpc_policy.protect(
@@ -127,6 +131,9 @@ def run_server(config: ServerRunConfig) -> int:
         checkpointer = _restore(server, config, ledger, secret, checkpoint_config, point if claim.attach_to is None else None)
         control.attach_checkpointer(checkpointer)
         service.durability = checkpointer
+        if server.sparse is not None:
+            server.sparse.start()
+            logger.info("sparse tables %s (%s, lr %g)", sorted(server.sparse.tables), config.core.sparse.optimizer, config.core.sparse.lr)
         if checkpointer is not None:
             server.on_applied(lambda event: None if event.mirrored else checkpointer.on_applied(event))
         replica = ShardReplica(
@@ -205,6 +212,8 @@ def run_server(config: ServerRunConfig) -> int:
             janitor.stop()
         if store_guard is not None:
             store_guard.stop()
+        if server.sparse is not None:
+            server.sparse.stop()
         endpoints.withdraw()
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]

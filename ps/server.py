@@ -41,11 +41,13 @@ from ps.export import named_state
 from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer, load_state
 from ps.replication.log import ReplicationLog, Sequenced
+from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.errors import NotPrimary
 from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Update
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, persistent_buffers
+from rpcps.sparse.spec import declared_tables
 from rpcps.wire import to_dense_fp32, wire_dtype
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,8 @@ class UpdateApplied:
     """Unix time of the check that allowed this apply (a primary's lease check): what the ledger records."""
     mirrored: bool = False
     """Applied by a standby following its primary (not served to anyone yet)."""
+    sparse_rows: int = 0
+    """Sparse rows this update changed."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,13 @@ class ParameterServer:
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
         self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
         self.buffers = BufferStore(self.signature.buffers, dict(persistent_buffers(model)))
+        specs = declared_tables(model)
+        if specs and config.mode == Mode.SYNC:
+            raise ValueError("sparse embedding tables need --mode async or bounded (sync rounds average dense gradients only)")
+        self.sparse = SparseStore(specs, config.sparse, config.shard_index, config.shard_count) if specs else None
+        """The model's sparse tables (this server's buckets of them), or None."""
+        if self.sparse is not None:
+            self.metrics.watch_sparse(self.sparse.stats)
         self.version = 0
         self.log = ReplicationLog()
         self.epoch = 0
@@ -200,13 +211,15 @@ class ParameterServer:
         contributions: list[tuple[int, int, float | None, int]],
         on_release: Callable[[], None] | None = None,
         buffers: list[torch.Tensor] | None = None,
+        sparse: CheckedPush | None = None,
     ) -> Sequenced:
         """Under the lock: the next optimizer step, from ``grads`` (the fp32 form of ``chunks``); with
-        ``buffers``, the model buffers that become the server's with it."""
+        ``buffers``, the model buffers that become the server's with it; with ``sparse``, the sparse
+        rows it changes (applied here only: not shipped to a standby, see ``ps.runner``)."""
         self._check_primary_locked()
         log = self.log
         entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers)
-        sequenced = Sequenced(entry, grads, on_release=on_release)
+        sequenced = Sequenced(entry, grads, on_release=on_release, sparse=sparse)
         log.append(sequenced)
         return sequenced
 
@@ -244,7 +257,7 @@ class ParameterServer:
             grads = sequenced.grads
             if grads is None:
                 grads = [to_dense_fp32(c, n) for c, n in zip(entry.chunks, self.layout.chunk_numels)]
-            self.apply_locked(grads, entry, stamp)
+            self.apply_locked(grads, entry, stamp, sequenced.sparse)
         elif isinstance(entry, Mark):
             self.workers.records[entry.slot].tracker.mark(entry.seq)
         elif isinstance(entry, Registered):
@@ -253,8 +266,9 @@ class ParameterServer:
             (self._running.clear if entry.action == "pause" else self._running.set)()
             self.metrics.paused.set(1 if entry.action == "pause" else 0)
 
-    def apply_locked(self, grads: list[torch.Tensor], update: Update, stamp: float) -> int:
-        """Under the lock: one optimizer step from ``grads``; records every contribution. Returns the version."""
+    def apply_locked(self, grads: list[torch.Tensor], update: Update, stamp: float, sparse: CheckedPush | None = None) -> int:
+        """Under the lock: one optimizer step from ``grads`` and the rows of ``sparse``; records every
+        contribution. Returns the version."""
         started = time.perf_counter()
         for master, grad in zip(self._masters, grads):
             master.grad = grad
@@ -263,6 +277,7 @@ class ParameterServer:
             master.grad = None
         if self.schedule is not None:
             self.schedule.step()
+        sparse_rows = self.sparse.apply(sparse) if sparse and self.sparse is not None else 0
         self.version += 1
         if self.version != update.version:
             raise AssertionError(f"update {update.index} produces version {update.version}, but this server is at {self.version - 1}")
@@ -283,6 +298,7 @@ class ParameterServer:
             update.epoch,
             stamp,
             self.mirroring,
+            sparse_rows,
         )
         for listener in self._listeners:
             listener(event)
@@ -334,6 +350,11 @@ class ParameterServer:
             "epoch": self.epoch,
             "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
         }
+        if self.sparse is not None:
+            # Under the lock, like the rest: the rows match the dense state and the workers' progress.
+            started = time.perf_counter()
+            state["sparse"] = self.sparse.capture()
+            self.metrics.sparse_capture_seconds.observe(time.perf_counter() - started)
         if self.buffers:
             state["buffers"] = self.buffers.named_locked()
         return self.version, state
@@ -357,6 +378,8 @@ class ParameterServer:
         if [m.numel() for m in masters] != list(self.layout.chunk_numels):
             raise ValueError("the snapshot's parameter layout differs from this server's (different --chunk-mb?)")
         with self.lock, torch.no_grad():
+            if self.sparse is not None:  # first: it validates every table before anything else changes
+                self.sparse.restore(state.get("sparse", {}))
             for mine, saved in zip(self._masters, masters):
                 mine.copy_(saved)
             load_state(self.optimizer, state["optimizer"])

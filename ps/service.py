@@ -26,6 +26,7 @@ from ps.modes import ConsistencyMode, done, make_mode
 from ps.registration_auth import RegistrationGate
 from ps.server import ParameterServer, answer
 from ps.snapshot_files import SnapshotInfo
+from ps.sparse_store import BadSparse, CheckedPush
 from ps.workers import WorkerRecord
 from rpcps import failpoints
 from rpcps.errors import (
@@ -51,6 +52,7 @@ from rpcps.messages import (
     RegistrationProof,
 )
 from rpcps.signature import ModelSignature
+from rpcps.sparse.spec import SparsePull
 from rpcps.summary import run_summary
 
 logger = logging.getLogger(__name__)
@@ -139,14 +141,17 @@ class WorkerService:
         chunks: Any,
         loss: float | None = None,
         have_version: int | None = None,
+        sparse: Any = None,
     ) -> Future:
         """Admits one push and hands it to the mode; the future gives its PushReply (or raises).
 
         With ``have_version`` the reply carries the parameters once the push is answered (what
         ``pull(slot, incarnation, have_version)`` gives then): one call per step instead of a push
-        and a pull, the per-call cost that dominates small models.
+        and a pull, the per-call cost that dominates small models. ``sparse`` is the push's sparse
+        part (``rpcps.sparse.spec``): checked with the dense part and applied in the same update, so
+        the (slot, step) deduplication covers both.
         """
-        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss)
+        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
         if have_version is None:
             return answered
         return answered.then(lambda f: self._with_params(f.value(), slot, incarnation, have_version))
@@ -159,7 +164,9 @@ class WorkerService:
         except RpcpsError:  # the slot was taken over meanwhile: the push's own answer stands
             return reply
 
-    def _submit(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None) -> Future:
+    def _submit(
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None, sparse: Any
+    ) -> Future:
         self._check_serving()
         started = time.perf_counter()
         self.metrics.count_received()
@@ -173,21 +180,25 @@ class WorkerService:
                 grads = self.admission.check(slot, seq, chunks)
                 if buffers is not None and not isinstance(grads, SkipNonfinite):
                     buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
+                checked = self._check_sparse(slot, seq, sparse)
             except Refused as e:
                 return self._refused(record, seq, e)
-            for skip in (grads, buffers):
+            for skip in (grads, buffers, checked):
                 if isinstance(skip, SkipNonfinite):
                     return self._skipped(record, seq, skip.where)
-            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers)
+            assert not isinstance(checked, SkipNonfinite)
+            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers, checked)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
 
-    def push(self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None) -> PushReply:
+    def push(
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
+    ) -> PushReply:
         """``submit`` waited for (in-process callers; in 'sync' mode it blocks until the round closes).
 
         Raises the error an RPC caller would get as an ``ErrorReply``."""
-        reply = self.submit(slot, incarnation, seq, base_version, chunks, loss).wait()
+        reply = self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse).wait()
         if isinstance(reply, ErrorReply):
             raise ERROR_TYPES.get(reply.kind, RpcpsError)(reply.message)
         return reply
@@ -223,6 +234,19 @@ class WorkerService:
         self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         return reply
+
+    def pull_rows(self, slot: int, incarnation: str, request: Any) -> SparsePull:
+        """Rows of the requested ids of the model's sparse tables (this server's buckets only)."""
+        server = self.server
+        with server.lock:
+            record = server.workers.get(slot, incarnation)
+            record.last_seen = time.monotonic()
+        if server.sparse is None:
+            raise Refused(f"worker {slot} pulled sparse rows, but this model declares no sparse tables", RejectReason.NAMES)
+        try:
+            return server.sparse.pull(request, server.wire)
+        except BadSparse as e:
+            raise Refused(f"sparse pull from worker {slot}: {e}", RejectReason.SHAPE) from None
 
     def observe(self, have_version: int) -> Observation:
         """A read-only look at the newest model (the sidecar evaluator): no slot, no record, no effect."""
@@ -361,6 +385,21 @@ class WorkerService:
                 self.metrics.count_duplicate()
                 return None
             return record
+
+    def _check_sparse(self, slot: int, seq: int, sparse: Any) -> CheckedPush | SkipNonfinite | None:
+        """The fp32 sparse part of a push, SkipNonfinite, or None when it has none; raises Refused."""
+        if sparse is None:
+            return None
+        store = self.server.sparse
+        if store is None:
+            raise Refused(f"push {seq} from worker {slot} has a sparse part, but this model declares no sparse tables", RejectReason.NAMES)
+        try:
+            return store.check_push(sparse, self.server.wire)
+        except BadSparse as e:
+            if e.nonfinite and self.admission.skip_nonfinite:
+                return SkipNonfinite(f"sparse: {e}")
+            reason = RejectReason.NONFINITE if e.nonfinite else RejectReason.SHAPE
+            raise Refused(f"push {seq} from worker {slot}: {e}; parameters unchanged", reason) from None
 
     def _current(self, slot: int, incarnation: str) -> WorkerRecord | None:
         record = self.server.workers.records.get(slot)

@@ -28,6 +28,7 @@ from torch.futures import Future
 from rpcps import transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
 from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration, RegistrationProof
+from rpcps.sparse.spec import SparsePull, SparsePush
 
 ServerRef = str
 """What ``server_ref`` hands out and every other call carries: this server incarnation's token."""
@@ -54,7 +55,15 @@ class WorkerApi(Protocol):
     ) -> Registration: ...
 
     def submit(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Chunks, loss: float | None, have_version: int | None
+        self,
+        slot: int,
+        incarnation: str,
+        seq: int,
+        base_version: int,
+        chunks: Chunks,
+        loss: float | None,
+        have_version: int | None,
+        sparse: SparsePush | None,
     ) -> Future: ...
 
     def push_named(
@@ -62,6 +71,8 @@ class WorkerApi(Protocol):
     ) -> PushReply: ...
 
     def pull(self, slot: int, incarnation: str, have_version: int) -> PullReply: ...
+
+    def pull_rows(self, slot: int, incarnation: str, request: SparsePull) -> SparsePull: ...
 
     def heartbeat(self, slot: int, incarnation: str) -> int: ...
 
@@ -150,11 +161,13 @@ def submit(
     chunks: Chunks,
     loss: float | None,
     have_version: int | None = None,
+    sparse: SparsePush | None = None,
 ) -> Future:
-    """A push; its future completes at once, or in 'sync' mode when the round closes. With
-    ``have_version`` the reply also carries the parameters, as a pull from that version would."""
+    """A push (dense chunks, and this shard's sparse table rows when the model has any); its future
+    completes at once, or in 'sync' mode when the round closes. With ``have_version`` the reply also
+    carries the parameters, as a pull from that version would."""
     try:
-        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, have_version)
+        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, have_version, sparse)
     except RpcpsError as e:
         future: Future = Future()
         future.set_result(ErrorReply(_public_name(e), str(e)))
@@ -169,6 +182,11 @@ def push_named(
 
 def pull(ref: ServerRef, slot: int, incarnation: str, have_version: int) -> Any:
     return _reply(lambda: _api(ref).pull(slot, incarnation, have_version))
+
+
+def pull_rows(ref: ServerRef, slot: int, incarnation: str, request: SparsePull) -> Any:
+    """Rows of sparse tables for ``{table name: unique ids}`` (ids of this shard's buckets only)."""
+    return _reply(lambda: _api(ref).pull_rows(slot, incarnation, request))
 
 
 def heartbeat(ref: ServerRef, slot: int, incarnation: str) -> Any:
@@ -190,4 +208,4 @@ def observe(ref: ServerRef, have_version: int) -> Any:
     return _reply(lambda: _api(ref).observe(have_version))
 
 
-ENDPOINTS = (server_ref, shard_count, challenge, register, submit, push_named, pull, heartbeat, finish, leave, observe)
+ENDPOINTS = (server_ref, shard_count, challenge, register, submit, push_named, pull, pull_rows, heartbeat, finish, leave, observe)

@@ -19,6 +19,7 @@ from rpcps import endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof, View
+from rpcps.sparse.spec import SparsePull, SparsePush
 
 
 def unwrap(value: Any) -> Any:
@@ -99,11 +100,15 @@ class ServerClient:
         chunks: list[Any],
         loss: float | None,
         have_version: int | None = None,
+        sparse: SparsePush | None = None,
     ) -> transport.Pending:
-        """Starts a push; ``result(pending)`` gives a PushReply. In 'sync' mode the reply waits for
-        the round, which closes within the server's round timeout (below the RPC timeout). With
-        ``have_version`` the reply brings the parameters too (``PushReply.pulled``)."""
-        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version)
+        """Starts a push (with this shard's sparse rows, if any); ``result(pending)`` gives a PushReply.
+        In 'sync' mode the reply waits for the round, which closes within the server's round timeout
+        (below the RPC timeout). With ``have_version`` the reply brings the parameters too
+        (``PushReply.pulled``)."""
+        if sparse is None:  # the dense-only call stays exactly what it was
+            return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version)
+        return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version, sparse)
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None
@@ -113,6 +118,10 @@ class ServerClient:
     def pull(self, slot: int, incarnation: str, have_version: int) -> transport.Pending:
         """Starts a pull; ``result(pending)`` gives a PullReply."""
         return self._call(endpoints.pull, slot, incarnation, have_version)
+
+    def pull_rows(self, slot: int, incarnation: str, request: SparsePull) -> transport.Pending:
+        """Starts a pull of sparse rows; ``result(pending)`` gives ``{table: rows}`` in the wire dtype."""
+        return self._call(endpoints.pull_rows, slot, incarnation, request)
 
     def pull_now(self, slot: int, incarnation: str, have_version: int) -> PullReply:
         return result(self.pull(slot, incarnation, have_version))

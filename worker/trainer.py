@@ -47,6 +47,7 @@ from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.sparse.spec import SparsePush, declared_tables
 from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
 from worker.buffers import ModelBuffers
@@ -54,6 +55,8 @@ from worker.client import ServerClient, ShardUnavailable, result, shard_view
 from worker.config import WorkerConfig
 from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
 from worker.metrics import WorkerMetrics
+from worker.sparse_client import SparseRouter
+from worker.sparse_embedding import collections_of
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,8 @@ class _InFlight:
     """Kept so a push refused as stale can be recomputed from the same data."""
     payload: list[Any] | None = None
     """What goes on the wire: the buffers themselves, or their top-k (indices, values)."""
+    sparse: SparsePush | None = None
+    """This shard's sparse rows of the step (models with sparse tables only)."""
     future: Any = None
     sent: float = 0.0
     attempts: int = 1
@@ -206,6 +211,15 @@ class Trainer:
             free = [stager.new_buffers() for _ in range(window)]
             topk = TopK(layout.chunk_numels, config.topk_ratio, wire) if config.topk_ratio else None
             self.shards.append(ShardLink(reg.shard_index, client, reg, layout, shard_params, stager, free, topk))
+        self.sparse_modules = collections_of(self.model)
+        self.router: SparseRouter | None = None
+        if self.sparse_modules:
+            self.router = SparseRouter(
+                declared_tables(self.model), clients, [r.incarnation for r in registrations], config.worker_index,
+                wire_dtype(first.wire_dtype), self._with_retries,
+            )
+            for module in self.sparse_modules:
+                module.attach(self.router)
         # A shard restored from an older snapshot has processed fewer steps: start at the earliest;
         # shards that already have a step answer 'duplicate'.
         self.step = min(r.next_step for r in registrations)
@@ -337,6 +351,7 @@ class Trainer:
         loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
         loss_value = float(loss.detach())
+        sparse = self._sparse_parts()
         comm = 0.0
         for link in shards:
             comm += self._wait_for_free_slot(link)
@@ -346,12 +361,22 @@ class Trainer:
             payload = link.topk.compress(buffers) if link.topk is not None else buffers
             if link.index == 0 and self.model_buffers:  # shard 0 holds the model's buffers
                 payload = [*payload, *self.model_buffers.for_push()]
-            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload))
+            part = None if sparse is None else sparse[link.index]
+            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload, sparse=part))
         if self.mode == Mode.SYNC:
             comm += self._drain_timed()
         if count and started is not None:
             self._account(started, comm + blocked_before, loss_value, len(inputs))
         return comm
+
+    def _sparse_parts(self) -> list[SparsePush] | None:
+        """Per shard, the sparse tables' summed gradients of this step (None without sparse tables)."""
+        if self.router is None:
+            return None
+        grads: SparsePush = {}
+        for module in self.sparse_modules:
+            grads.update(module.take_grads())
+        return self.router.split_push(grads)
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         data = plugins.load_data(self.config.data, self.slot, self.config.num_workers)
@@ -540,6 +565,7 @@ class Trainer:
         item.future = link.client.push(
             self.slot, link.registration.incarnation, item.seq, item.base_version, item.payload or item.buffers, item.loss,
             link.version if self._wants_params(item.seq) else None,
+            item.sparse,
         )
 
     def _wait_for_free_slot(self, link: ShardLink) -> float:

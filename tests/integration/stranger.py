@@ -34,6 +34,8 @@ from rpcps.signature import ModelSignature
 from rpcps.transport import membership
 
 TIMEOUT_S = 15
+SERVER = f"{endpoints.server_name(0)}_r0"
+"""The victim server's RPC name: shard 0 hosting the group's store joins as rank 0."""
 
 
 def attempt(run: Callable[[], Any]) -> dict[str, str]:
@@ -52,7 +54,7 @@ def main() -> int:
     rpc.init_rpc(f"stranger_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
 
     def on_server(fn: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        return lambda: rpc.rpc_sync("ps0", fn, args=args, kwargs=kwargs, timeout=TIMEOUT_S)
+        return lambda: rpc.rpc_sync(SERVER, fn, args=args, kwargs=kwargs, timeout=TIMEOUT_S)
 
     marker = os.path.join(marker_dir, "ran")
     code = {
@@ -75,15 +77,15 @@ def main() -> int:
         "membership.forget_member": on_server(membership.forget_member, victim),
         "runner._snapshot_for_restart": on_server(runner._snapshot_for_restart, None, None, None),
     }
-    ref = rpc.rpc_sync("ps0", endpoints.server_ref, timeout=TIMEOUT_S)
+    ref = rpc.rpc_sync(SERVER, endpoints.server_ref, timeout=TIMEOUT_S)
     signature = ModelSignature.of_module(plugins.load_model(plugins.BUILTIN_MODEL)).to_wire()
     wrong = JobSecret("w" * 64)
 
     def forged(secret: JobSecret) -> Callable[[], Any]:
         def run() -> Any:
-            challenge = rpc.rpc_sync("ps0", endpoints.challenge, args=(ref,), timeout=TIMEOUT_S)
+            challenge = rpc.rpc_sync(SERVER, endpoints.challenge, args=(ref,), timeout=TIMEOUT_S)
             proof = RegistrationProof(challenge, secret.registration_proof(challenge, 0, "stranger"))
-            return rpc.rpc_sync("ps0", endpoints.register, args=(ref, 0, "stranger", signature, proof), timeout=TIMEOUT_S)
+            return rpc.rpc_sync(SERVER, endpoints.register, args=(ref, 0, "stranger", signature, proof), timeout=TIMEOUT_S)
 
         return run
 

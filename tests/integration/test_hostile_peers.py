@@ -42,7 +42,7 @@ def store_client(port: int) -> dist.TCPStore:
 
 def tensorpipe_address(store: dist.TCPStore) -> tuple[str, int]:
     """The server's TensorPipe listener, as any store reader finds it (issue 11: 'anyone can read...')."""
-    url = store.get(_PREFIX + "addrs/ps0").decode()  # uv://127.0.0.1:PORT
+    url = store.get(_PREFIX + "addrs/ps0_r0").decode()  # uv://127.0.0.1:PORT
     host, _, port = url.removeprefix("uv://").rpartition(":")
     return host, int(port)
 
@@ -120,17 +120,17 @@ def test_store_tampering_is_repaired_within_2s_and_a_new_worker_still_joins(proc
     first, _ = procs.worker("first", port, 0, 2, "--steps", "100000", "--job-secret-file", job_secret)
     wait_for_updates(ps_metrics, 5, proc=ps)
     store = store_client(port)
-    members, address = store.get(_PREFIX + "names/_ALL_WORKER_INFOS"), store.get(_PREFIX + "addrs/ps0")
+    members, address = store.get(_PREFIX + "names/_ALL_WORKER_INFOS"), store.get(_PREFIX + "addrs/ps0_r0")
     ranks = int(store.add(membership.RANK_COUNTER_KEY, 0))
     store.set(_PREFIX + "names/_ALL_WORKER_INFOS", "")  # issue 11: one set blocked all future joins
-    store.set(_PREFIX + "addrs/ps0", "uv://127.0.0.1:1")
+    store.set(_PREFIX + "addrs/ps0_r0", "uv://127.0.0.1:1")
     store.set(membership.RANK_COUNTER_KEY, str(membership.MAX_RANK))
     tampered = time.monotonic()
 
     def repaired() -> bool:
         return (
             store.get(_PREFIX + "names/_ALL_WORKER_INFOS") == members
-            and store.get(_PREFIX + "addrs/ps0") == address
+            and store.get(_PREFIX + "addrs/ps0_r0") == address
             and int(store.add(membership.RANK_COUNTER_KEY, 0)) == ranks
         )
 

@@ -1,0 +1,151 @@
+"""The sparse tables one server holds: built from the model's table specs and ``SparseConfig``.
+
+What the worker API needs of them: check a push's sparse part before the server's lock is taken,
+pull rows for a request, apply a checked part (the server calls it under its lock, in the same
+update as the push's dense part), capture and restore the tables with the server's snapshots, and
+run eviction in the background. The numerics and data structures are ``ps.sparse``'s; this module
+only wires them to the server.
+
+Placement: ids go to servers by ``rpcps.sparse.sharding.BucketManifest.even(shard_count)``, the
+manifest the worker routes with; a request holding an id of another server's buckets is refused, so
+an id never gets a row on two servers (which a restore would refuse).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from ps.config import SPARSE_OPTIMIZERS, SparseConfig
+from ps.sparse import CountAdmissionConfig, EvictionConfig, RowInitConfig, SparseTable, TableConfig, TableStats
+from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
+from rpcps.sparse.spec import SparsePull, TableSpec
+
+logger = logging.getLogger(__name__)
+
+CheckedPush = dict[str, tuple[torch.Tensor, torch.Tensor]]
+"""A validated push part: table name -> (unique int64 ids, fp32 grads [n, dim])."""
+
+
+class BadSparse(ValueError):
+    """A sparse pull or push part that must be refused; ``nonfinite`` marks NaN/Inf gradients."""
+
+    def __init__(self, message: str, nonfinite: bool = False) -> None:
+        super().__init__(message)
+        self.nonfinite = nonfinite
+
+
+def table_config(spec: TableSpec, config: SparseConfig) -> TableConfig:
+    eviction = None
+    if config.ttl is not None or config.max_rows is not None:
+        eviction = EvictionConfig(ttl=config.ttl, max_rows=config.max_rows)
+    return TableConfig(
+        name=spec.name,
+        table_id=spec.table_id,
+        dim=spec.dim,
+        optimizer=SPARSE_OPTIMIZERS[config.optimizer](lr=config.lr),
+        init=RowInitConfig(kind="uniform", scale=config.init_scale, seed=config.seed),
+        admission=None if config.admit_count is None else CountAdmissionConfig(threshold=config.admit_count),
+        eviction=eviction,
+    )
+
+
+class SparseStore:
+    def __init__(self, specs: tuple[TableSpec, ...], config: SparseConfig, shard_index: int, shard_count: int) -> None:
+        self.config = config
+        self.tables = {s.name: SparseTable(table_config(s, config)) for s in specs}
+        self.manifest = BucketManifest.even(shard_count)
+        self.ranges = self.manifest.ranges_of(shard_index)
+        self._owns_all = self.ranges == [(0, self.manifest.num_buckets)]
+        """One server: every id is ours, and the ownership check can skip hashing."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._evict_loop, name="sparse-eviction", daemon=True)
+
+    def start(self) -> None:
+        """Starts the eviction thread (it also ages the admission counters)."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def pull(self, request: Any, wire: torch.dtype) -> SparsePull:
+        """Rows of every requested id, in the wire dtype; raises BadSparse."""
+        if not isinstance(request, dict):
+            raise BadSparse(f"a sparse pull must be a dict of table name -> ids, got {type(request).__name__}")
+        return {name: self.tables[name].pull(self._owned_ids(name, ids)).to(wire) for name, ids in request.items()}
+
+    def check_push(self, part: Any, wire: torch.dtype) -> CheckedPush:
+        """The fp32 form of a push's sparse part; raises BadSparse before anything changes."""
+        if not isinstance(part, dict):
+            raise BadSparse(f"a sparse push must be a dict of table name -> (ids, grads), got {type(part).__name__}")
+        checked: CheckedPush = {}
+        for name, entry in part.items():
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
+                raise BadSparse(f"sparse push for table {name!r} must be an (ids, grads) pair of tensors")
+            ids, grads = self._owned_ids(name, entry[0]), entry[1]
+            dim = self.tables[name].config.dim
+            if grads.dtype != wire or grads.shape != (ids.numel(), dim):
+                raise BadSparse(
+                    f"sparse grads of table {name!r} have dtype {grads.dtype} and shape {list(grads.shape)}, "
+                    f"expected {wire} [{ids.numel()}, {dim}]"
+                )
+            if torch.unique(ids).numel() != ids.numel():
+                raise BadSparse(f"sparse push for table {name!r} repeats ids (sum their gradients on the worker)")
+            if not bool(torch.isfinite(grads).all()):
+                raise BadSparse(f"sparse grads of table {name!r} hold NaN/Inf", nonfinite=True)
+            checked[name] = (ids, grads.float())
+        return checked
+
+    def apply(self, part: CheckedPush) -> int:
+        """Applies a checked part (the server holds its lock); returns the rows updated."""
+        return sum(self.tables[name].apply(ids, grads).applied for name, (ids, grads) in part.items())
+
+    def _owned_ids(self, name: str, ids: Any) -> torch.Tensor:
+        if name not in self.tables:
+            raise BadSparse(f"unknown sparse table {name!r}; this model has {sorted(self.tables)}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise BadSparse(f"ids of sparse table {name!r} must be a 1-D int64 tensor")
+        if self._owns_all:
+            return ids
+        buckets = bucket_of(ids, self.tables[name].config.table_id, self.manifest.num_buckets)
+        if not bool(in_ranges(buckets, self.ranges).all()):
+            raise BadSparse(f"ids of sparse table {name!r} include ids another server owns (a different --shards?)")
+        return ids
+
+    # ---- snapshots -----------------------------------------------------------------------------
+
+    def capture(self) -> dict[str, list[dict[str, Any]]]:
+        """Full payloads of every table's buckets on this server (the caller holds the server's lock,
+        so they match the dense state and the workers' progress of the same snapshot)."""
+        return {name: [table.capture_full(lo, hi) for lo, hi in self.ranges] for name, table in self.tables.items()}
+
+    def restore(self, saved: dict[str, list[dict[str, Any]]]) -> None:
+        """Loads what ``capture`` saved into these (empty) tables; raises ValueError on a mismatch."""
+        if set(saved) != set(self.tables):
+            raise ValueError(f"the snapshot holds sparse tables {sorted(saved)}, this model declares {sorted(self.tables)}")
+        for name, fulls in saved.items():
+            self.tables[name].restore([(full, []) for full in fulls], self.ranges)
+            logger.info("sparse table %s: restored %d rows", name, len(self.tables[name]))
+
+    # ---- background ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, TableStats]:
+        return {name: table.stats() for name, table in self.tables.items()}
+
+    def _evict_loop(self) -> None:
+        while not self._stop.wait(self.config.evict_every_s):
+            for name, table in self.tables.items():
+                try:
+                    evicted = table.evict_step().evicted.numel()
+                except Exception:
+                    logger.exception("eviction on sparse table %s failed; trying again next time", name)
+                    continue
+                if evicted:
+                    logger.debug("sparse table %s: evicted %d rows", name, evicted)
