@@ -339,11 +339,18 @@ class Supervisor:
 
     def _stop_all(self) -> None:
         # Workers first (their final pushes land) with the evaluator (it scores the final model while
-        # the servers are still up), then shards > 0, then shard 0 (without replicas it hosts the
+        # the servers are still up), then standbys (stopped after their primary, they would promote
+        # themselves on the way out), then shards > 0, then shard 0 (without replicas it hosts the
         # group's store, and the others would take its loss for a crash and restart themselves), then
         # the coordinator.
+        shard0 = self._shard0_primary()
+        standbys = (
+            [c for c in self.servers if c is not shard0 and try_scrape(c.metrics_port).get("rpcps_replica_role") != 2]
+            if self.replicas > 1 else []
+        )
+        primaries = [c for c in self.servers if c is not shard0 and c not in standbys]
         for group in (
-            [*self.workers, *self.evaluators], self.servers[1:], [self.server], [self.coordinator] if self.coordinator else [],
+            [*self.workers, *self.evaluators], standbys, primaries, [shard0], [self.coordinator] if self.coordinator else [],
         ):
             for c in group:
                 c.signal(signal.SIGTERM)

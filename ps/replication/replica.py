@@ -44,7 +44,7 @@ def compatibility(server: ParameterServer, config: ServerRunConfig) -> dict[str,
         "optimizer": f"{optimizer.name} {sorted(optimizer.optimizer_kwargs.items())}",
         "schedule": f"{optimizer.schedule} {sorted((optimizer.schedule_kwargs or {}).items())}",
         "wire_dtype": config.core.wire_dtype,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion, which the allow-list (rightly) does not let through
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "threads": str(torch.get_num_threads()),
     }

@@ -119,6 +119,24 @@ def test_every_record_a_replica_sends_is_allowed() -> None:
         pickling.uninstall()
 
 
+def test_a_standby_s_attach_request_passes_the_allow_list() -> None:
+    """What a standby sends its primary to follow it (its compatibility: plain strings only; a
+    TorchVersion in it was refused once, and no standby could attach)."""
+    from harness.inprocess import make_server
+    from ps.config import ServerRunConfig
+    from ps.replication.replica import compatibility
+
+    server, _ = make_server()
+    seen: list[pickling.Refusal] = []
+    rpc_policy.protect(on_refusal=seen.append, extra_calls=replica_endpoints.SERVER_ENDPOINTS)
+    try:
+        request = call(replica_endpoints.replica_attach, "ps0_r2", compatibility(server, ServerRunConfig(model="m")))
+        assert roundtrip(request).func is replica_endpoints.replica_attach
+        assert seen == []
+    finally:
+        pickling.uninstall()
+
+
 def test_the_transport_itself_needs_only_its_probe_and_the_leave_request(refusals: list[pickling.Refusal]) -> None:
     assert roundtrip(call(membership.forget_me, "w", "proof")).func is membership.forget_me
     guarded = roundtrip(call(pickling._rpc_utils._update_group_membership, None, [], {}, True)).func
