@@ -5,9 +5,14 @@ new primary tells workers. One function each, forwarding to the object the proce
   index it continues from), ``replica_snapshot`` (one piece of that state), ``replica_ready`` (the
   standby restored it: start shipping the log);
 - on a standby: ``replica_append`` (log entries in index order, acknowledged on receipt);
-- on either: ``replica_watch``, a long-poll that never completes: its caller learns within tens of
-  milliseconds that this process died (the call fails with end-of-file);
+- on a primary, for its standby: ``replica_watch``, a long-poll that never completes: its caller
+  learns within tens of milliseconds that this process died (the call fails with end-of-file);
 - on a worker: ``view_changed``, a shard's new view (a failover), so it need not wait to notice.
+
+Who may call them (``ps.replication.auth``): ``replica_attach`` carries a proof of the job secret
+(when the job has one) bound to a fresh nonce, its time and both names; every later call of that
+attachment, and the primary's appends to that standby, carry the unguessable attach id it was
+issued. ``view_changed`` is only a hint: workers confirm it in the store before acting on it.
 
 Errors raised on purpose come back as ``ErrorReply`` values, as in ``rpcps.endpoints``.
 ``SERVER_ENDPOINTS`` and ``WORKER_ENDPOINTS`` list what may be called remotely in each role: the
@@ -30,15 +35,15 @@ from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 class ReplicaApi(Protocol):
     """What one server process offers the other replica of its shard (implemented by ``ps.replication``)."""
 
-    def attach(self, name: str, compatibility: dict[str, str]) -> Attached: ...
+    def attach(self, name: str, compatibility: dict[str, str], nonce: str, issued_at: float, mac: str) -> Attached: ...
 
     def snapshot_piece(self, attach_id: str, piece: int) -> torch.Tensor: ...
 
     def ready(self, attach_id: str) -> None: ...
 
-    def append(self, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Ack | Fenced: ...
+    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Ack | Fenced: ...
 
-    def watch(self) -> Future: ...
+    def watch(self, attach_id: str) -> Future: ...
 
 
 class ViewListener(Protocol):
@@ -75,8 +80,8 @@ def _reply(run: Any) -> Any:
 # ---- the functions peers call ------------------------------------------------------------------
 
 
-def replica_attach(name: str, compatibility: dict[str, str]) -> Any:
-    return _reply(lambda: _api().attach(name, compatibility))
+def replica_attach(name: str, compatibility: dict[str, str], nonce: str, issued_at: float, mac: str) -> Any:
+    return _reply(lambda: _api().attach(name, compatibility, nonce, issued_at, mac))
 
 
 def replica_snapshot(attach_id: str, piece: int) -> Any:
@@ -87,14 +92,14 @@ def replica_ready(attach_id: str) -> Any:
     return _reply(lambda: _api().ready(attach_id))
 
 
-def replica_append(epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Any:
-    return _reply(lambda: _api().append(epoch, sender, entries, sent_at))
+def replica_append(attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Any:
+    return _reply(lambda: _api().append(attach_id, epoch, sender, entries, sent_at))
 
 
 @transport.async_endpoint
-def replica_watch() -> Future:
+def replica_watch(attach_id: str) -> Future:
     try:
-        return _api().watch()
+        return _api().watch(attach_id)
     except RpcpsError as e:
         future: Future = Future()
         future.set_result(ErrorReply(type(e).__name__, str(e)))
@@ -102,7 +107,8 @@ def replica_watch() -> Future:
 
 
 def view_changed(shard: int, view: View) -> None:
-    """Runs in a worker: only records the news (the training thread acts on it)."""
+    """Runs in a worker: only records a hint. Anyone may call it, so the training thread acts only
+    once the shard's view in the store (written by compare-and-set) confirms a newer epoch."""
     if _listener is not None:
         _listener.view_changed(shard, view)
 

@@ -489,9 +489,23 @@ class Trainer:
             arrived = threading.Event()
             pending.on_done(lambda _: arrived.set())
             while not arrived.wait(_MOVED_POLL_S):
-                if link.index in self._moved:
+                if link.index in self._moved and self._move_confirmed(link):
                     raise NotPrimary(f"shard {link.index} has a new primary")
         return result(pending)
+
+    def _move_confirmed(self, link: ShardLink) -> bool:
+        """Whether the store's view of ``link``'s shard is newer than the one in use. Anyone who reaches
+        this worker may call ``view_changed``; the view in the store is written only by compare-and-set
+        from the shard's replicas, so a stranger's announcement alone never moves a worker."""
+        try:
+            now = shard_view(link.index)
+        except transport.StoreUnavailable:
+            return False  # asked again on the next poll while the hint stands
+        if now is not None and now.epoch > link.client.view.epoch:
+            return True
+        self._moved.discard(link.index)
+        logger.warning("shard %d: an announced new view is not in the store; ignored", link.index)
+        return False
 
     def _fail_over(self, link: ShardLink, error: Exception) -> None:
         """Switches ``link`` to its shard's new primary and sends it every push of that shard still in

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ps.replication.auth import REASONS as REFUSALS
+
 ROLE_CATCHING_UP, ROLE_STANDBY, ROLE_PRIMARY, ROLE_STEPPING_DOWN = 0, 1, 2, 3
 
 
@@ -47,6 +49,13 @@ class ReplicationMetrics:
         self.failover_seconds = Gauge(
             "rpcps_replica_failover_seconds", "On a promoted primary: from noticing its primary's failure to serving.", registry=r
         )
+
+        self.refused = Counter(
+            "rpcps_replica_refused", "Replication calls refused (no valid job-secret proof or attach id), by reason.", ["reason"],
+            registry=r,
+        )
+        for reason in REFUSALS:
+            self.refused.labels(reason)  # every series from the start, at 0 (rate() sees the first refusal)
 
     def watch_lag(self, updates: Callable[[], float], seconds: Callable[[], float]) -> None:
         """Computes the lag at scrape time from the current role's view of the log."""

@@ -28,7 +28,6 @@ import io
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,11 +36,13 @@ from torch.futures import Future
 
 from ps.audit import AuditLog
 from ps.config import ReplicationConfig
+from ps.replication.auth import ReplicaGate, new_attach_id
 from ps.replication.log import ReplicationLog, Sequenced
 from ps.replication.metrics import ReplicationMetrics
 from ps.server import ParameterServer
 from rpcps import replica_endpoints, transport
 from rpcps.errors import RpcpsError
+from rpcps.jobsecret import JobSecret
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
 
@@ -98,7 +99,9 @@ class Primary:
         compatibility: dict[str, str],
         ledger: AuditLog | None,
         on_step_down: Callable[[str], None],
+        secret: JobSecret | None = None,
     ) -> None:
+        """``secret``: the job's; a standby must prove it to attach (``ps.replication.auth``)."""
         self.server = server
         self.log: ReplicationLog = server.log
         self.registry = registry
@@ -110,6 +113,7 @@ class Primary:
         self.compatibility = compatibility
         self.ledger = ledger
         self._on_step_down = on_step_down
+        self.gate = ReplicaGate(secret, name, metrics.refused)
         self._lock = threading.Lock()
         """Guards the follower and the view record (never held across a call)."""
         self._follower: _Follower | None = None
@@ -172,7 +176,8 @@ class Primary:
 
     # ---- the replication API (called by the standby over RPC) ------------------------------------
 
-    def attach(self, name: str, compatibility: dict[str, str]) -> Attached:
+    def attach(self, name: str, compatibility: dict[str, str], nonce: str, issued_at: float, mac: str) -> Attached:
+        self.gate.check_attach(name, nonce, issued_at, mac)  # before anything about this process is told
         difference = _first_difference(self.compatibility, compatibility)
         if difference is not None:
             raise AttachRefused(f"{name} cannot be this primary's standby: {difference}; run both with the same settings")
@@ -192,7 +197,7 @@ class Primary:
         torch.save(state, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
         pieces = list(torch.split(data, PIECE_BYTES))
-        follower = _Follower(name, uuid.uuid4().hex[:12], index, pieces, acked=index, next_to_send=index + 1)
+        follower = _Follower(name, new_attach_id(), index, pieces, acked=index, next_to_send=index + 1)
         with self._lock:
             self._follower = follower
         logger.info(
@@ -202,13 +207,13 @@ class Primary:
         return Attached(follower.attach_id, self.record.view.epoch, index, int(state["version"]), data.numel(), len(pieces))
 
     def snapshot_piece(self, attach_id: str, piece: int) -> torch.Tensor:
-        follower = self._attached(attach_id)
+        follower = self._attached(attach_id, f"snapshot piece {piece}")
         if follower.pieces is None or not 0 <= piece < len(follower.pieces):
             raise AttachRefused(f"no piece {piece} of the state for {follower.name}")
         return follower.pieces[piece].clone()  # a view would send the whole buffer
 
     def ready(self, attach_id: str) -> None:
-        follower = self._attached(attach_id)
+        follower = self._attached(attach_id, "ready")
         follower.pieces = None
         follower.ready = True
         self.metrics.catchup_seconds.set(time.monotonic() - follower.started)
@@ -216,20 +221,23 @@ class Primary:
             self.log.cond.notify_all()
         logger.info("%s restored the state; streaming the log from index %d", follower.name, follower.index + 1)
 
-    def append(self, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Fenced:
-        del entries, sent_at
+    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Fenced:
+        """Only a replaced primary sends here; the answer tells it so (nothing here changes)."""
+        del attach_id, entries, sent_at
         logger.warning("%s (epoch %d) sent log entries to this primary (epoch %d): it was replaced", sender, epoch, self.record.view.epoch)
         return Fenced(self.record.view.epoch, self.name)
 
-    def watch(self) -> Future:
+    def watch(self, attach_id: str) -> Future:
+        self._attached(attach_id, "watch")
         future: Future = Future()
         self._watchers.append(future)
         return future
 
-    def _attached(self, attach_id: str) -> _Follower:
+    def _attached(self, attach_id: str, what: str) -> _Follower:
+        """The follower ``attach_id`` was issued to; raises ReplicaRefused (logged, counted) for any other."""
         follower = self._follower
-        if follower is None or follower.attach_id != attach_id:
-            raise AttachRefused("that attach is no longer current; attach again")
+        self.gate.check_attach_id(follower.attach_id if follower is not None else None, attach_id, what)
+        assert follower is not None  # check_attach_id refuses when none was issued
         return follower
 
     # ---- shipping --------------------------------------------------------------------------------
@@ -264,7 +272,8 @@ class Primary:
         self.metrics.sent_bytes.inc(sum(s.nbytes for s in batch))
         try:
             pending = transport.call_async(
-                follower.name, replica_endpoints.replica_append, (self.record.view.epoch, self.name, entries, sent_at),
+                follower.name, replica_endpoints.replica_append,
+                (follower.attach_id, self.record.view.epoch, self.name, entries, sent_at),
                 timeout_s=max(5.0, 4 * self.config.standby_timeout_s),
             )
         except transport.CallFailed as e:

@@ -73,6 +73,9 @@ class ShardReplica:
         self.metrics = metrics
         self.ledger = ledger
         self.compatibility = compatibility(server, config)
+        secret_file = config.transport.job_secret_file
+        self.secret = JobSecret.from_file(secret_file) if secret_file else None
+        """The job's: a standby proves it to attach, a primary checks it."""
         self._on_primary = on_primary
         self._on_restart = on_restart
         self.primary: Primary | None = None
@@ -85,7 +88,7 @@ class ShardReplica:
         """Serves the shard as its primary under ``record`` (bootstrapped, taken over, or promoted to)."""
         primary = Primary(
             self.server, self.registry, self.shard, self.name, record, self.replication, self.metrics, self.compatibility,
-            self.ledger, on_step_down=self._stepped_down,
+            self.ledger, on_step_down=self._stepped_down, secret=self.secret,
         )
         with self._lock:
             self.primary = primary
@@ -97,7 +100,7 @@ class ShardReplica:
         standby = Standby(
             self.server, self.registry, self.shard, self.name, self.replication, self.metrics, self.compatibility, self.ledger,
             on_promoted=self._promoted, on_detached=self._on_restart, rpc_timeout_s=self.config.transport.rpc_timeout_s,
-            secret=JobSecret.from_file(secret_file) if (secret_file := self.config.transport.job_secret_file) else None,
+            secret=self.secret,
         )
         self.standby = standby
         standby.catch_up(primary)

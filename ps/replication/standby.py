@@ -35,6 +35,7 @@ from torch.futures import Future
 
 from ps.audit import AuditLog
 from ps.config import ReplicationConfig
+from ps.replication.auth import ReplicaGate, attach_proof
 from ps.replication.log import ReorderBuffer, Sequenced
 from ps.replication.metrics import ROLE_PRIMARY, ROLE_STANDBY, ReplicationMetrics
 from ps.server import ParameterServer
@@ -78,7 +79,8 @@ class Standby:
         rpc_timeout_s: float,
         secret: JobSecret | None = None,
     ) -> None:
-        """``secret``: the job's, which the store's host demands before it drops a replaced primary."""
+        """``secret``: the job's, which the primary demands to attach and the store's host before it
+        drops a replaced primary."""
         self.server = server
         self.log = server.log
         self.registry = registry
@@ -94,6 +96,9 @@ class Standby:
         self.secret = secret
         self.primary = ""
         self.epoch = 0
+        self.attach_id: str | None = None
+        """Issued by the primary on an authenticated attach; its appends must carry it."""
+        self.gate = ReplicaGate(secret, name, metrics.refused)
         self.in_view = False
         """The shard's view names this process as the standby (it is in sync; commits wait for it)."""
         self._buffer = ReorderBuffer(0)
@@ -105,7 +110,6 @@ class Standby:
         """Set once this process stops following (promoting, detaching or shutting down): appends are
         refused from then on. Only the first of those moves happens (``_leave``)."""
         self._leave_lock = threading.Lock()
-        self._watchers: list[Future] = []
         self._threads = [
             threading.Thread(target=self._apply_loop, name="standby-applier", daemon=True),
             threading.Thread(target=self._monitor, name="standby-monitor", daemon=True),
@@ -121,13 +125,14 @@ class Standby:
         server.not_primary_reason = f"{self.name} is shard {self.shard}'s standby; read the shard's view for its primary"
         try:
             attached: Attached = _unwrap(transport.call(  # type: ignore[assignment]
-                primary, replica_endpoints.replica_attach, (self.name, self.compatibility), self.rpc_timeout_s
+                primary, replica_endpoints.replica_attach,
+                (self.name, self.compatibility, *attach_proof(self.secret, self.name, primary)), self.rpc_timeout_s,
             ))
             state = self._fetch(primary, attached)
         except (transport.CallFailed, RpcpsError) as e:
             raise CatchUpFailed(f"could not copy shard {self.shard}'s state from {primary}: {e}") from e
         server.restore_state(state)
-        self.primary, self.epoch = primary, attached.epoch
+        self.primary, self.epoch, self.attach_id = primary, attached.epoch, attached.attach_id
         server.epoch = attached.epoch
         self._buffer = ReorderBuffer(attached.index)
         self._primary_pid = self._local_pid(primary)
@@ -137,7 +142,7 @@ class Standby:
             thread.start()
         try:
             _unwrap(transport.call(primary, replica_endpoints.replica_ready, (attached.attach_id,), self.rpc_timeout_s))
-            watch = transport.call_async(primary, replica_endpoints.replica_watch, (), timeout_s=0)
+            watch = transport.call_async(primary, replica_endpoints.replica_watch, (attached.attach_id,), timeout_s=0)
         except (transport.CallFailed, RpcpsError) as e:
             raise CatchUpFailed(f"{primary} went away while this process caught up: {e}") from e
         watch.on_done(self._watch_ended)
@@ -171,8 +176,9 @@ class Standby:
 
     # ---- following -------------------------------------------------------------------------------
 
-    def append(self, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Ack | Fenced:
+    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Ack | Fenced:
         del sent_at
+        self.gate.check_attach_id(self.attach_id, attach_id, f"append from {sender!r}")  # before any state is told
         if self._leaving.is_set() or epoch != self.epoch or sender != self.primary:
             return Fenced(self.epoch if not self._leaving.is_set() else self.epoch + 1, None)
         log = self.log
@@ -187,8 +193,8 @@ class Standby:
                 log.cond.wait(0.01)
         return Ack(epoch, have, log.applied_index)
 
-    def attach(self, name: str, compatibility: dict[str, str]) -> Attached:
-        del compatibility
+    def attach(self, name: str, compatibility: dict[str, str], nonce: str, issued_at: float, mac: str) -> Attached:
+        del compatibility, nonce, issued_at, mac
         raise RpcpsError(f"{self.name} is a standby of {self.primary}; {name} must attach to the primary")
 
     def snapshot_piece(self, attach_id: str, piece: int) -> torch.Tensor:
@@ -197,10 +203,8 @@ class Standby:
     def ready(self, attach_id: str) -> None:
         raise RpcpsError(f"{self.name} is a standby; no attach {attach_id} here")
 
-    def watch(self) -> Future:
-        future: Future = Future()
-        self._watchers.append(future)
-        return future
+    def watch(self, attach_id: str) -> Future:
+        raise RpcpsError(f"{self.name} is a standby; no attach {attach_id} here")
 
     def _apply_loop(self) -> None:
         """Applies what arrived, in order; ends once this process stopped following and applied it all."""
