@@ -111,7 +111,7 @@ def test_every_record_a_replica_sends_is_allowed() -> None:
             Mark(5, 2, 1, 6),
             Registered(6, 2, 1, "worker1_r4", "inc"),
         ]
-        assert roundtrip(call(replica_endpoints.replica_append, 2, "ps0_r3", entries, 1.0)).func is replica_endpoints.replica_append
+        assert roundtrip(call(replica_endpoints.replica_append, "a" * 32, 2, "ps0_r3", entries, 1.0)).func is replica_endpoints.replica_append
         for reply in [Ack(2, 6, 5), Fenced(3, "ps0_r5"), Attached("a", 2, 6, 9, 1024, 1), View(3, "ps0_r5", "ps0_r3")]:
             assert repr(roundtrip(reply)) == repr(reply)
         assert seen == []
@@ -124,13 +124,16 @@ def test_a_standby_s_attach_request_passes_the_allow_list() -> None:
     TorchVersion in it was refused once, and no standby could attach)."""
     from harness.inprocess import make_server
     from ps.config import ServerRunConfig
+    from ps.replication.auth import attach_proof
     from ps.replication.replica import compatibility
+    from rpcps.jobsecret import JobSecret
 
     server, _ = make_server()
     seen: list[pickling.Refusal] = []
     rpc_policy.protect(on_refusal=seen.append, extra_calls=replica_endpoints.SERVER_ENDPOINTS)
     try:
-        request = call(replica_endpoints.replica_attach, "ps0_r2", compatibility(server, ServerRunConfig(model="m")))
+        proof = attach_proof(JobSecret("s" * 40), "ps0_r2", "ps0_r1")  # nonce, unix time, mac: plain values
+        request = call(replica_endpoints.replica_attach, "ps0_r2", compatibility(server, ServerRunConfig(model="m")), *proof)
         assert roundtrip(request).func is replica_endpoints.replica_attach
         assert seen == []
     finally:
