@@ -24,9 +24,10 @@ from torch.distributed import rpc
 from torch.distributed.rpc import _utils
 
 from ps import runner
+from ps.replication.auth import attach_proof
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, plugins
+from rpcps import endpoints, plugins, replica_endpoints
 from rpcps.address import Address
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import RegistrationProof
@@ -106,6 +107,16 @@ def main() -> int:
         section: {name: attempt(run) for name, run in attempts.items()}
         for section, attempts in (("code", code), ("methods", methods), ("registration", registration), ("group", group))
     }
+    guessed = "0" * 32
+    replication = {  # attach as the server's standby to copy its state; use or feed an attachment
+        "attach without proof": on_server(replica_endpoints.replica_attach, "stranger", {}, "", 0.0, ""),
+        "attach with a wrong secret": on_server(replica_endpoints.replica_attach, "stranger", {}, *attach_proof(wrong, "stranger", SERVER)),
+        "snapshot piece": on_server(replica_endpoints.replica_snapshot, guessed, 0),
+        "ready": on_server(replica_endpoints.replica_ready, guessed),
+        "watch": on_server(replica_endpoints.replica_watch, guessed),
+        "append": on_server(replica_endpoints.replica_append, guessed, 99, "stranger", [], 0.0),
+    }
+    results["replication"] = {name: attempt(run) for name, run in replication.items()}
     results["allowed"] = {"shard_count": attempt(on_server(endpoints.shard_count, ref))}
     # 32 MB of gradients to a server started with --max-message-mb 16: refused before it runs.
     results["size"] = attempt(on_server(endpoints.submit, ref, 0, "x", 0, 0, [torch.zeros(8 << 20)], None))

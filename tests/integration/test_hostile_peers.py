@@ -78,6 +78,11 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     assert group["drop a worker"] == {"outcome": "returned", "value": "'refused'"}, group
     assert "aten::from_file is refused" in group["torch.from_file"]["error"], group
     assert "TOP SECRET" not in json.dumps(results)
+    replication = results["replication"]
+    fenced = replication.pop("append")  # a primary takes no appends: it tells the sender it was replaced
+    assert fenced["outcome"] == "returned" and fenced["value"].startswith("Fenced("), fenced
+    for name, result in replication.items():  # no state copied, no attachment used
+        assert result["outcome"] == "returned" and "ReplicaRefused" in result["value"], (name, result)
     assert results["allowed"]["shard_count"] == {"outcome": "returned", "value": "1"}, "the worker API itself still answers"
     assert "rpc payload refused (size" in results["size"]["error"], results["size"]
 
@@ -88,6 +93,10 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     assert metrics['rpcps_server_registrations_refused_total{reason="no_proof"}'] == 1
     assert metrics['rpcps_server_registrations_refused_total{reason="bad_proof"}'] == 1
     assert metrics['rpcps_server_registrations_refused_total{reason="unknown_challenge"}'] == 1
+    assert metrics['rpcps_replica_refused_total{reason="no_proof"}'] == 1
+    assert metrics['rpcps_replica_refused_total{reason="bad_proof"}'] == 1
+    assert metrics['rpcps_replica_refused_total{reason="bad_attach_id"}'] == 3  # a primary answers appends Fenced, unchanged
+    assert "refused replication call (attach by 'stranger')" in ps.stderr()
     assert "refused an RPC payload from a peer: global posix.system" in ps.stderr()
     assert "refused registration of worker slot 0 by 'stranger'" in ps.stderr()
     assert "does not hold the group's join token" in ps.stderr()
