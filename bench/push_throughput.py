@@ -232,7 +232,7 @@ def run_raw_server(args: argparse.Namespace) -> int:
     if args.shard == 0:
         transport.serve(_address(args), server_name(0), _transport_options())
     else:
-        transport.join(_address(args), server_name(args.shard), _transport_options(), fixed_name=True)
+        transport.join(_address(args), server_name(args.shard), _transport_options())  # as ps<K>_r<rank>
     while not stop_signal:
         time.sleep(0.1)
     transport.shutdown()
@@ -271,14 +271,14 @@ def run_client(args: argparse.Namespace) -> int:
                         raise RuntimeError(f"push not applied: {reply.status}")
                     versions[k] = reply.pulled.version
         else:
-            _wait_for_raw_shards(transport, args.shards)
+            raw_names = _wait_for_raw_shards(transport, args.shards)
             owned = partition(signature, args.shards)
             layouts = [FlatLayout(ModelSignature(tuple(signature.params[i] for i in idx)), DEFAULT_CHUNK_BYTES) for idx in owned]
             chunks = [[torch.randn(n, generator=g) * 1e-3 for n in lay.chunk_numels] for lay in layouts]
 
             def send(seq: int) -> list[Any]:
                 del seq
-                return [transport.call_async(server_name(k), echo, (ch,), 60) for k, ch in enumerate(chunks)]
+                return [transport.call_async(raw_names[k], echo, (ch,), 60) for k, ch in enumerate(chunks)]
 
             def check(pending: list[Any]) -> None:
                 for p in pending:
@@ -303,23 +303,29 @@ def run_client(args: argparse.Namespace) -> int:
         print(json.dumps({"times": times}), flush=True)
     finally:
         if args.kind == "ours":
-            transport.leave(name, server_name(0))
+            transport.leave(name, transport.store_host())
         transport.shutdown()
     return 0
 
 
-def _wait_for_raw_shards(transport: Any, shards: int) -> None:
-    """Waits until every raw server (ps0, ps1, ...) answers."""
+def _wait_for_raw_shards(transport: Any, shards: int) -> list[str]:
+    """Waits until every raw server (ps0, then ps1_r<rank>, ...: every joiner gets a fresh name)
+    answers; returns their RPC names by shard."""
     deadline = time.monotonic() + _START_TIMEOUT_S
+    names = []
     for k in range(shards):
         while True:
             try:
-                transport.ping(server_name(k), 10).wait()
+                base = server_name(k)
+                name = next((n for n in transport.membership.member_names() if n == base or n.startswith(f"{base}_r")), base)
+                transport.ping(name, 10).wait()
+                names.append(name)
                 break
             except transport.PeerUnknown:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+    return names
 
 
 def _address(args: argparse.Namespace) -> Any:

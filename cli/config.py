@@ -10,6 +10,7 @@ from rpcps.address import Address
 from rpcps.model_file import FORMATS
 from rpcps.process import ProcessOptions
 from rpcps.settings import setting
+from rpcps.transport.config import TransportOptions
 from worker.config import WorkerConfig
 
 LOCAL_PICKS = (
@@ -88,3 +89,33 @@ class ExportConfig:
             raise ValueError("out is required: --out PATH")
         if self.file_format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}, got {self.file_format!r}")
+
+
+DEFAULT_STORE_METRICS_PORT = 9390
+
+
+@dataclass(kw_only=True, frozen=True)
+class StoreConfig:
+    """Coordinator (the group's store and janitor; no training state)."""
+
+    listen: Address = setting(
+        Address("127.0.0.1", 29500),
+        help="HOST:PORT of the group's rendezvous store; servers use it as --store, workers as --ps. Anything but "
+        "loopback needs --trust-network and --job-secret-file (docs/SECURITY.md)",
+        metavar="HOST:PORT",
+    )
+    lease_s: float = setting(10.0, help="a member silent this long (hung or cut off) is removed from the group")
+    trust_network: bool = setting(
+        False,
+        help="acknowledge that the RPC ports (--listen and this process's TensorPipe port) are reachable only from an "
+        "isolated training network: torch RPC has no authentication or encryption (docs/SECURITY.md)",
+    )
+    metrics_port: int = setting(DEFAULT_STORE_METRICS_PORT, help="coordinator /metrics port; 0 picks a free one (logged)")
+    process: ProcessOptions = field(default_factory=ProcessOptions)
+    transport: TransportOptions = field(default_factory=TransportOptions)
+
+    def __post_init__(self) -> None:
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")

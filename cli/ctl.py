@@ -132,6 +132,7 @@ def status_dict(r: Any) -> dict[str, Any]:
         "newest_checkpoint": newest,
         "checkpoint_error": r.checkpoint_error or None,
         "shard": f"{r.shard_index}/{r.shard_count}",
+        "replica": _replica_dict(r.replica) if r.HasField("replica") else None,
         "slots": [
             {
                 "slot": p.slot,
@@ -142,6 +143,13 @@ def status_dict(r: Any) -> dict[str, Any]:
             }
             for p in r.slots
         ],
+    }
+
+
+def _replica_dict(r: Any) -> dict[str, Any]:
+    return {
+        "role": r.role, "epoch": r.epoch, "primary": r.primary, "standby": r.standby or None, "lag_updates": r.lag_updates,
+        "lag_seconds": r.lag_seconds, "failovers": r.failovers, "configured": r.configured,
     }
 
 
@@ -189,6 +197,17 @@ def format_status(d: dict[str, Any]) -> str:
         f"checkpoint    {checkpoint}",
         f"live workers  {len(d['workers'])}",
     ]
+    replica = d.get("replica")
+    if replica is not None:
+        standby = replica["standby"] or "none"
+        if replica["standby"] is None and replica["configured"] > 1:
+            standby += f" (WARNING: started with --replicas {replica['configured']}; a crash now falls back to the newest checkpoint)"
+        lines += [
+            f"replica       {replica['role']}, epoch {replica['epoch']}, {replica['failovers']} failover(s) by this process",
+            f"  primary     {replica['primary']}",
+            f"  standby     {standby}",
+            f"  lag         {replica['lag_updates']:.0f} updates / {replica['lag_seconds']:.3f}s",
+        ]
     for w in d["workers"]:
         age = w["last_push_age_seconds"]
         lines.append(f"  slot {w['slot']:<5} last push {'never' if age is None else format_age(age) + ' ago'}")

@@ -4,6 +4,10 @@
 The supervisor restarts a crashed child (up to --max-restarts, with backoff), prints progress read
 from the children's own /metrics endpoints, and on Ctrl-C or SIGTERM stops the workers, then the
 server, and reaps every child before it returns.
+
+With ``--replicas 2`` it also starts the group's coordinator (``rpcps store``) first and two server
+processes per shard with the same command line: the first to claim the shard serves it, the other
+follows it as a hot standby. A restarted replica attaches to whichever one serves by then.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 
 from cli import ctl
-from cli.config import LocalConfig
+from cli.config import LocalConfig, StoreConfig
 from evaluator.config import EvaluatorRunConfig
 from ps.config import ServerRunConfig
 from rpcps import threads
@@ -100,20 +104,28 @@ class Supervisor:
             server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
         server_process, worker_process = _thread_shares(config)
         server = replace(server, process=server_process)
+        replicas = self.replicas = server.replication.replicas
+        self.coordinator: Child | None = None
+        if replicas > 1:  # a standby cannot take over from a primary that hosts the store every join needs
+            metrics_port = free_port()
+            coordinator = StoreConfig(listen=store, metrics_port=metrics_port, process=server.process, transport=server.transport)
+            self.coordinator = self._child("store", "store", coordinator, metrics_port)
         self.servers: list[Child] = []
         for k in range(server.core.shard_count):
-            name, metrics_port = ("ps" if k == 0 else f"ps{k}"), free_port()
-            control_port = self.control_port if k == 0 else free_port()
-            child = replace(
-                server,
-                listen=store,
-                store=store,
-                metrics_port=metrics_port,
-                core=replace(server.core, shard_index=k),
-                control=replace(server.control, addr="127.0.0.1", port=control_port),
-                process=replace(server.process, summary_json=str(self._summary_path(name))),
-            )
-            self.servers.append(self._child(name, "ps", child, metrics_port, control_port))
+            for r in range(replicas):
+                name = ("ps" if k == 0 else f"ps{k}") + ("" if r == 0 else f"_{'abcdefgh'[r]}")
+                metrics_port = free_port()
+                control_port = self.control_port if (k, r) == (0, 0) else free_port()
+                child = replace(
+                    server,
+                    listen=store,
+                    store=None if (k, replicas) == (0, 1) else store,  # without replicas shard 0 hosts the group's store
+                    metrics_port=metrics_port,
+                    core=replace(server.core, shard_index=k),
+                    control=replace(server.control, addr="127.0.0.1", port=control_port),
+                    process=replace(server.process, summary_json=str(self._summary_path(name))),
+                )
+                self.servers.append(self._child(name, "ps", child, metrics_port, control_port))
         self.server = self.servers[0]
         self.workers: list[Child] = []
         for i in range(config.workers):
@@ -154,7 +166,7 @@ class Supervisor:
         self,
         name: str,
         role: str,
-        config: ServerRunConfig | WorkerRunConfig | EvaluatorRunConfig,
+        config: ServerRunConfig | WorkerRunConfig | EvaluatorRunConfig | StoreConfig,
         metrics_port: int,
         control_port: int | None = None,
     ) -> Child:
@@ -164,10 +176,19 @@ class Supervisor:
 
     @property
     def children(self) -> list[Child]:
-        return [*self.servers, *self.workers, *self.evaluators]
+        return [*([self.coordinator] if self.coordinator is not None else []), *self.servers, *self.workers, *self.evaluators]
 
     def _role(self, child: Child) -> str:
+        if child is self.coordinator:
+            return "store"
         return "ps" if child in self.servers else "evaluator" if child in self.evaluators else "worker"
+
+    def _shard0_primary(self) -> Child:
+        """The process serving shard 0 now (with replicas, whichever reports itself primary)."""
+        for child in self.servers[: self.replicas]:
+            if try_scrape(child.metrics_port).get("rpcps_replica_role") == 2:
+                return child
+        return self.server
 
     def write_scrape_targets(self) -> Path:
         """Writes the children's /metrics addresses as a Prometheus file_sd targets file."""
@@ -202,6 +223,8 @@ class Supervisor:
             f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}",
             flush=True,
         )
+        if self.coordinator is not None:
+            self.coordinator.start()
         for server in self.servers:
             server.start()
         for w in [*self.workers, *self.evaluators]:
@@ -316,9 +339,19 @@ class Supervisor:
 
     def _stop_all(self) -> None:
         # Workers first (their final pushes land) with the evaluator (it scores the final model while
-        # the servers are still up), then shards > 0, then shard 0: it hosts the group's store, and
-        # the others would take its loss for a crash and restart themselves.
-        for group in ([*self.workers, *self.evaluators], self.servers[1:], [self.server]):
+        # the servers are still up), then standbys (stopped after their primary, they would promote
+        # themselves on the way out), then shards > 0, then shard 0 (without replicas it hosts the
+        # group's store, and the others would take its loss for a crash and restart themselves), then
+        # the coordinator.
+        shard0 = self._shard0_primary()
+        standbys = (
+            [c for c in self.servers if c is not shard0 and try_scrape(c.metrics_port).get("rpcps_replica_role") != 2]
+            if self.replicas > 1 else []
+        )
+        primaries = [c for c in self.servers if c is not shard0 and c not in standbys]
+        for group in (
+            [*self.workers, *self.evaluators], standbys, primaries, [shard0], [self.coordinator] if self.coordinator else [],
+        ):
             for c in group:
                 c.signal(signal.SIGTERM)
             deadline = time.monotonic() + _STOP_GRACE_S
@@ -336,7 +369,7 @@ class Supervisor:
                 c.log_file.close()
 
     def _print_progress(self, started: float) -> None:
-        server = try_scrape(self.server.metrics_port)
+        server = try_scrape(self._shard0_primary().metrics_port)
         steps = losses = 0.0
         n = 0
         for w in self.workers:
@@ -360,8 +393,9 @@ class Supervisor:
         )
 
     def _summary(self, wall: float) -> dict[str, Any]:
-        server = read_summary(self.server.summary_path)
         shards = [read_summary(s.summary_path) for s in self.servers]
+        # With replicas, the process that served shard 0 last applied the most updates.
+        server = max(shards[: self.replicas], key=lambda summary: summary.get("updates_applied", -1) if summary else -1)
         workers = [read_summary(w.summary_path) for w in self.workers]
         done = [w for w in workers if w]
         firsts = [w["initial_loss"] for w in done if w.get("initial_loss") is not None]

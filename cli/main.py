@@ -1,7 +1,8 @@
 """The command line: parses flags and environment into typed configs and hands off to a role.
 
-Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``local`` (a server plus N
-workers on this machine, supervised), ``ctl`` (a client of a running server's control plane),
+Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``store`` (the group's
+coordinator: its store and janitor, for jobs whose servers have standbys), ``local`` (servers plus
+N workers on this machine, supervised), ``ctl`` (a client of a running server's control plane),
 ``evaluate`` (the sidecar evaluator), ``export`` (a checkpoint to the model's own state_dict file).
 Every option is generated from the settings the config classes declare (``rpcps.settings``).
 Nothing but ``trainer_entry.py`` calls ``main``.
@@ -43,6 +44,11 @@ class Role:
 ROLES: dict[str, Role] = {
     "ps": Role("run a parameter server (one per shard)", "ps.config:ServerRunConfig", "ps.runner:run_server"),
     "worker": Role("run one training worker against a server", "worker.config:WorkerRunConfig", "worker.runner:run_worker"),
+    "store": Role(
+        "run the group's coordinator: its rendezvous store and membership upkeep (servers with --replicas 2 need one)",
+        "cli.config:StoreConfig",
+        "cli.store:run_store",
+    ),
     "local": Role(
         "run a server and N workers on this machine, supervised, with progress",
         "cli.config:LocalConfig",
@@ -136,7 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _configure_logging(role: str, config: Any) -> None:
-    tag = f"worker{config.worker.worker_index}" if role == "worker" else role
+    tag = {"worker": lambda: f"worker{config.worker.worker_index}", "ps": lambda: f"ps{config.core.shard_index}"}.get(
+        role, lambda: role
+    )()
     logging.basicConfig(
         level=config.process.log_level,
         format=f"%(asctime)s %(levelname)s [{tag} pid %(process)d] %(name)s: %(message)s",

@@ -24,8 +24,9 @@ from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
 from evaluator.scoring import Batch, Scorer, checked, load_batches, load_scorer
-from rpcps import endpoints, plugins, rpc_policy, transport
+from rpcps import plugins, rpc_policy, transport
 from rpcps.errors import SignatureMismatch
+from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.model_file import save_state_dict
 from rpcps.reexec import restart_self
@@ -137,12 +138,14 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
     evaluation = Evaluation(config.evaluator, metrics, best)  # a bad spec fails before the network
     rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused))
     name: str | None = None
+    store_host = ""
     observer: Observer | None = None
     try:
         try:
             name = transport.join(config.ps, "evaluator", config.transport)
         except transport.JoinFailed as e:
             raise transport.PeerUnreachable(str(e)) from e
+        store_host = transport.store_host()
         options = config.transport
         first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s)
         clients = [first] + [
@@ -178,8 +181,9 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
             "reconnects": reconnects,
             "wall_seconds": time.monotonic() - started,
         })
-        if name is not None:
-            transport.leave(name, endpoints.server_name(0))
+        if name is not None and store_host:
+            secret_file = config.transport.job_secret_file
+            transport.leave(name, store_host, JobSecret.from_file(secret_file) if secret_file else None)
         transport.shutdown()
     raise AssertionError("unreachable")
 

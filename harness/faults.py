@@ -4,7 +4,9 @@ Used by the integration tests and by ``tools/chaos.py``. Three kinds of planned 
 
 - ``Kill(target, at_version)``: SIGKILL a process once the server's model version reaches a value
   (read from /metrics). A worker that already finished is replaced by the server as the target,
-  so every planned crash hurts something.
+  so every planned crash hurts something. With ``replicas=2`` the target ``primary`` is whichever
+  of shard 0's two server processes serves it when the kill fires, and a kill waits until the
+  shard has its standby back in sync (so every kill is a failover, not a fall back to a snapshot).
 - ``KillAfterFinish(worker, delay_s)``: SIGKILL the server ``delay_s`` after a worker exited
   successfully (its steps must have been made durable first).
 - ``FailPoint(name, hit)``: the server kills itself the ``hit``-th time it reaches a named point
@@ -40,7 +42,7 @@ POLL_S = 0.02
 @dataclass(frozen=True)
 class Kill:
     target: str
-    """'ps', 'psK' (shard K) or 'workerN'."""
+    """'ps', 'psK' (shard K), 'workerN', or 'primary' (shard 0's serving replica, with replicas=2)."""
     at_version: int
     sig: int = signal.SIGKILL
 
@@ -77,6 +79,7 @@ class ChaosPlan:
     shards: int = 1
     kills: tuple[Fault, ...] = ()
     checkpoint_every_updates: int = 100
+    replicas: int = 1
     extra_args: tuple[str, ...] = ()
     timeout_s: float = 240.0
 
@@ -87,12 +90,14 @@ class ChaosPlan:
         rng = random.Random(seed)
         total = workers * steps
         every = kw.get("checkpoint_every_updates", cls.checkpoint_every_updates)
-        targets = ["ps"] + [f"worker{i}" for i in range(workers)]
+        targets = ["primary" if kw.get("replicas", 1) > 1 else "ps"] + [f"worker{i}" for i in range(workers)]
         points = list(POINTS)
         finishers = [f"worker{i}" for i in range(workers)]
         kills: list[Fault] = []
         for _ in range(n):
-            roll = rng.random()
+            # With a standby every server kill must be a failover: fail points and kills after a finish
+            # hit a fixed process, which may be the standby.
+            roll = rng.random() if kw.get("replicas", 1) == 1 else 1.0
             if roll < 0.2 and finishers:
                 kills.append(KillAfterFinish(finishers.pop(rng.randrange(len(finishers))), round(rng.uniform(0.0, 0.5), 2)))
             elif roll < 0.4 and points:
@@ -121,7 +126,8 @@ class ChaosResult:
     fired: list[tuple[Fault, float]] = field(default_factory=list)
     """Planned crashes that happened, with their unix time (fail points: when the process died)."""
     recovery_s: list[float] = field(default_factory=list)
-    """Per server crash: seconds from the crash to the next applied update."""
+    """Per server crash: seconds from the crash to the next applied update (by another process, when
+    the killed process is known: its standby, or its successor)."""
     notes: list[str] = field(default_factory=list)
     """What the run did besides the plan (a retargeted kill)."""
 
@@ -150,11 +156,11 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
         "--run-dir", str(run_dir), "--checkpoint-dir", str(run_dir / "checkpoints"),
         "--checkpoint-every-updates", str(plan.checkpoint_every_updates), "--audit-log", str(ledger),
         "--max-restarts", str(len(plan.kills) + 3), "--summary-json", str(run_dir / "summary.json"),
-        "--progress-s", "5", *plan.extra_args,
+        "--progress-s", "5", "--replicas", str(plan.replicas), *plan.extra_args,
     ]
     fail_points = [k for k in plan.kills if isinstance(k, FailPoint)]
     env = {**os.environ, "RPCPS_FAILPOINTS": ";".join(f"{k.name}=kill@{k.hit}:{_marker(run_dir, k)}" for k in fail_points)}
-    driver = _Driver(plan, run_dir)
+    driver = _Driver(plan, run_dir, [f"ps_{'abcdefgh'[r]}" if r else "ps" for r in range(plan.replicas)])
     with open(run_dir / "local.log", "wb") as log:
         local = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -179,8 +185,12 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     shards = [Path(f"{ledger}.shard{k}") for k in range(plan.shards)] if plan.shards > 1 else [ledger]
     reports = [check_ledger(path, plan.checkpoint_every_updates, plan.in_flight) for path in shards]
     report = reports[0]
-    server_crashes = [when for fault, when in driver.fired if _hits_server(fault)]
-    recovery = [r for when in sorted(server_crashes) if (r := recovery_after(report, when)) is not None]
+    # With a standby, recovery is the first update applied by another process; without, the restarted
+    # server may take the killed one's name again (shard 0 hosting the store is always rank 0), so it
+    # is counted from the next server start as before.
+    pids = driver.killed_pids if plan.replicas > 1 else {}
+    server_crashes = sorted((when, pids.get(i)) for i, (fault, when) in enumerate(driver.fired) if _hits_server(fault))
+    recovery = [r for when, pid in server_crashes if (r := recovery_after(report, when, pid)) is not None]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     roots = [run_dir / "checkpoints"] + sorted((run_dir / "checkpoints").glob("shard-*"))
     invalid = {str(p): why for root in roots for p, why in verify_all(root).items() if why is not None}
@@ -193,14 +203,20 @@ def _marker(run_dir: Path, point: FailPoint) -> Path:
 
 
 def _hits_server(fault: Fault) -> bool:
-    return not isinstance(fault, Kill) or fault.target.startswith("ps")
+    return not isinstance(fault, Kill) or fault.target.startswith("ps") or fault.target == "primary"
 
 
 class _Driver:
     """Fires the plan's signal-sent crashes as the run reaches them (fail points fire by themselves)."""
 
-    def __init__(self, plan: ChaosPlan, run_dir: Path) -> None:
+    def __init__(self, plan: ChaosPlan, run_dir: Path, shard0: list[str]) -> None:
         self.run_dir = run_dir
+        self.shard0 = shard0
+        """The children serving shard 0 (two with replicas)."""
+        self.killed_pids: dict[int, int] = {}
+        """Index in ``fired`` -> pid of the process that kill hit."""
+        self.deferred = 0
+        """Poll rounds a 'primary' kill waited for the shard's standby to be back in sync."""
         self.by_version = sorted((k for k in plan.kills if isinstance(k, Kill)), key=lambda k: k.at_version)
         self.after_finish = [k for k in plan.kills if isinstance(k, KillAfterFinish)]
         self.finished_at: dict[str, float] = {}
@@ -209,14 +225,25 @@ class _Driver:
 
     def step(self) -> None:
         children = _children(self.run_dir)
-        if self.by_version and _server_version(children) >= self.by_version[0].at_version:
+        if self.by_version and _server_version(children, self.shard0) >= self.by_version[0].at_version:
             kill = self.by_version.pop(0)
-            target = kill.target
+            target = self._primary(children) if kill.target == "primary" else kill.target
+            if target is None:
+                self.deferred += 1
+                self.by_version.insert(0, kill)  # no in-sync pair right now: try again on the next poll
+                return
             pid = _pid(children, target)
             if pid is None or not pid_alive(pid) or self._finished(target):
-                self.notes.append(f"{kill}: {target} was not running; killed ps instead")
-                target = "ps"
+                fallback = self._primary(children) if len(self.shard0) > 1 else "ps"
+                if fallback is None:
+                    self.by_version.insert(0, kill)
+                    return
+                self.notes.append(f"{kill}: {target} was not running; killed {fallback} instead")
+                target = fallback
+            pid = _pid(children, target)
             if self._signal(children, target, kill.sig):
+                if pid is not None:
+                    self.killed_pids[len(self.fired)] = pid
                 self.fired.append((kill, time.time()))
             else:
                 self.by_version.insert(0, kill)  # the server is restarting: try again on the next poll
@@ -225,6 +252,15 @@ class _Driver:
             if finished and time.monotonic() - finished >= kill.delay_s and self._signal(children, kill.server, signal.SIGKILL):
                 self.after_finish.remove(kill)
                 self.fired.append((kill, time.time()))
+
+    def _primary(self, children: dict[str, Any]) -> str | None:
+        """Shard 0's serving replica, when it has an in-sync standby; else None."""
+        for name in self.shard0:
+            port = children.get(name, {}).get("metrics_port")
+            metrics = try_scrape(port) if port is not None else {}
+            if metrics.get("rpcps_replica_role") == 2:
+                return name if metrics.get("rpcps_replica_standby_in_sync") == 1 else None
+        return None
 
     def _finished(self, worker: str) -> float | None:
         """When ``worker`` was first seen finished (its summary is written just before it exits 0)."""
@@ -256,8 +292,7 @@ def _pid(children: dict[str, Any], name: str) -> int | None:
     return children.get(name, {}).get("pid")
 
 
-def _server_version(children: dict[str, Any]) -> float:
-    port = children.get("ps", {}).get("metrics_port")
-    if port is None:
-        return -1
-    return try_scrape(port).get("rpcps_server_model_version", -1)
+def _server_version(children: dict[str, Any], shard0: list[str]) -> float:
+    """Shard 0's model version: the highest any of its replicas reports (the primary's)."""
+    ports = [children.get(name, {}).get("metrics_port") for name in shard0]
+    return max((try_scrape(port).get("rpcps_server_model_version", -1) for port in ports if port is not None), default=-1)

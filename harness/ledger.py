@@ -1,14 +1,24 @@
-"""Replays a server's audit ledger (``ps.audit``) and checks the recovery promises of
-docs/FAULT_TOLERANCE.md:
+"""Replays a shard's audit ledger (``ps.audit``), written by every server process of the shard, and
+checks the promises of docs/FAULT_TOLERANCE.md:
 
-- versions only go up by one, except back to a snapshot at a resume;
-- no (slot, step) is applied twice within the history that survived;
+- the primaries' history is one line: each update V follows V-1 (across a failover too: a promoted
+  standby continues from the version it holds, which it applied as ``mirror`` lines), except back to
+  a snapshot at a resume (both replicas lost);
+- every version has one content, whoever applied it (``apply`` or ``mirror``): no replica ever
+  applied something else under that version, and no (slot, step) is in two versions of the
+  history that survived;
+- exactly one primary applies at any time: ordered by their stamps (the time of the lease check
+  that allowed each apply), no update of epoch E-1 is applied after ``promote E``, and epochs never
+  go back;
+- replicas' digests of one version are equal;
 - a resume goes back to the newest snapshot committed before the crash (the newest whose ledger
   line was written, or the one before it when the crash came between that line and the rename);
 - snapshots are captured on time: each capture at most ``max(N, W) + slack`` updates after the
   previous one, where N is --checkpoint-every-updates and W the updates applied while the previous
-  one was written (a trigger that fires during a write is served right after it). That is what bounds
-  what a crash loses: at most ``max(N, W) + W`` updates (plus pushes in flight).
+  one was written. That is what bounds what a crash of an unreplicated server loses.
+
+Lines are replayed in the order of their stamps (both replicas write into one file; a primary
+frozen between a lease check and the line it guards writes that line late, stamped early).
 """
 
 from __future__ import annotations
@@ -35,12 +45,23 @@ class LedgerReport:
     final_version: int = 0
     restarts: int = 0
     applies: list[tuple[float, int]] = field(default_factory=list)
-    """(unix time, version) of every apply line, in order."""
+    """(unix time, version) of every primary's apply line, in stamp order."""
+    apply_writers: list[str] = field(default_factory=list)
+    """The writer of each entry of ``applies``."""
     starts: list[float] = field(default_factory=list)
     """Unix time of every start line (each server process), in order."""
+    names: dict[int, str] = field(default_factory=dict)
+    """Pid -> RPC name of every server process that started."""
     crashes: list[Crash] = field(default_factory=list)
     write_updates: list[int] = field(default_factory=list)
     """Per committed snapshot: updates applied while it was written (capture to commit)."""
+    promotions: list[tuple[float, int, int, str]] = field(default_factory=list)
+    """(unix time, epoch, version, name) of every promotion."""
+    stepdowns: list[tuple[float, int, str]] = field(default_factory=list)
+    mirrored: int = 0
+    """Mirror lines (updates a standby applied)."""
+    digests_compared: int = 0
+    """Versions whose digest two or more replicas wrote (and that were compared)."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -53,121 +74,232 @@ class LedgerReport:
         return max(self.write_updates, default=0)
 
 
+@dataclass
+class _Line:
+    number: int
+    kind: str
+    args: list[str]
+    stamp: float
+
+
+class _Replay:
+    def __init__(self, report: LedgerReport, every_updates: int | None, slack: int) -> None:
+        self.report = report
+        self.every_updates = every_updates
+        self.slack = slack
+        self.version = 0
+        """The primaries' history: its newest version."""
+        self.history: dict[int, frozenset[tuple[int, int]]] = {}
+        """Version -> the (slot, step)s it applied, in the history that survived."""
+        self.where: dict[tuple[int, int], int] = {}
+        """(slot, step) -> its version in that history."""
+        self.mirrored: dict[int, frozenset[tuple[int, int]]] = {}
+        """Version -> content, as standbys applied it (ahead of or beside the primaries)."""
+        self.epoch = 0
+        self.prepared: list[int] = [0]
+        self.open_captures: dict[int, int] = {}
+        self.last_capture: int | None = None
+        self.last_write_updates = 0
+        self.committed: set[int] = {0}
+        """Snapshot versions renamed into place (their "committed" line)."""
+        self.fresh_start = False
+        """A process (re)started and no "resume" line followed yet: it may start over from nothing."""
+        self.digests: dict[int, dict[str, str]] = {}
+
+    def line(self, line: _Line) -> None:
+        handler = getattr(self, f"_{line.kind}", None)
+        if handler is None:
+            self.report.problems.append(f"line {line.number}: unknown event {line.kind!r}")
+            return
+        handler(line)
+
+    def _start(self, line: _Line) -> None:
+        self.report.restarts += 1
+        self.report.starts.append(line.stamp)
+        if len(line.args) > 1:
+            self.report.names[int(line.args[0])] = line.args[1]
+        self.open_captures.clear()
+        self.fresh_start = self.version > 0
+
+    def _view(self, line: _Line) -> None:
+        pass  # which view a process serves under: informational
+
+    def _resume(self, line: _Line) -> None:
+        self.fresh_start = False
+        self._roll_back(line.number, int(line.args[0]))
+
+    def _roll_back(self, number: int, target: int) -> None:
+        """Rolls the surviving history back to ``target`` after a crash."""
+        self._check_resume(number, target)
+        self.report.crashes.append(Crash(self.version, target, self.prepared[-1]))
+        for v in range(target + 1, self.version + 1):
+            for key in self.history.pop(v, frozenset()):
+                self.where.pop(key, None)
+        self.mirrored = {v: c for v, c in self.mirrored.items() if v <= target}
+        self.version = target
+        self.last_capture, self.last_write_updates = target, 0  # the resumed server counts its interval from here
+
+    def _apply(self, line: _Line) -> None:
+        v, slot, seq = (int(a) for a in line.args[:3])
+        epoch = int(line.args[3]) if len(line.args) > 3 else self.epoch
+        writer = line.args[4] if len(line.args) > 4 else ""
+        problems = self.report.problems
+        if self.fresh_start:
+            # A server that crashed before any snapshot committed starts over from version 0: a resume
+            # to 0 (wrong if a snapshot had been written, which _check_resume reports). Only an apply of
+            # version 1 says so: a standby that (re)started beside a running primary writes a start line too.
+            self.fresh_start = False
+            if v == 1:
+                self._roll_back(line.number, 0)
+        if epoch < self.epoch:
+            problems.append(f"line {line.number}: update {v} of epoch {epoch} applied by {writer} after epoch {self.epoch} began")
+        self.epoch = max(self.epoch, epoch)
+        if v == self.version and v in self.history and self.report.apply_writers and self.report.apply_writers[-1] == writer:
+            self._add(line.number, v, slot, seq)  # another contribution to the same (sync) update
+        elif v != self.version + 1:
+            problems.append(f"line {line.number}: version went from {self.version} to {v}")
+            self._add(line.number, v, slot, seq)
+        else:
+            self._add(line.number, v, slot, seq)
+        self.version = max(self.version, v)
+        self.report.applies.append((line.stamp, v))
+        self.report.apply_writers.append(writer)
+
+    def _add(self, number: int, v: int, slot: int, seq: int) -> None:
+        key = (slot, seq)
+        elsewhere = self.where.get(key)
+        if elsewhere is not None and elsewhere != v:
+            self.report.problems.append(f"line {number}: slot {slot} step {seq} applied twice (versions {elsewhere} and {v})")
+        content = self.history.get(v, frozenset()) | {key}
+        mirrored = self.mirrored.get(v)
+        if mirrored is not None and key not in mirrored:
+            self.report.problems.append(
+                f"line {number}: version {v} applied slot {slot} step {seq} on the primary, {sorted(mirrored)} on a standby"
+            )
+        self.history[v] = content
+        self.where[key] = v
+
+    def _mirror(self, line: _Line) -> None:
+        v, slot, seq = (int(a) for a in line.args[:3])
+        self.report.mirrored += 1
+        key = (slot, seq)
+        content = self.mirrored.get(v, frozenset()) | {key}
+        primary = self.history.get(v)
+        if primary is not None and key not in primary:
+            self.report.problems.append(
+                f"line {line.number}: a standby applied slot {slot} step {seq} as version {v}, the primary {sorted(primary)}"
+            )
+        self.mirrored[v] = content
+
+    def _promote(self, line: _Line) -> None:
+        epoch, v = int(line.args[0]), int(line.args[1])
+        writer = line.args[2] if len(line.args) > 2 else ""
+        problems = self.report.problems
+        if epoch <= self.epoch:
+            problems.append(f"line {line.number}: {writer} promoted to epoch {epoch}, not above the current {self.epoch}")
+        if v < self.version:
+            problems.append(f"line {line.number}: {writer} promoted at version {v}, behind the {self.version} the old primary applied")
+        for held in range(self.version + 1, v + 1):  # what the standby held beyond the old primary becomes history
+            content = self.mirrored.get(held)
+            if content is None:
+                problems.append(f"line {line.number}: {writer} promoted at version {v} without having applied version {held}")
+                continue
+            for key in content:
+                elsewhere = self.where.get(key)
+                if elsewhere is not None and elsewhere != held:
+                    problems.append(f"line {line.number}: slot {key[0]} step {key[1]} applied twice (versions {elsewhere} and {held})")
+                self.where[key] = held
+            self.history[held] = content
+        self.epoch = max(self.epoch, epoch)
+        self.version = max(self.version, v)
+        self.report.promotions.append((line.stamp, epoch, v, writer))
+
+    def _stepdown(self, line: _Line) -> None:
+        self.report.stepdowns.append((line.stamp, int(line.args[0]), line.args[1] if len(line.args) > 1 else ""))
+
+    def _digest(self, line: _Line) -> None:
+        v, digest = int(line.args[0]), line.args[1]
+        writer = line.args[2] if len(line.args) > 2 else ""
+        seen = self.digests.setdefault(v, {})
+        if seen and digest not in seen.values():
+            self.report.problems.append(f"line {line.number}: {writer}'s digest of version {v} is {digest}, others wrote {seen}")
+        if len(seen) == 1 and writer not in seen:
+            self.report.digests_compared += 1
+        seen[writer] = digest
+
+    def _capture(self, line: _Line) -> None:
+        captured = int(line.args[0])
+        if self.every_updates is not None and self.last_capture is not None:
+            allowed = max(self.every_updates, self.last_write_updates) + self.slack
+            if captured - self.last_capture > allowed:
+                self.report.problems.append(
+                    f"line {line.number}: snapshot captured at version {captured}, {captured - self.last_capture} updates after "
+                    f"the previous one at {self.last_capture}; at most max(N={self.every_updates}, W={self.last_write_updates}) + "
+                    f"{self.slack} allowed"
+                )
+        self.open_captures[captured] = self.version
+        self.last_capture = captured
+
+    def _snapshot(self, line: _Line) -> None:
+        self.prepared.append(int(line.args[0]))
+
+    def _committed(self, line: _Line) -> None:
+        snapshot = int(line.args[0])
+        self.committed.add(snapshot)
+        if self.open_captures.pop(snapshot, None) is not None:
+            self.last_write_updates = self.version - snapshot
+            self.report.write_updates.append(self.last_write_updates)
+
+    def _check_resume(self, n: int, target: int) -> None:
+        problems = self.report.problems
+        if target > self.version:
+            problems.append(f"line {n}: resumed to version {target}, ahead of the last applied {self.version}")
+        if target not in self.prepared:
+            problems.append(f"line {n}: resumed to version {target}, for which no snapshot was ever written")
+            return
+        # The newest prepared snapshot may or may not have been renamed into place before the crash;
+        # once its "committed" line is written it was.
+        newest = sorted(set(self.prepared))
+        acceptable = {newest[-1]} if newest[-1] in self.committed else set(newest[-2:])
+        if target not in acceptable:
+            problems.append(
+                f"line {n}: resumed to version {target}, but snapshots up to {newest[-1]} had been written: an older one "
+                "than the newest committed"
+            )
+
+
 def check_ledger(path: str | Path, every_updates: int | None = None, slack: int = 0) -> LedgerReport:
     """Replays the ledger at ``path``. With ``every_updates`` (the run's --checkpoint-every-updates),
     also checks that snapshots were captured on time, allowing ``slack`` updates for pushes in flight
     between a trigger and its capture."""
+    lines = []
+    for n, text in enumerate(Path(path).read_text().splitlines(), 1):
+        kind, *args, stamp = text.split()
+        lines.append(_Line(n, kind, args, float(stamp)))
+    lines.sort(key=lambda line: (line.stamp, line.number))
     report = LedgerReport()
-    version = 0
-    history: dict[int, tuple[int, int]] = {}  # version -> (slot, seq) in the surviving history
-    applied: set[tuple[int, int]] = set()
-    prepared: list[int] = [0]  # snapshot versions whose ledger line was written, in order
-    committed: set[int] = {0}  # snapshot versions renamed into place (their "committed" line)
-    open_captures: dict[int, int] = {}  # captured version -> the version when it was captured (pending its line)
-    last_capture: int | None = None
-    last_write_updates = 0
-    fresh_start = False
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        kind, *args, stamp = line.split()
-        if kind == "start":
-            report.restarts += 1
-            report.starts.append(float(stamp))
-            open_captures.clear()
-            fresh_start = version > 0  # a restart; until a "resume" line says otherwise, from nothing
-        elif kind == "resume":
-            fresh_start = False
-            version = _resume(report, n, int(args[0]), version, prepared, committed, history, applied)
-            last_capture, last_write_updates = version, 0  # the resumed server counts its interval from here
-        elif kind == "apply":
-            v, slot, seq = (int(a) for a in args)
-            if fresh_start:
-                # A server that crashed before any snapshot committed starts over from version 0: a
-                # resume to 0 (wrong if a snapshot had been written, which _check_resume reports).
-                fresh_start = False
-                version = _resume(report, n, 0, version, prepared, committed, history, applied)
-                last_capture, last_write_updates = 0, 0
-            if v != version + 1:
-                report.problems.append(f"line {n}: version went from {version} to {v}")
-            if (slot, seq) in applied:
-                report.problems.append(f"line {n}: slot {slot} step {seq} applied twice")
-            applied.add((slot, seq))
-            history[v] = (slot, seq)
-            report.applies.append((float(stamp), v))
-            version = v
-        elif kind == "capture":
-            captured = int(args[0])
-            if every_updates is not None and last_capture is not None:
-                allowed = max(every_updates, last_write_updates) + slack
-                if captured - last_capture > allowed:
-                    report.problems.append(
-                        f"line {n}: snapshot captured at version {captured}, {captured - last_capture} updates after the "
-                        f"previous one at {last_capture}; at most max(N={every_updates}, W={last_write_updates}) + "
-                        f"{slack} allowed"
-                    )
-            open_captures[captured] = version
-            last_capture = captured
-        elif kind == "snapshot":
-            prepared.append(int(args[0]))
-        elif kind == "committed":
-            snapshot = int(args[0])
-            committed.add(snapshot)
-            if open_captures.pop(snapshot, None) is not None:
-                last_write_updates = version - snapshot
-                report.write_updates.append(last_write_updates)
-        else:
-            report.problems.append(f"line {n}: unknown event {kind!r}")
-    report.final_version = version
+    replay = _Replay(report, every_updates, slack)
+    for line in lines:
+        replay.line(line)
+    report.final_version = replay.version
     return report
 
 
-def _resume(
-    report: LedgerReport,
-    n: int,
-    target: int,
-    version: int,
-    prepared: list[int],
-    committed: set[int],
-    history: dict[int, tuple[int, int]],
-    applied: set[tuple[int, int]],
-) -> int:
-    """Rolls the surviving history back to ``target`` after a crash; returns the new version."""
-    _check_resume(report, n, target, version, prepared, committed)
-    report.crashes.append(Crash(version, target, prepared[-1]))
-    for v in range(target + 1, version + 1):
-        applied.discard(history.pop(v))
-    return target
+def first_apply_after(report: LedgerReport, when: float, other_than: str | None = None) -> float | None:
+    """Unix time of the first update a primary applied after ``when`` (by a writer other than ``other_than``)."""
+    return next((t for (t, _), w in zip(report.applies, report.apply_writers) if t > when and w != other_than), None)
 
 
-def _check_resume(
-    report: LedgerReport, n: int, target: int, version: int, prepared: list[int], committed: set[int]
-) -> None:
-    if target > version:
-        report.problems.append(f"line {n}: resumed to version {target}, ahead of the last applied {version}")
-    if target not in prepared:
-        report.problems.append(f"line {n}: resumed to version {target}, for which no snapshot was ever written")
-        return
-    # The newest prepared snapshot may or may not have been renamed into place before the crash;
-    # once its "committed" line is written it was.
-    newest = sorted(set(prepared))
-    acceptable = {newest[-1]} if newest[-1] in committed else set(newest[-2:])
-    if target not in acceptable:
-        report.problems.append(
-            f"line {n}: resumed to version {target}, but snapshots up to {newest[-1]} had been written: an older one "
-            "than the newest committed"
-        )
+def recovery_after(report: LedgerReport, crash: float, pid: int | None = None) -> float | None:
+    """Seconds from a server crash at ``crash`` to the next update a primary applied.
 
-
-def first_apply_after(report: LedgerReport, when: float) -> float | None:
-    """Unix time of the first update applied after ``when``."""
-    return next((t for t, _ in report.applies if t > when), None)
-
-
-def recovery_after(report: LedgerReport, crash: float) -> float | None:
-    """Seconds from a server crash at ``crash`` to the first update its successor applied.
-
-    Counted from the next server start rather than from ``crash`` itself: other threads of the
-    dying process may still write a ledger line in the microseconds before SIGKILL lands.
+    With the crashed process's ``pid``: the first update applied by any other process (its standby
+    promoted, or its successor started). Without: counted from the next server start, since other
+    threads of the dying process may still write a ledger line in the microseconds before SIGKILL lands.
     """
-    start = next((t for t in report.starts if t > crash), None)
-    applied = None if start is None else first_apply_after(report, start)
+    if pid is not None and pid in report.names:
+        applied = first_apply_after(report, crash, other_than=report.names[pid])
+    else:
+        start = next((t for t in report.starts if t > crash), None)
+        applied = None if start is None else first_apply_after(report, start)
     return None if applied is None else applied - crash

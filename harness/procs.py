@@ -270,6 +270,16 @@ class ProcessGroup:
         )
         return proc, port, metrics_port
 
+    def store(self, name: str = "store", *args: str, **kwargs: object) -> tuple[Proc, int, int]:
+        """Starts a ``rpcps store`` coordinator on 127.0.0.1 with free ports. Returns (process, store port, metrics port)."""
+        port, metrics_port = free_ports(2)
+        proc = self.start(
+            name,
+            ["store", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args],
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return proc, port, metrics_port
+
     def worker(self, name: str, port: int, index: int, num_workers: int, *args: str, **kwargs: object) -> tuple[Proc, int]:
         """Starts a worker against the server on ``port``. Returns (process, metrics port)."""
         metrics_port = free_port()

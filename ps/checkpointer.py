@@ -36,6 +36,7 @@ from ps.snapshot_files import (
     write_snapshot,
 )
 from rpcps import failpoints
+from rpcps.errors import NotPrimary
 from rpcps.signature import ModelSignature
 
 if TYPE_CHECKING:
@@ -51,6 +52,11 @@ class Snapshottable(Protocol):
     """What the checkpointer needs of the server (``ps.server.ParameterServer``)."""
 
     version: int
+    mirroring: bool
+    """A standby: it writes no snapshots of its own (its primary does)."""
+    deposed: bool
+    """A replaced primary: it writes nothing more."""
+    not_primary_reason: str
 
     def capture_state(self) -> tuple[int, dict[str, Any]]: ...
 
@@ -131,8 +137,11 @@ class Checkpointer:
     def checkpoint_now(self) -> tuple[str, int]:
         """Writes a snapshot now (waiting for a write in progress) and returns (path, version).
 
-        Raises OSError when the write fails; earlier snapshots stay intact.
+        Raises OSError when the write fails; earlier snapshots stay intact. Raises NotPrimary on a
+        standby or a replaced primary: only the process serving the shard writes its snapshots.
         """
+        if self.server.mirroring or self.server.deposed:
+            raise NotPrimary(self.server.not_primary_reason or "this process does not serve its shard now")
         info = self._write(force=True)
         assert info is not None
         return str(info.path), info.version
@@ -332,6 +341,10 @@ def _writer_alive(tmp: Path) -> bool:
     return True
 
 
+ResumePoint = tuple[SnapshotInfo, dict[str, Any]]
+"""A snapshot chosen to resume from, and the state it holds."""
+
+
 class ResumeRefused(ValueError):
     """The chosen snapshot cannot be resumed into this server (different model or optimizer)."""
 
@@ -367,7 +380,7 @@ def find_resume_point(
     optimizer: str,
     partition: str | None = None,
     verify: Signer | None = None,
-) -> tuple[SnapshotInfo, dict[str, Any]] | None:
+) -> ResumePoint | None:
     """Picks the snapshot to resume from per ``config.resume``; None to start fresh.
 
     ``auto`` walks from the newest snapshot to older ones, skipping (and logging why) any that is

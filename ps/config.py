@@ -232,16 +232,71 @@ class ControlConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class ReplicationConfig:
+    """Replicas (a hot standby per shard; docs/FAULT_TOLERANCE.md).
+
+    Replication is synchronous: a push is acknowledged only once the standby holds it. An
+    asynchronous mode with a bounded lag is designed (the proposal in issue 14) but not built.
+    """
+
+    replicas: int = setting(
+        1,
+        help="server processes per shard: 2 keeps a hot standby beside each primary that takes over within a second "
+        "when it dies (local starts both; elsewhere start the same server command twice, with --store)",
+    )
+    replica_heartbeat_s: float = setting(0.1, help="the primary sends its standby an empty append after this long without one")
+    replica_lease_s: float = setting(
+        1.5, help="a standby that heard nothing from its primary this long promotes itself (a crash is noticed at once)"
+    )
+    standby_timeout_s: float = setting(
+        1.0, help="a primary whose standby has not acknowledged waiting updates for this long drops it and goes on alone"
+    )
+    store_lease_s: float = setting(
+        10.0,
+        help="a primary without a standby stops applying when it cannot read its view from the store for this long; "
+        "a vanished shard is taken over only after it",
+    )
+    digest_every: int | None = setting(
+        None, help="write a digest of the state to the audit ledger every N versions (replicas compare them)", metavar="N"
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= 2:
+            raise ValueError(f"replicas must be 1 or 2, got {self.replicas}")
+        if not 0 < self.replica_heartbeat_s <= 1.0:
+            raise ValueError(f"replica_heartbeat_s must be in (0, 1], got {self.replica_heartbeat_s}")
+        if not self.replica_lease_s >= 3 * self.replica_heartbeat_s:
+            raise ValueError(
+                f"replica_lease_s must be at least 3 x replica_heartbeat_s ({3 * self.replica_heartbeat_s:g}), "
+                f"got {self.replica_lease_s}"
+            )
+        if not 0 < self.standby_timeout_s < self.replica_lease_s:
+            raise ValueError(
+                f"standby_timeout_s must be in (0, replica_lease_s={self.replica_lease_s:g}): a primary drops a silent "
+                f"standby before that standby would promote itself; got {self.standby_timeout_s}"
+            )
+        if not self.store_lease_s >= 2.0:
+            raise ValueError(f"store_lease_s must be >= 2, got {self.store_lease_s}")
+        if self.digest_every is not None and self.digest_every < 1:
+            raise ValueError(f"digest_every must be >= 1, got {self.digest_every}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class ServerRunConfig:
     """Server process."""
 
     listen: Address = setting(
         Address("127.0.0.1", 29500),
-        help="HOST:PORT of the server's rendezvous store; workers use it as --ps. Anything but loopback needs "
-        "--trust-network and --job-secret-file (docs/SECURITY.md)",
+        help="HOST:PORT where this server hosts the group's rendezvous store (without --store); workers use it as --ps. "
+        "Anything but loopback needs --trust-network and --job-secret-file (docs/SECURITY.md)",
         metavar="HOST:PORT",
     )
-    store: Address | None = setting(None, help="HOST:PORT of shard 0's --listen (shards > 0 only)", metavar="HOST:PORT")
+    store: Address | None = setting(
+        None,
+        help="HOST:PORT of the group's store to join: a `rpcps store` coordinator, or shard 0's --listen; "
+        "unset: this server hosts the store itself at --listen",
+        metavar="HOST:PORT",
+    )
     model: str = model_setting()
     metrics_port: int = setting(9400, help="server /metrics port; 0 picks a free one (logged)")
     lease_s: float = setting(10.0, help="a worker silent this long is checked and removed if its process is gone")
@@ -266,6 +321,7 @@ class ServerRunConfig:
     core: ServerCoreConfig = field(default_factory=ServerCoreConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -273,11 +329,25 @@ class ServerRunConfig:
         if self.lease_s <= 0 or self.progress_s <= 0:
             raise ValueError("lease_s and progress_s must be > 0")
         if self.core.shard_index > 0 and self.store is None:
-            raise ValueError("--shard-index > 0 needs --store HOST:PORT (shard 0's --listen address)")
+            raise ValueError("--shard-index > 0 needs --store HOST:PORT (a `rpcps store` coordinator or shard 0's --listen)")
         if self.checkpoint.sign and (self.transport.job_secret_file is None or self.checkpoint.directory is None):
             raise ValueError("--sign-checkpoints signs snapshots with the job secret: it needs --job-secret-file and --checkpoint-dir")
 
+    def check_replicas(self) -> None:
+        """Raises ValueError for --replicas 2 without --store. Checked when a server starts, not in
+        ``__post_init__``: ``rpcps local`` fills --store in for each of its servers itself."""
+        if self.replication.replicas > 1 and self.store is None:
+            raise ValueError(
+                "--replicas 2 needs --store HOST:PORT: a standby cannot take over from a primary that hosts the group's "
+                "store; start `rpcps store --listen HOST:PORT` and give every replica --store"
+            )
+
+    @property
+    def hosts_store(self) -> bool:
+        """This server hosts the group's store (at --listen) instead of joining one (--store)."""
+        return self.store is None
+
     @property
     def store_address(self) -> Address:
-        """Where the group's store is: this server's own --listen (shard 0) or shard 0's (--store)."""
-        return self.store if self.core.shard_index > 0 and self.store is not None else self.listen
+        """Where the group's store is: this server's own --listen, or --store."""
+        return self.listen if self.store is None else self.store

@@ -6,9 +6,11 @@
 - ``sync``: pushes wait in a round; the round is applied as one step from the averaged gradients of
   the live workers (``ps.sync_rounds``), and every push in it is answered when it closes.
 
-A mode gets admitted pushes (deduplicated, validated, fp32) and decides when the server applies
-them; it never touches the parameters itself. Its methods run on RPC threads, take the server's
-lock for what they change, and complete futures (which sends replies) outside it.
+A mode gets admitted pushes (deduplicated, validated, fp32) and decides when the server sequences
+them as an update (``ParameterServer.sequence_update_locked``); the server applies it once it is
+committed, and only then is the push answered. A mode never touches the parameters itself. Its
+methods run on RPC threads, take the server's lock for what they change, and complete futures
+(which sends replies) outside it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.futures import Future
 
 from ps.config import ServerCoreConfig
-from ps.server import Contribution, ParameterServer
+from ps.server import Contribution, ParameterServer, answer
 from ps.sparse_store import CheckedPush
 from ps.sync_rounds import RoundKeeper, SyncContribution
 from ps.workers import WorkerRecord
@@ -38,14 +40,15 @@ class ConsistencyMode(Protocol):
     mode: Mode
 
     def submit(
-        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
         buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
-        """Applies (now or with its round) an admitted push and the model buffers it carried; the
-        future gives its PushReply.
+        """Sequences (now or with its round) an admitted push: ``chunks`` as received, ``grads`` their
+        fp32 form, ``buffers`` the model buffers it carried. The future gives its PushReply once the
+        update is applied.
 
-        ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``; sync mode never
-        gets one (a server with sparse tables refuses to start in sync mode)."""
+        ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``, in this process
+        only: a server with sparse tables refuses to start with a standby, and in sync mode."""
         ...
 
     def drop_locked(self, slot: int) -> None:
@@ -72,19 +75,26 @@ class AsyncMode:
         self.mode = Mode.ASYNC if max_staleness is None else Mode.BOUNDED
 
     def submit(
-        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
         buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
         server = self.server
+        reply: Future = Future()
         with server.lock:
             if server.stopping:
                 raise ServerStopping("the server is shutting down; the push was not applied")
+            joined = server.join_pending_locked(record.slot, seq)
+            if joined is not None:
+                return joined
             refusal = server.refusal_locked(record, seq, base_version, self.max_staleness)
             if refusal is not None:
                 return done(refusal)
-            staleness = server.version - base_version
-            version = server.apply_locked(grads, [Contribution(record, seq, loss, staleness, buffers)], sparse)
-        return done(PushReply(PushStatus.APPLIED, version, staleness))
+            staleness = server.log.last_version - base_version
+            update = server.sequence_update_locked(chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers, sparse=sparse)
+            update.replies.append((reply, PushReply(PushStatus.APPLIED, update.entry.version, staleness)))  # type: ignore[union-attr]
+            applied = server.apply_committed_locked()
+        answer(applied)
+        return reply
 
     def drop_locked(self, slot: int) -> None:
         del slot  # nothing waits for a worker in async modes
@@ -107,9 +117,10 @@ class SyncMode:
         self._timer.start()
 
     def submit(
-        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, grads: list[torch.Tensor],
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
         buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
     ) -> Future:
+        del chunks  # a round ships its mean, not the pushes it averages
         if sparse:
             raise ValueError("sync mode cannot apply sparse rows")  # the server refuses sparse tables in sync mode
         server = self.server
@@ -117,6 +128,9 @@ class SyncMode:
         with server.lock:
             if server.stopping:
                 raise ServerStopping("the server is shutting down; the push was not applied")
+            joined = server.join_pending_locked(record.slot, seq)
+            if joined is not None:
+                return joined
             # A round's gradients must all be computed on the round's parameters: anything older is stale.
             refusal = server.refusal_locked(record, seq, base_version, 0)
             if refusal is not None:
@@ -125,27 +139,37 @@ class SyncMode:
             self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records))
             record.last_seen = time.monotonic()
             closed = self._close_locked(time.monotonic())
-        _answer(closed)
+        answer(closed)
         return reply
 
     def drop_locked(self, slot: int) -> None:
         self.rounds.drop(slot)  # the timer closes the round if it waited only for this slot
 
     def _close_locked(self, now: float) -> list[tuple[Future, PushReply | ErrorReply]]:
-        """Under the lock: if the open round is complete (or timed out), applies it."""
+        """Under the lock: if the open round is complete (or timed out), sequences it as one update
+        (replication after aggregation: a standby gets the mean, 1/N of the pushes' bytes)."""
         if not self.rounds.ready(now):
-            return []
+            return self.server.apply_committed_locked()
         round_, waiting = self.rounds.take()
         n = len(round_.contributions)
         for total in round_.sums:
             total.div_(n)
-        version = self.server.apply_locked(round_.sums, [c.contribution for c in round_.contributions.values()])
-        self.rounds.recycle(round_.sums)  # the step is done with them
+        contributions = [c.contribution for c in round_.contributions.values()]
+        update = self.server.sequence_update_locked(
+            round_.sums, round_.sums, [(c.record.slot, c.seq, c.loss, 0) for c in contributions],
+            # The sum buffers go back to the pool once nobody needs them: after the step here, and
+            # after the standby acknowledged them when a standby is following.
+            on_release=lambda: self.rounds.recycle(round_.sums),
+            # In arrival order, the last contribution's buffers are the newest.
+            buffers=next((c.buffers for c in reversed(contributions) if c.buffers is not None), None),
+        )
+        version = update.entry.version  # type: ignore[union-attr]
+        update.replies.extend((c.reply, PushReply(PushStatus.APPLIED, version, 0)) for c in round_.contributions.values())
         self.server.metrics.count_round()
         if round_.missing():
             logger.warning("sync round %d closed after %.1fs without slots %s", version, now - round_.opened, sorted(round_.missing()))
-        answered = [(c.reply, PushReply(PushStatus.APPLIED, version, 0)) for c in round_.contributions.values()]
-        return answered + [(f, PushReply(PushStatus.STALE, version, 1)) for f in waiting]
+        stale = [(f, PushReply(PushStatus.STALE, self.server.version, 1)) for f in waiting]
+        return stale + self.server.apply_committed_locked()
 
     def _tick(self) -> None:
         while True:
@@ -153,7 +177,7 @@ class SyncMode:
             with self.server.lock:
                 stopping = self.server.stopping
                 closed = self._fail_all_locked() if stopping else self._close_locked(time.monotonic())
-            _answer(closed)
+            answer(closed)
             if stopping:
                 return
 
@@ -165,12 +189,6 @@ class SyncMode:
         self.rounds.current, self.rounds.waiting = None, []
         stopping = ErrorReply("ServerStopping", "the server is shutting down; the push was not applied")
         return [(f, stopping) for f in futures]
-
-
-def _answer(closed: list[tuple[Future, PushReply | ErrorReply]]) -> None:
-    """Outside the lock: completes futures (which sends the RPC replies)."""
-    for future, reply in closed:
-        future.set_result(reply)
 
 
 def make_mode(server: ParameterServer, config: ServerCoreConfig) -> ConsistencyMode:

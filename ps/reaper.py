@@ -1,22 +1,17 @@
-"""Finds worker processes that died, hung or left, and removes them from the RPC group.
+"""Watches the server's registered workers and the group's store host.
 
-Without this, the first worker that dies makes every later join fail (see ``rpcps.transport.membership``),
-so dead members must go before their replacements arrive. Every sweep (1 s) pings every group
-member in parallel, registered or not (a worker refused for its model, or killed while starting):
+Every sweep (1 s) pings every registered worker in parallel and tells the roster what it found:
 
-- a refused or reset connection means the process is gone: it is removed at once;
-- a ping that times out means the process is hung: it is marked not live, and removed once it has
-  been silent for longer than its lease (a hung member would block every join); if it wakes up
-  later, its calls fail and it restarts itself and rejoins.
+- a refused or reset connection means the process is gone: its slot is marked dead at once (so a
+  sync round stops waiting for it);
+- a ping that times out means the process is hung: it is marked not live, and dead once it has been
+  silent for longer than its lease.
 
-Joins that failed half-way are dropped from the member list, and a join token left behind by a
-dead joiner is released. A removal that finds a join in progress is retried on the next sweep,
-never dropped.
-
-Only shard 0, which hosts the group's store, changes the member list (``owns_group``). Other
-shards only mark their workers dead or alive (so sync rounds stop waiting for the dead), and watch
-shard 0: when it is gone the whole group is gone, and ``store_host_lost`` tells the runner to
-snapshot and rejoin the group of shard 0's successor.
+Removing members from the RPC group is the group janitor's job (``rpcps.transport.coordinator``),
+which runs where the store lives; the reaper only asks it to drop the workers whose slot was taken
+over by a newer registration. It also pings that store host when it is another process: when it is
+gone the whole group is gone (no join, no view change can happen any more), and
+``store_host_lost`` tells the runner to snapshot and rejoin the group of its successor.
 """
 
 from __future__ import annotations
@@ -25,13 +20,11 @@ import logging
 import time
 from typing import Protocol
 
-from ps.metrics import ServerMetrics
 from rpcps import transport
-from rpcps.endpoints import server_name
+from rpcps.jobsecret import JobSecret
 from rpcps.periodic import Periodic
-from rpcps.transport import membership
 
-STORE_HOST = server_name(0)
+logger = logging.getLogger(__name__)
 
 
 class Roster(Protocol):
@@ -47,34 +40,29 @@ class Roster(Protocol):
 
     def mark_dead(self, slot: int, incarnation: str) -> None: ...
 
-logger = logging.getLogger(__name__)
-
 
 class MembershipReaper:
     def __init__(
         self,
         roster: Roster,
-        metrics: ServerMetrics,
         lease_s: float,
-        token_max_age_s: float = 5.0,
+        store_host: str,
+        secret: JobSecret | None = None,
         interval_s: float = 1.0,
         ping_timeout_s: float = 2.0,
-        owns_group: bool = True,
     ) -> None:
+        """``store_host``: the RPC name of the member hosting the group's store (this process's own
+        name when it hosts it: then there is nothing to watch). ``secret``: the job's, which the store's
+        host demands as proof before it drops a member."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.roster = roster
-        self.metrics = metrics
         self.lease_s = lease_s
+        self.store_host = store_host
+        self.secret = secret
         self.interval_s = interval_s
         self.ping_timeout_s = ping_timeout_s
-        self.owns_group = owns_group
         self.store_host_lost = False
-        self._token_watch = membership.JoinTokenWatch(token_max_age_s)
-        self._to_forget: set[str] = set()
-        """Members to remove from the group; kept until a removal succeeds."""
-        self._first_silent: dict[str, float] = {}
-        """Unregistered members that stopped answering pings, and since when."""
         self._task = Periodic("membership-reaper", interval_s, self.sweep)
 
     def start(self) -> None:
@@ -84,16 +72,11 @@ class MembershipReaper:
         self._task.stop()
 
     def sweep(self) -> None:
-        retired = self.roster.take_retired_rpc_names()
-        if self.owns_group:
-            self._token_watch.check(time.monotonic())
-            self._to_forget.update(retired)
+        for name in self.roster.take_retired_rpc_names():
+            transport.leave(name, self.store_host, self.secret, timeout_s=self.ping_timeout_s)  # best effort: the janitor's pings follow
         registered = {name: (slot, incarnation, last_seen) for slot, incarnation, name, last_seen in self.roster.member_workers()}
-        me = membership.my_name()
-        if self.owns_group:
-            names = [n for n in membership.member_names() if n != me and n not in self._to_forget]
-        else:
-            names = [*registered, STORE_HOST]
+        watch_store = self.store_host != transport.membership.my_name()
+        names = [*registered, *([self.store_host] if watch_store else [])]
         pings = [transport.ping(name, self.ping_timeout_s) for name in names]
         now = time.monotonic()
         for name, ping in zip(names, pings):
@@ -101,44 +84,21 @@ class MembershipReaper:
             try:
                 ping.wait()
             except transport.CallFailed as e:
-                self._on_failed_ping(name, owner, e, now)
+                if owner is not None:
+                    self._on_failed_ping(name, owner, e, now)
+                elif isinstance(e, transport.PeerUnreachable):
+                    self.store_host_lost = True
                 continue
-            self._first_silent.pop(name, None)
             if owner is not None:
                 self.roster.mark_alive(owner[0], owner[1])
-        self._forget_pending()
 
-    def _on_failed_ping(self, name: str, owner: tuple[int, str, float] | None, error: transport.CallFailed, now: float) -> None:
-        gone = isinstance(error, transport.PeerUnreachable)
-        if name == STORE_HOST and not self.owns_group:
-            if gone:
-                self.store_host_lost = True
+    def _on_failed_ping(self, name: str, owner: tuple[int, str, float], error: transport.CallFailed, now: float) -> None:
+        slot, incarnation, last_seen = owner
+        if isinstance(error, (transport.PeerUnreachable, transport.PeerUnknown)):  # unknown: the janitor removed it
+            logger.warning("%s (slot %d) is gone: %s", name, slot, str(error).splitlines()[0])
+        elif now - last_seen <= self.lease_s:
+            self.roster.mark_silent(slot, incarnation)
             return
-        if gone:
-            logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
         else:
-            silent_since = owner[2] if owner is not None else self._first_silent.setdefault(name, now)
-            if now - silent_since <= self.lease_s:
-                if owner is not None:
-                    self.roster.mark_silent(owner[0], owner[1])
-                return
-            logger.warning("%s has not answered for %.0fs (hung); removing it", name, now - silent_since)
-        if owner is not None:
-            self.roster.mark_dead(owner[0], owner[1])
-        self._first_silent.pop(name, None)
-        self._to_forget.add(name)
-
-    def _forget_pending(self) -> None:
-        if not self.owns_group:
-            self._to_forget.clear()
-            return
-        try:
-            for name in sorted(self._to_forget):
-                if membership.forget_member(name):
-                    self.metrics.workers_reaped.inc()
-                self._to_forget.discard(name)
-            for name in membership.forget_failed_joins():
-                logger.warning("removed %s, whose join failed, from the RPC group", name)
-                self.metrics.workers_reaped.inc()
-        except membership.TokenBusy:
-            logger.debug("a join is in progress; removing %s on the next sweep", sorted(self._to_forget))
+            logger.warning("%s (slot %d) has not answered for %.0fs (hung)", name, slot, now - last_seen)
+        self.roster.mark_dead(slot, incarnation)

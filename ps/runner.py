@@ -7,32 +7,40 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ps import exposure, supervisor
 from ps.audit import AuditLog
-from ps.checkpointer import Checkpointer, find_resume_point, shard_checkpoint_config
+from ps.checkpointer import Checkpointer, ResumePoint, find_resume_point, shard_checkpoint_config
 from ps.config import CheckpointConfig, ServerRunConfig
-from ps.control.service import start_control_server
+from ps.control.service import ControlServer, start_control_server
 from ps.listener_recovery import ListenerRecovery
 from ps.metrics import ServerMetrics
 from ps.optim import torch_kwargs
 from ps.reaper import MembershipReaper
 from ps.registration_auth import RegistrationGate
+from ps.replication.claim import Claim, claim_shard
+from ps.replication.metrics import ReplicationMetrics
+from ps.replication.replica import ShardReplica
+from ps.replication.standby import CatchUpFailed
 from ps.server import ParameterServer
 from ps.service import WorkerService
 from ps.store_guard import StoreGuard
-from rpcps import endpoints, memory, plugins, rpc_policy, threads, transport
+from rpcps import endpoints, memory, plugins, replica_endpoints, rpc_policy, threads, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
+from rpcps.transport import membership
+from rpcps.transport.coordinator import Janitor
+from rpcps.transport.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +48,28 @@ RESTART_FROM_ENV = "RPCPS_RESTART_FROM"
 LISTENER_LOST_ENV = "RPCPS_LISTENER_LOST"
 """How often earlier incarnations of this server lost their RPC listener (the counter outlives the restart)."""
 JOIN_ATTEMPTS_ENV = "RPCPS_JOIN_ATTEMPTS"
+ATTACH_ONLY_ENV = "RPCPS_ATTACH_ONLY"
+"""Set by a standby that restarts after the store was lost: it may only attach to a live primary."""
 _RESTART_DIR_PREFIX = "rpcps-restart-"
 
 
 def run_server(config: ServerRunConfig) -> int:
+    config.check_replicas()
     exposure.check(config, os.environ)  # refused here, in the foreground, before any supervisor starts
     if config.supervise and not supervisor.is_child():
         supervisor.become_supervisor()
     secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
     memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     stop = threading.Event()
+    asked_to_stop = threading.Event()
+    """A signal or the control plane asked this process to end: it must not restart itself."""
+
+    def on_signal(*_: object) -> None:
+        asked_to_stop.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     metrics = ServerMetrics()
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
     metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads)))
@@ -60,17 +78,17 @@ def run_server(config: ServerRunConfig) -> int:
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    if server.sparse is not None and config.replication.replicas > 1:
+        # Sparse rows are applied by the primary only (ps.replication ships dense updates): a standby
+        # would take over without them.
+        raise ValueError("sparse embedding tables cannot have a standby yet: run them with --replicas 1")
     largest_chunk = max(server.layout.chunk_numels) * server.wire.itemsize
     config = replace(config, transport=replace(config.transport, rpc_channels=config.transport.channels(largest_chunk)))
     rpc_policy.protect(
         on_refusal=rpc_policy.counting(metrics.rpc_refused),
         max_message_bytes=rpc_policy.message_limit(server.signature.numel, config.transport.max_message_mb),
+        extra_calls=replica_endpoints.SERVER_ENDPOINTS,  # the other replica of this shard calls them
     )
-    ledger = None
-    if config.audit_log:
-        suffix = f".shard{config.core.shard_index}" if config.core.shard_count > 1 else ""
-        ledger = AuditLog(config.audit_log + suffix)
-        server.on_applied(ledger.on_applied)
     service = WorkerService(server, gate=RegistrationGate(secret, metrics))
     logger.info(
         "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
@@ -81,41 +99,81 @@ def run_server(config: ServerRunConfig) -> int:
 
     def request_shutdown() -> None:
         finish_workers.set()
+        asked_to_stop.set()
         stop.set()
 
     control = start_control_server(
         server, config.control, checkpoint=None, request_shutdown=request_shutdown, registry=metrics.registry
     )
+    janitor: Janitor | None = None
+    store_guard: StoreGuard | None = None
+    restart: list[str] = []
+    """Why this process must restart itself (a replaced primary, a standby that cannot follow)."""
+
+    def restart_now(why: str) -> None:
+        restart.append(why)
+        stop.set()
+
+    rmetrics = ReplicationMetrics(metrics.registry, config.replication.replicas)
     try:
-        checkpointer = _resume(server, config, ledger, secret)
+        name = _join_group(config, secret)
+        ledger = _open_ledger(server, config, name)
+        registry = transport.group_registry()
+        if config.hosts_store:
+            janitor = Janitor(registry, config.lease_s, on_removed=lambda gone: _member_gone(service, metrics, gone))
+            janitor.start()
+            store_guard = StoreGuard(metrics.store_repairs)  # right after serving: it remembers the store as it is now
+            store_guard.start()
+        registry.claim_shard_count(config.core.shard_count)
+        registry.put_replica(name, _replica_record(config, metrics_port, control.port))
+        checkpoint_config, point = _find_resume(server, config, secret)
+        claim = _claim(registry, config, name, point)
+        checkpointer = _restore(server, config, ledger, secret, checkpoint_config, point if claim.attach_to is None else None)
         control.attach_checkpointer(checkpointer)
         service.durability = checkpointer
-        _join_group(config, secret)
+        if server.sparse is not None:
+            server.sparse.start()
+            logger.info("sparse tables %s (%s, lr %g)", sorted(server.sparse.tables), config.core.sparse.optimizer, config.core.sparse.lr)
+        if checkpointer is not None:
+            server.on_applied(lambda event: None if event.mirrored else checkpointer.on_applied(event))
+        replica = ShardReplica(
+            server, registry, config, name, rmetrics, ledger,
+            on_primary=checkpointer.start if checkpointer is not None else lambda: None, on_restart=restart_now,
+        )
+        endpoints.publish(service)
+        control.attach_replica(replica.state)
+        if claim.attach_to is None:
+            if ledger is not None:
+                ledger.view(claim.record.view)
+            replica.serve(claim.record)
+        else:
+            replica.follow(claim.attach_to)
+    except CatchUpFailed as e:
+        logger.warning("%s; restarting to claim the shard again", e)
+        restart.append(str(e))
     except BaseException:
+        if janitor is not None:
+            janitor.stop()
+        if store_guard is not None:
+            store_guard.stop()
         control.stop(grace_s=0)
         http.shutdown()  # type: ignore[attr-defined]
         raise
-    if checkpointer is not None:
-        server.on_applied(checkpointer.on_applied)
-        checkpointer.start()
-    if server.sparse is not None:
-        server.sparse.start()
-        logger.info("sparse tables %s (%s, lr %g)", sorted(server.sparse.tables), config.core.sparse.optimizer, config.core.sparse.lr)
-    endpoints.publish(service)
-    reaper = MembershipReaper(service, metrics, config.lease_s, owns_group=config.core.shard_index == 0)
+    if restart:
+        _leave_and_restart(control, janitor, store_guard, http)
+    reaper = MembershipReaper(service, config.lease_s, store_host=transport.store_host(), secret=secret)
     reaper.start()
-    store_guard = StoreGuard(metrics) if config.core.shard_index == 0 else None
-    if store_guard is not None:
-        store_guard.start()
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
     recovery = ListenerRecovery(time.monotonic(), transport.membership.ranks_handed_out)
     control.set_serving(True)
     supervisor.note_serving()
     logger.info(
-        "serving on %s (send SIGTERM or Ctrl-C to stop)%s", config.listen,
+        "serving on %s as %s (send SIGTERM or Ctrl-C to stop)%s",
+        config.listen if config.hosts_store else f"the group of {config.store_address}", name,
         "; registrations must prove the job secret" if secret is not None else "",
     )
     restart_from: str | None = None
+    store_lost = False
     try:
         progress = _Progress(server, service, config.progress_s)
         while not stop.wait(1.0):
@@ -127,21 +185,31 @@ def run_server(config: ServerRunConfig) -> int:
                 logger.warning("restarting this server to listen again: %s", why)
                 restart_from = _snapshot_for_restart(server, checkpointer, config)
                 break
-            if reaper.store_host_lost:
-                logger.error("shard 0 (the group's store host) is gone; snapshotting and rejoining its successor")
-                restart_from = _snapshot_for_restart(server, checkpointer, config)
-                break
-        logger.info("stopping")
-        control.set_serving(False)
-        if finish_workers.is_set():
-            _finish_workers(server, config.finish_timeout_s)
-        server.stop()
-        if checkpointer is not None and restart_from is None:
-            checkpointer.stop(final=True)
-        write_summary(config.process.summary_json, service.summary())
+            if reaper.store_host_lost and not store_lost:
+                store_lost = True
+                restart_from = _on_store_lost(server, replica, checkpointer, config)
+                if restart_from is not None:
+                    break
+        if asked_to_stop.is_set():
+            replica.stop_following()  # a standby that is told to end must not promote or restart on the way out
+            restart.clear()
+        if restart:
+            logger.warning("restarting this server process: %s", restart[0])
+        else:
+            logger.info("stopping")
+            control.set_serving(False)
+            if finish_workers.is_set():
+                _finish_workers(server, config.finish_timeout_s)
+            server.stop()
+            if checkpointer is not None and restart_from is None and replica.primary is not None and not server.deposed:
+                checkpointer.stop(final=True)
+            replica.stop()
+            write_summary(config.process.summary_json, service.summary())
     finally:
         control.stop(grace_s=5)
         reaper.stop()
+        if janitor is not None:
+            janitor.stop()
         if store_guard is not None:
             store_guard.stop()
         if server.sparse is not None:
@@ -152,7 +220,43 @@ def run_server(config: ServerRunConfig) -> int:
     if restart_from is not None:
         lost = metrics.registry.get_sample_value("rpcps_server_rpc_listener_lost_total") or 0
         restart_self({RESTART_FROM_ENV: restart_from, LISTENER_LOST_ENV: str(int(lost))})
+    if restart:
+        restart_self({})
     return 0
+
+
+def _leave_and_restart(control: ControlServer, janitor: Janitor | None, store_guard: StoreGuard | None, http: object) -> NoReturn:
+    """Restarts a process that could not take its place in the shard (it claims it again, afresh)."""
+    if janitor is not None:
+        janitor.stop()
+    if store_guard is not None:
+        store_guard.stop()
+    control.stop(grace_s=0)
+    endpoints.withdraw()
+    transport.shutdown()
+    http.shutdown()  # type: ignore[attr-defined]
+    time.sleep(0.5)  # whatever it could not attach to may be changing hands right now
+    restart_self({})
+
+
+def _on_store_lost(
+    server: ParameterServer, replica: ShardReplica, checkpointer: Checkpointer | None, config: ServerRunConfig
+) -> str | None:
+    """The group's store host is gone: no join or view change can happen in this group any more.
+
+    A primary stops and writes its exact state, then restarts from it into the store's successor.
+    A standby keeps following until its primary stops; its promotion then fails (no store), and it
+    restarts to *attach only*: it must never start the shard from a snapshot older than the one its
+    primary is writing. Returns the snapshot to restart from (None for a standby).
+    """
+    if replica.primary is None:
+        logger.error("the group's store host is gone; rejoining its successor as a standby once this shard's primary stops")
+        os.environ[ATTACH_ONLY_ENV] = "1"
+        return None
+    logger.error("the group's store host is gone; snapshotting and rejoining its successor")
+    path = _snapshot_for_restart(server, checkpointer, config)
+    replica.stop()
+    return path
 
 
 def _finish_workers(server: ParameterServer, timeout_s: float) -> None:
@@ -224,19 +328,40 @@ def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | 
     return path
 
 
-def _resume(server: ParameterServer, config: ServerRunConfig, ledger: AuditLog | None, secret: JobSecret | None) -> Checkpointer | None:
-    """Restores the server from a snapshot per --resume; returns the checkpointer (None when off)."""
-    sign = secret.manifest_signature if secret is not None and config.checkpoint.sign else None
+def _find_resume(
+    server: ParameterServer, config: ServerRunConfig, secret: JobSecret | None
+) -> tuple[CheckpointConfig, ResumePoint | None]:
+    """Where this shard's snapshots live, and the one to resume from per --resume (None: start fresh)."""
     checkpoint_config = shard_checkpoint_config(config.checkpoint, config.core.shard_index, config.core.shard_count)
     restart_from = os.environ.pop(RESTART_FROM_ENV, None)
     if restart_from:  # this process restarted itself from a snapshot it just wrote
         checkpoint_config = replace(checkpoint_config, resume=restart_from)
-    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest, sign)
+    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest, _signer(config, secret))
+    return checkpoint_config, point
+
+
+def _claim(registry: Registry, config: ServerRunConfig, name: str, point: ResumePoint | None) -> Claim:
+    """Becomes the shard's primary (bootstrap or takeover), or learns which live primary serves it."""
+    epoch = int(point[1].get("epoch", 0)) if point is not None else 0
+    replication = config.replication
+    return claim_shard(
+        registry, config.core.shard_index, name, epoch + 1, lambda: set(membership.store_members()),
+        absent_grace_s=replication.store_lease_s + 1.0, timeout_s=config.transport.connect_timeout_s + replication.store_lease_s,
+        attach_only=os.environ.pop(ATTACH_ONLY_ENV, "") == "1",
+    )
+
+
+def _restore(
+    server: ParameterServer, config: ServerRunConfig, ledger: AuditLog | None, secret: JobSecret | None,
+    checkpoint_config: CheckpointConfig,
+    point: ResumePoint | None,
+) -> Checkpointer | None:
+    """Restores the server from ``point``; returns the checkpointer (None when checkpointing is off)."""
     if point is not None:
         info, state = point
         server.restore_state(state)
-        if restart_from and checkpoint_config.directory is None:
-            _remove_restart_snapshot(Path(restart_from))
+        if checkpoint_config.directory is None and checkpoint_config.resume:
+            _remove_restart_snapshot(Path(checkpoint_config.resume))
         if ledger is not None:
             ledger.resumed(info.version)
         server.metrics.resumes.inc()
@@ -249,11 +374,16 @@ def _resume(server: ParameterServer, config: ServerRunConfig, ledger: AuditLog |
         )
         return None
     Path(checkpoint_config.directory).mkdir(parents=True, exist_ok=True)
-    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger, sign)
+    checkpointer = Checkpointer(server, checkpoint_config, _meta(server, config), server.metrics, ledger, _signer(config, secret))
     if point is not None:
         checkpointer.adopt(*point)
     _report_rolled_back(server, checkpointer)
     return checkpointer
+
+
+def _signer(config: ServerRunConfig, secret: JobSecret | None) -> Any:
+    """What signs and verifies snapshot manifests (--sign-checkpoints), or None."""
+    return secret.manifest_signature if secret is not None and config.checkpoint.sign else None
 
 
 def _remove_restart_snapshot(path: Path) -> None:
@@ -298,17 +428,18 @@ def _meta(server: ParameterServer, config: ServerRunConfig) -> dict[str, Any]:
     }
 
 
-def _join_group(config: ServerRunConfig, secret: JobSecret | None) -> None:
-    """Shard 0 hosts the group's store; other shards join it under their fixed names."""
-    name = endpoints.server_name(config.core.shard_index)
-    if config.core.shard_index == 0:
+def _join_group(config: ServerRunConfig, secret: JobSecret | None) -> str:
+    """Hosts the group's store (no --store) or joins it, under a fresh name ``ps<K>_r<rank>``. Returns the name."""
+    base = endpoints.server_name(config.core.shard_index)
+    if config.hosts_store:
+        name = f"{base}_r0"  # the store's host is rank 0
         transport.serve(config.listen, name, config.transport, secret)
-        return
+        return name
     attempts = int(os.environ.get(JOIN_ATTEMPTS_ENV, "0"))
     try:
-        transport.join(config.store_address, name, config.transport, fixed_name=True)
+        name = transport.join(config.store_address, base, config.transport)
     except transport.JoinFailed as e:
-        # Usually our previous incarnation is still listed; shard 0's reaper removes it within
+        # Usually a member that just died is still listed; the group janitor removes it within
         # seconds. torch's agent is unusable after a failed join, so retry in a fresh process.
         if attempts >= 30:
             raise
@@ -316,6 +447,34 @@ def _join_group(config: ServerRunConfig, secret: JobSecret | None) -> None:
         time.sleep(1.0)
         restart_self({JOIN_ATTEMPTS_ENV: str(attempts + 1)})
     os.environ.pop(JOIN_ATTEMPTS_ENV, None)
+    return name
+
+
+def _member_gone(service: WorkerService, metrics: ServerMetrics, name: str) -> None:
+    """The embedded janitor removed ``name`` from the group: a worker's slot is dead from now on."""
+    service.member_gone(name)
+    metrics.workers_reaped.inc()
+
+
+def _open_ledger(server: ParameterServer, config: ServerRunConfig, name: str) -> AuditLog | None:
+    """The --audit-log ledger (one file per shard, shared by its replicas), listening to every apply."""
+    if not config.audit_log:
+        return None
+    suffix = f".shard{config.core.shard_index}" if config.core.shard_count > 1 else ""
+    ledger = AuditLog(config.audit_log + suffix, name)
+    server.on_applied(ledger.on_applied)
+    every = config.replication.digest_every
+    if every is not None:
+        server.on_applied(lambda event: ledger.digest(event.version, server.digest_locked()) if event.version % every == 0 else None)
+    return ledger
+
+
+def _replica_record(config: ServerRunConfig, metrics_port: int, control_port: int) -> dict[str, Any]:
+    """What this process tells the group about itself (``ctl`` and the fault harness read it)."""
+    return {
+        "shard": config.core.shard_index, "pid": os.getpid(), "host": socket.gethostname(),
+        "control": f"{config.control.addr}:{control_port}", "metrics": f"{config.process.metrics_addr}:{metrics_port}",
+    }
 
 
 def _flat_config(config: ServerRunConfig) -> dict[str, Any]:

@@ -1,10 +1,17 @@
-"""ParameterServer: the one true copy of the parameters, the one optimizer, the model version.
+"""ParameterServer: the parameters, the one optimizer, the model version, and the log that changes them.
 
 State and one apply step, under one lock. Everything here may be called from many RPC threads at
 once; the lock serialises what must be serialised (the optimizer step, the version, per-slot
 progress) and is never held across network or disk I/O: pushes are validated before it is taken,
 pulls copy a snapshot under it and send after it is released, checkpoints copy under it and write
 after.
+
+Every change of replicated state goes through the log (``ps.replication.log``): it is *sequenced*
+under the lock (an index, and for an update the version it will produce), *committed* (at once, or
+once the standby holds it) and *applied* in index order by ``apply_committed_locked``, the one
+function both a primary and its standby apply with, so their states are bit-identical at every
+version. Whoever holds the lock may apply what is committed; the futures of what it applied are
+completed after the lock is released (that sends the replies).
 
 What lives elsewhere: the worker API and deduplication (``ps.service``), push validation
 (``ps.admission``), the consistency modes (``ps.modes``), and everything that watches the server
@@ -19,11 +26,13 @@ import logging
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.futures import Future
 
 from ps.buffers import BufferStore
 from ps.config import ServerCoreConfig
@@ -31,13 +40,15 @@ from ps.dedup import SequenceTracker
 from ps.export import named_state
 from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer, load_state
+from ps.replication.log import ReplicationLog, Sequenced
 from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
-from rpcps.messages import Mode, PushReply, PushStatus
+from rpcps.errors import NotPrimary
+from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Update
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, persistent_buffers
 from rpcps.sparse.spec import declared_tables
-from rpcps.wire import wire_dtype
+from rpcps.wire import to_dense_fp32, wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +74,12 @@ class UpdateApplied:
     applied: tuple[tuple[int, int, int], ...]
     """(slot, step, staleness) of every contribution."""
     grad_bytes: int
+    epoch: int = 0
+    """The epoch of the primary that sequenced the update."""
+    stamp: float | None = None
+    """Unix time of the check that allowed this apply (a primary's lease check): what the ledger records."""
+    mirrored: bool = False
+    """Applied by a standby following its primary (not served to anyone yet)."""
     sparse_rows: int = 0
     """Sparse rows this update changed."""
 
@@ -126,6 +143,18 @@ class ParameterServer:
         if self.sparse is not None:
             self.metrics.watch_sparse(self.sparse.stats)
         self.version = 0
+        self.log = ReplicationLog()
+        self.epoch = 0
+        """The epoch of the view this process serves under."""
+        self.mirroring = False
+        """This process is a standby: it applies what its primary sequenced and serves no one."""
+        self.deposed = False
+        """This process was a primary and learned of a newer epoch: it sequences and applies nothing more."""
+        self.not_primary_reason = ""
+        """What a worker calling this process is told (names the shard's primary when known)."""
+        self.lease: Callable[[], float | None] = time.time
+        """Asked before each apply: the unix time of the decision, or None when this process may not
+        apply now (a primary whose lease ran out). Set by ``ps.replication``."""
         self.workers = WorkerTable(config.max_workers)
         self.started = time.monotonic()
         self._listeners: list[Callable[[UpdateApplied], None]] = []
@@ -145,20 +174,99 @@ class ParameterServer:
     # ---- the update ------------------------------------------------------------------------------
 
     def refusal_locked(self, record: WorkerRecord, seq: int, base_version: int, max_staleness: int | None) -> PushReply | None:
-        """Under the lock: the reply for a push that must not be applied now, or None to apply it."""
+        """Under the lock: the reply for a push that must not be sequenced now, or None to sequence it.
+
+        Ask ``join_pending_locked`` first: a retry of a push sequenced and not yet applied joins it.
+        """
         if not self._running.is_set():
             return PushReply(PushStatus.PAUSED, self.version, 0)
         if record.tracker.seen(seq):  # a concurrent retry of the same push got here first
             self.metrics.count_duplicate()
             return PushReply(PushStatus.DUPLICATE, self.version, 0)
-        staleness = self.version - base_version
+        staleness = self.log.last_version - base_version
         if max_staleness is not None and staleness > max_staleness:
             # Not recorded as processed: the worker recomputes this step on fresh parameters.
             self.metrics.count_stale()
             return PushReply(PushStatus.STALE, self.version, staleness)
         return None
 
-    def apply_locked(self, grads: list[torch.Tensor], contributions: list[Contribution], sparse: CheckedPush | None = None) -> int:
+    def join_pending_locked(self, slot: int, seq: int) -> Future | None:
+        """Under the lock: a retry of a push that is sequenced and not yet applied waits for it and is
+        answered 'duplicate' then (never before: the original may still be lost with this primary)."""
+        pending = self.log.pending.get((slot, seq))
+        if pending is None:
+            return None
+        self.metrics.count_duplicate()
+        reply: Future = Future()
+        assert isinstance(pending.entry, Update)
+        pending.replies.append((reply, PushReply(PushStatus.DUPLICATE, pending.entry.version, 0)))
+        return reply
+
+    # ---- sequencing (the primary) ----------------------------------------------------------------
+
+    def sequence_update_locked(
+        self,
+        chunks: list[Any],
+        grads: list[torch.Tensor] | None,
+        contributions: list[tuple[int, int, float | None, int]],
+        on_release: Callable[[], None] | None = None,
+        buffers: list[torch.Tensor] | None = None,
+        sparse: CheckedPush | None = None,
+    ) -> Sequenced:
+        """Under the lock: the next optimizer step, from ``grads`` (the fp32 form of ``chunks``); with
+        ``buffers``, the model buffers that become the server's with it; with ``sparse``, the sparse
+        rows it changes (applied here only: not shipped to a standby, see ``ps.runner``)."""
+        self._check_primary_locked()
+        log = self.log
+        entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers)
+        sequenced = Sequenced(entry, grads, on_release=on_release, sparse=sparse)
+        log.append(sequenced)
+        return sequenced
+
+    def sequence_locked(self, make: Callable[[int, int], LogEntry]) -> Sequenced:
+        """Under the lock: a non-update entry, ``make(index, epoch)``."""
+        self._check_primary_locked()
+        sequenced = Sequenced(make(self.log.next_index, self.epoch))
+        self.log.append(sequenced)
+        return sequenced
+
+    def _check_primary_locked(self) -> None:
+        if self.mirroring or self.deposed:
+            raise NotPrimary(self.not_primary_reason)
+
+    # ---- applying (both roles) -------------------------------------------------------------------
+
+    def apply_committed_locked(self) -> list[tuple[Future, Any]]:
+        """Under the lock: applies every committed entry in index order, while allowed (``lease``).
+
+        Returns the futures to complete, with their values, once the caller has released the lock.
+        """
+        done: list[tuple[Future, Any]] = []
+        while (sequenced := self.log.next_to_apply()) is not None:
+            stamp = self.lease()
+            if stamp is None:
+                break
+            self._apply_locked(sequenced, stamp)
+            self.log.applied(sequenced)
+            done += sequenced.replies
+        return done
+
+    def _apply_locked(self, sequenced: Sequenced, stamp: float) -> None:
+        entry = sequenced.entry
+        if isinstance(entry, Update):
+            grads = sequenced.grads
+            if grads is None:
+                grads = [to_dense_fp32(c, n) for c, n in zip(entry.chunks, self.layout.chunk_numels)]
+            self.apply_locked(grads, entry, stamp, sequenced.sparse)
+        elif isinstance(entry, Mark):
+            self.workers.records[entry.slot].tracker.mark(entry.seq)
+        elif isinstance(entry, Registered):
+            self.workers.register(entry.slot, entry.rpc_name, entry.incarnation)
+        elif isinstance(entry, Control):
+            (self._running.clear if entry.action == "pause" else self._running.set)()
+            self.metrics.paused.set(1 if entry.action == "pause" else 0)
+
+    def apply_locked(self, grads: list[torch.Tensor], update: Update, stamp: float, sparse: CheckedPush | None = None) -> int:
         """Under the lock: one optimizer step from ``grads`` and the rows of ``sparse``; records every
         contribution. Returns the version."""
         started = time.perf_counter()
@@ -171,24 +279,47 @@ class ParameterServer:
             self.schedule.step()
         sparse_rows = self.sparse.apply(sparse) if sparse and self.sparse is not None else 0
         self.version += 1
+        if self.version != update.version:
+            raise AssertionError(f"update {update.index} produces version {update.version}, but this server is at {self.version - 1}")
         now = time.monotonic()
-        for c in contributions:  # in arrival order: the last one's buffers are the newest
-            if c.buffers is not None:
-                self.buffers.replace_locked(c.buffers)
-            c.record.tracker.mark(c.seq)
-            c.record.last_push = c.record.last_seen = now
-            c.record.live = True
-            c.record.note_loss(c.loss)
+        if update.buffers is not None:
+            self.buffers.replace_locked(update.buffers)
+        for slot, seq, loss, _ in update.contributions:
+            record = self.workers.records[slot]
+            record.tracker.mark(seq)
+            record.last_push = record.last_seen = now
+            record.live = True
+            record.note_loss(loss)
         event = UpdateApplied(
             self.version,
             time.perf_counter() - started,
-            tuple((c.record.slot, c.seq, c.staleness) for c in contributions),
-            sum(g.numel() * g.element_size() for g in grads) * len(contributions),
+            tuple((slot, seq, staleness) for slot, seq, _, staleness in update.contributions),
+            sum(g.numel() * g.element_size() for g in grads) * len(update.contributions),
+            update.epoch,
+            stamp,
+            self.mirroring,
             sparse_rows,
         )
         for listener in self._listeners:
             listener(event)
         return self.version
+
+    def digest_locked(self) -> str:
+        """Under the lock: a fingerprint (CRC-32) of the parameters, the optimizer state, the version,
+        and every slot's dedup record.
+
+        Replicas compare it at the same version: any flipped bit changes it (it is not a proof
+        against tampering, only against divergence).
+        """
+        slots = sorted((slot, sorted(r.tracker.state().items())) for slot, r in self.workers.records.items())
+        crc = zlib.crc32(repr((self.version, slots)).encode())
+        state = self.optimizer.state
+        for master in self._masters:
+            crc = zlib.crc32(_bytes_of(master), crc)
+            for key in sorted(state.get(master, {})):
+                value = state[master][key]
+                crc = zlib.crc32(_bytes_of(value) if isinstance(value, torch.Tensor) else repr(value).encode(), crc)
+        return f"{crc:08x}"
 
     def params_for_pull_locked(self) -> list[torch.Tensor]:
         """Under the lock: the parameters in the wire dtype, one copy per version shared by every
@@ -216,6 +347,7 @@ class ParameterServer:
             "optimizer": _clone_tensors(self.optimizer.state_dict()),
             "schedule": self.schedule.state_dict() if self.schedule is not None else None,
             "version": self.version,
+            "epoch": self.epoch,
             "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
         }
         if self.sparse is not None:
@@ -227,8 +359,21 @@ class ParameterServer:
             state["buffers"] = self.buffers.named_locked()
         return self.version, state
 
+    def capture_replica_state_locked(self) -> dict[str, Any]:
+        """Under the lock: the applied state as a new standby must start from it, exactly.
+
+        Beyond a snapshot on disk: every registration (a standby that takes over must know the
+        workers' incarnations), the pause state, and the log index the state corresponds to.
+        """
+        _, state = self.capture_state_locked()
+        state["registrations"] = {str(slot): [r.rpc_name, r.incarnation] for slot, r in self.workers.records.items() if not r.left}
+        state["paused"] = self.paused
+        state["log_index"] = self.log.applied_index
+        return state
+
     def restore_state(self, state: dict[str, Any]) -> None:
-        """Loads a captured state (from a verified snapshot) before any worker registers."""
+        """Loads a captured state (a verified snapshot, or a primary's ``capture_replica_state_locked``)
+        before any worker registers."""
         masters = state["masters"]
         if [m.numel() for m in masters] != list(self.layout.chunk_numels):
             raise ValueError("the snapshot's parameter layout differs from this server's (different --chunk-mb?)")
@@ -241,7 +386,12 @@ class ParameterServer:
             if self.schedule is not None and state.get("schedule") is not None:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
+            self.epoch = max(self.epoch, int(state.get("epoch", 0)))
             self.workers.restore({int(k): SequenceTracker.from_state(v) for k, v in state["workers"].items()})
+            for slot, (rpc_name, incarnation) in state.get("registrations", {}).items():
+                self.workers.register(int(slot), rpc_name, incarnation)
+            (self._running.clear if state.get("paused") else self._running.set)()
+            self.log.restart_at(int(state.get("log_index", 0)), self.version)
             if self.buffers and "buffers" in state:  # a snapshot from before buffers were kept has none
                 self.buffers.restore_locked(state["buffers"])
             self._pull_copy_version = -1
@@ -262,12 +412,18 @@ class ParameterServer:
     # ---- control ---------------------------------------------------------------------------------
 
     def pause(self) -> None:
-        self._running.clear()
-        self.metrics.paused.set(1)
+        """Holds updates: pushes sequenced after this are answered 'paused' (a log entry, so a standby
+        that takes over is paused too)."""
+        self._control("pause")
 
     def resume(self) -> None:
-        self._running.set()
-        self.metrics.paused.set(0)
+        self._control("resume")
+
+    def _control(self, action: str) -> None:
+        with self.lock:
+            self.sequence_locked(lambda index, epoch: Control(index, epoch, action))
+            applied = self.apply_committed_locked()
+        answer(applied)
 
     @property
     def paused(self) -> bool:
@@ -297,6 +453,16 @@ class ParameterServer:
                 shard_index=self.config.shard_index, shard_count=self.config.shard_count, workers=workers,
                 intra_op_threads=torch.get_num_threads(),
             )
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def answer(done: list[tuple[Future, Any]]) -> None:
+    """Outside the lock: completes applied entries' futures (which sends the RPC replies)."""
+    for future, value in done:
+        future.set_result(value)
 
 
 def _clone_tensors(tree: Any) -> Any:

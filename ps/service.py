@@ -2,13 +2,18 @@
 
 A push goes: count it, find its slot's registration, drop it if its (slot, step) was processed
 already, validate it (``ps.admission``, outside the lock), then hand it to the consistency mode
-(``ps.modes``), which applies it through the server. Every refusal leaves the parameters
-bit-identical and is counted by reason.
+(``ps.modes``), which sequences it; the server applies it once committed. Every refusal leaves the
+parameters bit-identical and is counted by reason; a refused or skipped step is still recorded as
+processed through the log (a ``Mark``), so a standby knows it too.
+
+Registrations go through the log as well (``Registered``, with the incarnation drawn here), so a
+standby that takes over knows every worker's incarnation and the workers need not register again.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Protocol
@@ -19,18 +24,41 @@ from torch.futures import Future
 from ps.admission import Admission, Refused, RejectReason, SkipNonfinite
 from ps.modes import ConsistencyMode, done, make_mode
 from ps.registration_auth import RegistrationGate
-from ps.server import ParameterServer
+from ps.server import ParameterServer, answer
 from ps.snapshot_files import SnapshotInfo
 from ps.sparse_store import BadSparse, CheckedPush
 from ps.workers import WorkerRecord
 from rpcps import failpoints
-from rpcps.errors import CheckpointFailed, RpcpsError, ServerStopping, SignatureMismatch, UnknownWorker
-from rpcps.messages import FinishReply, Observation, PullReply, PushReply, PushStatus, Registration, RegistrationProof
+from rpcps.errors import (
+    ERROR_TYPES,
+    CheckpointFailed,
+    NotPrimary,
+    PushRejected,
+    RpcpsError,
+    ServerStopping,
+    SignatureMismatch,
+    UnknownWorker,
+)
+from rpcps.messages import (
+    ErrorReply,
+    FinishReply,
+    Mark,
+    Observation,
+    PullReply,
+    PushReply,
+    PushStatus,
+    Registered,
+    Registration,
+    RegistrationProof,
+)
 from rpcps.signature import ModelSignature
 from rpcps.sparse.spec import SparsePull
 from rpcps.summary import run_summary
 
 logger = logging.getLogger(__name__)
+
+_REGISTRATION_WAIT_S = 30.0
+"""How long a registration waits for its log entry to be applied (committed by the standby)."""
 
 
 class Durability(Protocol):
@@ -60,21 +88,39 @@ class WorkerService:
     def shard_count(self) -> int:
         return self.server.config.shard_count
 
+    def _check_serving(self) -> None:
+        """Raises NotPrimary on a process that does not serve its shard now (a standby, a replaced primary)."""
+        server = self.server
+        if server.mirroring or server.deposed:
+            raise NotPrimary(server.not_primary_reason)
+
     def challenge(self) -> str:
         return self.gate.challenge()
 
     def register(
         self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None = None
     ) -> Registration:
+        self._check_serving()
         self.gate.check(slot, rpc_name, proof)
         server = self.server
         diff = server.model_signature.first_difference(ModelSignature.from_wire(signature))
         if diff is not None:
             raise SignatureMismatch(f"worker {slot} ({rpc_name}) has a different model than the server: {diff}")
+        server.workers.check_slot(slot)
+        incarnation = server.workers.new_incarnation()
         with server.lock:
             if server.stopping:
                 raise ServerStopping("the server is shutting down; try again after it restarts")
-            record = server.workers.register(slot, rpc_name)
+            sequenced = server.sequence_locked(lambda index, epoch: Registered(index, epoch, slot, rpc_name, incarnation))
+            applied: Future = Future()
+            sequenced.replies.append((applied, None))
+            done_now = server.apply_committed_locked()
+        answer(done_now)
+        failure = wait_for(applied, _REGISTRATION_WAIT_S)
+        if isinstance(failure, ErrorReply):
+            raise ERROR_TYPES.get(failure.kind, RpcpsError)(failure.message)
+        with server.lock:
+            record = server.workers.get(slot, incarnation)
             next_step = record.tracker.floor + 1
             version = server.version
         self.metrics.registrations.inc()
@@ -121,6 +167,7 @@ class WorkerService:
     def _submit(
         self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None, sparse: Any
     ) -> Future:
+        self._check_serving()
         started = time.perf_counter()
         self.metrics.count_received()
         self.metrics.in_flight.inc()
@@ -135,14 +182,12 @@ class WorkerService:
                     buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
                 checked = self._check_sparse(slot, seq, sparse)
             except Refused as e:
-                self._refused(record, seq, e)
-                raise
+                return self._refused(record, seq, e)
             for skip in (grads, buffers, checked):
                 if isinstance(skip, SkipNonfinite):
-                    self._skipped(record, seq, skip.where)
-                    return done(PushReply(PushStatus.SKIPPED, self.server.version, 0))
+                    return self._skipped(record, seq, skip.where)
             assert not isinstance(checked, SkipNonfinite)
-            return self.mode.submit(record, seq, loss, base_version, grads, buffers, checked)
+            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers, checked)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
@@ -150,8 +195,13 @@ class WorkerService:
     def push(
         self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
     ) -> PushReply:
-        """``submit`` waited for (in-process callers; in 'sync' mode it blocks until the round closes)."""
-        return self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse).wait()
+        """``submit`` waited for (in-process callers; in 'sync' mode it blocks until the round closes).
+
+        Raises the error an RPC caller would get as an ``ErrorReply``."""
+        reply = self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse).wait()
+        if isinstance(reply, ErrorReply):
+            raise ERROR_TYPES.get(reply.kind, RpcpsError)(reply.message)
+        return reply
 
     def push_named(
         self, slot: int, incarnation: str, seq: int, base_version: int, grads: dict[str, torch.Tensor], loss: float | None = None
@@ -163,13 +213,16 @@ class WorkerService:
             self.metrics.count_received()
             with self.server.lock:
                 record = self.server.workers.get(slot, incarnation)
-            self._refused(record, seq, e)
+            self._refused(record, seq, e).wait()
             raise
         return self.push(slot, incarnation, seq, base_version, chunks, loss)
 
     def pull(self, slot: int, incarnation: str, have_version: int) -> PullReply:
+        self._check_serving()
         started = time.perf_counter()
         server = self.server
+        if server.lease() is None:  # it may have been replaced: what it holds may not be the newest any more
+            raise NotPrimary(f"shard {server.config.shard_index}'s primary has no lease right now; read its view again")
         with server.lock:
             record = server.workers.get(slot, incarnation)
             record.last_seen = time.monotonic()
@@ -221,6 +274,7 @@ class WorkerService:
         A worker only exits successfully after this, so a server crash after it never rolls back a
         finished worker's steps (docs/FAULT_TOLERANCE.md, "Done means durable").
         """
+        self._check_serving()
         with self.server.lock:
             record = self.server.workers.get(slot, incarnation)
             next_step, version = record.tracker.floor + 1, self.server.version
@@ -270,6 +324,15 @@ class WorkerService:
             record = self._current(slot, incarnation)
             if record is not None:
                 record.live = False
+
+    def member_gone(self, rpc_name: str) -> None:
+        """The group janitor removed RPC member ``rpc_name``: if it is a registered worker, its slot is dead."""
+        with self.server.lock:
+            for record in self.server.workers.records.values():
+                if record.rpc_name == rpc_name and not record.left:
+                    record.live = False
+                    record.left = True
+                    self.mode.drop_locked(record.slot)
 
     def mark_dead(self, slot: int, incarnation: str) -> None:
         with self.server.lock:
@@ -342,17 +405,34 @@ class WorkerService:
         record = self.server.workers.records.get(slot)
         return record if record is not None and record.incarnation == incarnation else None
 
-    def _refused(self, record: WorkerRecord, seq: int, error: Refused) -> None:
-        with self.server.lock:
-            record.tracker.mark(seq)
+    def _refused(self, record: WorkerRecord, seq: int, error: Refused) -> Future:
+        """Records the refused step as processed (through the log); the future gives the worker's error."""
         self.metrics.count_rejected(error.reason)
         logger.warning("rejected: %s", error)
+        return self._mark(record, seq, ErrorReply(PushRejected.__name__, str(error)))
 
-    def _skipped(self, record: WorkerRecord, seq: int, where: str) -> None:
-        with self.server.lock:
-            record.tracker.mark(seq)
+    def _skipped(self, record: WorkerRecord, seq: int, where: str) -> Future:
         self.metrics.count_skipped()
         logger.warning("skipped push %d from worker %d: NaN/Inf in %r", seq, record.slot, where)
+        return self._mark(record, seq, PushReply(PushStatus.SKIPPED, self.server.version, 0))
+
+    def _mark(self, record: WorkerRecord, seq: int, reply: Any) -> Future:
+        future: Future = Future()
+        with self.server.lock:
+            sequenced = self.server.sequence_locked(lambda index, epoch: Mark(index, epoch, record.slot, seq))
+            sequenced.replies.append((future, reply))
+            applied = self.server.apply_committed_locked()
+        answer(applied)
+        return future
+
+
+def wait_for(future: Future, timeout_s: float) -> Any:
+    """A torch Future's value, or an ErrorReply when it did not complete within ``timeout_s``."""
+    finished = threading.Event()
+    future.add_done_callback(lambda _: finished.set())
+    if not finished.wait(timeout_s):
+        return ErrorReply("ServerStopping", f"the server did not replicate the change within {timeout_s:.0f}s; try again")
+    return future.wait()
 
 
 def _mean(values: list[float]) -> float | None:

@@ -41,14 +41,22 @@ class WorkerTable:
         self.retired_rpc_names: list[str] = []
         """RPC members whose slot was taken over or who left; the reaper makes the agent forget them."""
 
-    def register(self, slot: int, rpc_name: str) -> WorkerRecord:
+    def check_slot(self, slot: int) -> None:
+        """Raises UnknownWorker for a slot outside this server's range."""
         if not 0 <= slot < self.max_workers:
             raise UnknownWorker(
                 f"worker slot {slot} is outside this server's range [0, {self.max_workers}); "
                 "raise the server's --max-workers or use a smaller --worker-index"
             )
+
+    @staticmethod
+    def new_incarnation() -> str:
+        return uuid.uuid4().hex[:12]
+
+    def register(self, slot: int, rpc_name: str, incarnation: str) -> WorkerRecord:
+        """Gives ``slot`` to a new registration (the caller checked the slot and drew ``incarnation``)."""
         old = self.records.get(slot)
-        record = WorkerRecord(slot=slot, rpc_name=rpc_name, incarnation=uuid.uuid4().hex[:12])
+        record = WorkerRecord(slot=slot, rpc_name=rpc_name, incarnation=incarnation)
         if old is not None:
             record.tracker = old.tracker
             record.first_losses = old.first_losses

@@ -12,7 +12,8 @@ resume, finish, stop, snapshot, restore) is reachable only through the authentic
 
 Errors rpcps raises on purpose come back as ``ErrorReply`` values (torch RPC would lose their
 type); the worker's client raises the matching class again. ``ENDPOINTS`` lists every function
-here that may be called remotely (the transport's unpickler allows exactly these).
+here that may be called remotely (the transport's unpickler allows exactly these, plus, in server
+processes, the replication API of ``rpcps.replica_endpoints`` and, in workers, its ``view_changed``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ Chunks = list[Any]
 
 
 def server_name(shard: int) -> str:
-    """The RPC name of server shard ``shard`` (shard 0 also hosts the group's store)."""
+    """The base of the RPC names of shard ``shard``'s server processes: each joins as
+    ``ps<shard>_r<rank>``, fresh per process; workers find the current one through the shard's view."""
     return f"ps{shard}"
 
 

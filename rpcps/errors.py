@@ -37,6 +37,11 @@ class ServerStarting(RpcpsError):
     """The server process is up but has not loaded its model yet; retry shortly."""
 
 
+class NotPrimary(RpcpsError):
+    """This server process does not serve its shard now (a standby, or a primary that was replaced):
+    read the shard's view and call the primary it names."""
+
+
 class CheckpointFailed(RpcpsError):
     """The server could not commit a checkpoint (full disk, I/O error); nothing committed was lost."""
 
@@ -48,6 +53,7 @@ class RegistrationRefused(RpcpsError, PermissionError):
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
     cls.__name__: cls
     for cls in (
-        PushRejected, SignatureMismatch, UnknownWorker, WorkerRemoved, ServerStopping, ServerStarting, CheckpointFailed, RegistrationRefused,
+        PushRejected, SignatureMismatch, UnknownWorker, WorkerRemoved, ServerStopping, ServerStarting, NotPrimary, CheckpointFailed,
+        RegistrationRefused,
     )
 }

@@ -19,7 +19,7 @@ from rpcps.secret_files import read_secret_line, warn_if_readable_by_others
 
 MIN_LENGTH = 32
 """Characters a secret must have at least (``openssl rand -hex 32`` gives 64)."""
-_REGISTER, _LEAVE, _MANIFEST = b"register/v1", b"leave/v1", b"manifest/v1"
+_REGISTER, _LEAVE, _MANIFEST, _REPLICA_ATTACH = b"register/v1", b"leave/v1", b"manifest/v1", b"replica-attach/v1"
 
 
 class JobSecret:
@@ -56,6 +56,11 @@ class JobSecret:
     def leave_proof(self, rpc_name: str) -> str:
         """What a departing process sends to be dropped from the group (its name is never reused)."""
         return self._mac(_LEAVE, rpc_name)
+
+    def replica_attach_proof(self, nonce: str, issued_at: float, name: str, primary: str) -> str:
+        """What a standby sends with ``replica_attach``: binds a fresh nonce, its time, the standby's
+        name and the primary it asks (the primary accepts a nonce once, within a short window)."""
+        return self._mac(_REPLICA_ATTACH, nonce, repr(float(issued_at)), name, primary)
 
     def manifest_signature(self, manifest: dict[str, Any]) -> str:
         """HMAC of a snapshot manifest (every field but the signature itself, canonical JSON)."""

@@ -1,4 +1,5 @@
-"""The small records exchanged between workers and the server (tensors travel beside them).
+"""The small records exchanged between workers and servers, and between a primary and its standby
+(tensors travel beside them).
 
 Every record and enum defined here may cross the wire, and nothing else may (``rpcps.rpc_policy``
 builds the transport's allow-list from this module): a new reply type belongs here.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -121,3 +123,109 @@ class FinishReply:
 class ErrorReply:
     kind: str
     message: str
+
+
+@dataclass(frozen=True)
+class View:
+    """Who serves one shard: its primary and, once in sync, its standby (the group's store holds it).
+
+    Changed only by compare-and-set (``rpcps.transport.registry``): a standby promotes itself with
+    ``{e, P, S} -> {e+1, S, None}``, a primary drops its standby with ``{e, P, S} -> {e, P, None}``
+    and takes one in with ``{e, P, None} -> {e, P, S}``. The epoch grows exactly at a promotion or a
+    takeover, and every replication message carries it, so a deposed primary is refused.
+    """
+
+    epoch: int
+    primary: str
+    standby: str | None = None
+
+    def names(self) -> tuple[str, ...]:
+        return (self.primary,) if self.standby is None else (self.primary, self.standby)
+
+
+# ---- replication: what a primary ships to its standby (ps.replication) ----------------------------
+
+
+@dataclass(frozen=True)
+class Update:
+    """One optimizer step: an admitted push, or a closed sync round (its averaged gradient)."""
+
+    index: int
+    """Position in the shard's log: dense, never reused within one history."""
+    epoch: int
+    """Epoch of the primary that sequenced it."""
+    version: int
+    """The model version this step produces."""
+    chunks: list[Any]
+    """The gradient as it applies: wire chunks as received (dense, or top-k pairs), or a round's fp32 mean."""
+    contributions: tuple[tuple[int, int, float | None, int], ...]
+    """(slot, step, loss, staleness) of every push in it."""
+    buffers: list[Any] | None = None
+    """The model buffers (BatchNorm statistics) that become the server's with this step: the newest
+    its pushes carried; None when they carried none."""
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A push recorded as processed without a step (refused as invalid, or non-finite and skipped)."""
+
+    index: int
+    epoch: int
+    slot: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A worker's registration; the incarnation is drawn by the primary so both replicas agree on it."""
+
+    index: int
+    epoch: int
+    slot: int
+    rpc_name: str
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class Control:
+    """Serving state changed by the control plane: 'pause' or 'resume'."""
+
+    index: int
+    epoch: int
+    action: str
+
+
+LogEntry = Update | Mark | Registered | Control
+"""Everything that changes a shard's replicated state, in the order both replicas apply it."""
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A standby's answer to an append: it holds every entry up to ``have_through`` (in memory)."""
+
+    epoch: int
+    have_through: int
+    applied_through: int
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """The receiver serves a newer epoch than the sender's: the sender was replaced and must stop."""
+
+    epoch: int
+    primary: str | None
+
+
+@dataclass(frozen=True)
+class Attached:
+    """A primary's answer to a standby that asked to follow it: the state to copy, and where the log
+    continues after it."""
+
+    attach_id: str
+    epoch: int
+    index: int
+    """The log index the state corresponds to: the standby receives entries from ``index + 1``."""
+    version: int
+    size_bytes: int
+    pieces: int
+    """The serialised state comes in this many pieces (``replica_snapshot``)."""

@@ -4,6 +4,7 @@
     python tools/chaos.py --kills 4 --seed 1                 # random crashes from one seed
     python tools/chaos.py --kills 8 --seeds 20 --seed 100   # 20 seeds in a row (100..119)
     python tools/chaos.py --kill ps@300 --kill worker1@700   # chosen ones
+    python tools/chaos.py --replicas 2 --kills 10 --pace-s 0.04 --steps 1600   # failovers of a hot standby
 
 Runs an undisturbed baseline first (unless --no-baseline) and compares final losses. Prints each
 seed's plan and outcome; exit status 0 when every check of docs/FAULT_TOLERANCE.md held for every seed.
@@ -12,6 +13,8 @@ seed's plan and outcome; exit status 0 when every check of docs/FAULT_TOLERANCE.
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -30,10 +33,18 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=1, help="run this many seeds in a row, from --seed on")
     p.add_argument("--kill", action="append", default=[], metavar="TARGET@VERSION", help="e.g. ps@300, worker0@500")
     p.add_argument("--checkpoint-every-updates", type=int, default=100)
+    p.add_argument("--replicas", type=int, default=1, help="2: a hot standby; random kills then hit the serving primary")
+    p.add_argument("--pace-s", type=float, default=None, help="at most one batch per worker per this many seconds "
+                   "(the paced test data), so a run lasts long enough for its kills")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--run-dir", type=Path, default=None)
     args = p.parse_args()
-    common = {"workers": args.workers, "steps": args.steps, "checkpoint_every_updates": args.checkpoint_every_updates}
+    extra: tuple[str, ...] = ()
+    if args.pace_s is not None:
+        os.environ["RPCPS_TEST_BATCH_INTERVAL_S"] = str(args.pace_s)
+        extra = ("--data", "tests.integration.paced_data:paced_data")
+    common = {"workers": args.workers, "steps": args.steps, "checkpoint_every_updates": args.checkpoint_every_updates,
+              "replicas": args.replicas, "extra_args": extra, "timeout_s": max(240.0, 4.0 * args.steps * (args.pace_s or 0.0))}
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="rpcps-chaos-"))
     baseline_loss = None
     if not args.no_baseline:
@@ -65,7 +76,11 @@ def _report(seed: int, result: ChaosResult, problems: list[str]) -> None:
     print(f"seed {seed}: exit {result.exit_code}, final version {ledger.final_version}, final loss {result.summary.get('final_loss')}")
     print(f"seed {seed}: server starts {ledger.restarts}, updates lost per crash {ledger.updates_lost}, updates applied "
           f"during a snapshot write: worst {ledger.worst_write_updates}")
-    print(f"seed {seed}: recovery (server crash -> next applied update): " + ", ".join(f"{r:.2f}s" for r in result.recovery_s))
+    recovery = result.recovery_s
+    print(f"seed {seed}: recovery (server crash -> next applied update): " + ", ".join(f"{r:.3f}s" for r in recovery))
+    if recovery:
+        print(f"seed {seed}: recovery median {statistics.median(recovery):.3f}s, worst {max(recovery):.3f}s over {len(recovery)} crashes; "
+              f"failovers (promotions) {len(ledger.promotions)}, digests compared {ledger.digests_compared}")
     for note in result.notes:
         print(f"seed {seed}: note: {note}")
     for problem in problems:

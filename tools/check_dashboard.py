@@ -177,12 +177,14 @@ def rpcps_families() -> list[Metric]:
 
     from evaluator.metrics import EvaluatorMetrics
     from ps.metrics import ServerMetrics
+    from ps.replication.metrics import ReplicationMetrics
     from rpcps.metrics_http import build_info
     from worker.metrics import WorkerMetrics
 
     server = ServerMetrics(CollectorRegistry())
     # One live slot so the scrape-time per-slot gauges show their labels.
     server.watch_workers(lambda: [(0, True, time.monotonic())])
+    ReplicationMetrics(server.registry, 1)
     build_info(server.registry, "ps", {})
     worker = WorkerMetrics(CollectorRegistry())
     build_info(worker.registry, "worker", {})

@@ -1,9 +1,11 @@
 """The worker's handle on one server shard: typed calls to the worker API (``rpcps.endpoints``).
 
-The trainer sees replies and three kinds of trouble: an rpcps error the server raised on purpose
-(``PushRejected``, ``UnknownWorker``, ...), ``PeerUnreachable`` (the server process is gone:
-reconnect) and ``PeerTimeout`` (the server is hung or slow: back off and retry). It never sees raw
-torch RPC errors.
+A shard is found through its view in the group's store (``rpcps.transport.registry``): the view
+names the process serving it now (its primary) and, with replicas, its standby. The trainer sees
+replies and three kinds of trouble: an rpcps error the server raised on purpose (``PushRejected``,
+``UnknownWorker``, ``NotPrimary``, ...), ``PeerUnreachable`` (the server process is gone: fail over,
+or reconnect) and ``PeerTimeout`` (the server is hung or slow: back off and retry). It never sees
+raw torch RPC errors.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from rpcps import endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting
 from rpcps.jobsecret import JobSecret
-from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof
+from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof, View
 from rpcps.sparse.spec import SparsePull, SparsePush
 
 
@@ -32,25 +34,47 @@ def result(pending: transport.Pending) -> Any:
     return unwrap(pending.wait())
 
 
-class ServerClient:
-    """Calls on one server shard (``ps<shard>``)."""
+class ShardUnavailable(RuntimeError):
+    """No process serves the shard yet (no view in the store), within the wait."""
 
-    def __init__(self, timeout_s: float, shard: int = 0, wait_s: float = 0.0, secret: JobSecret | None = None) -> None:
-        """Fetches the shard's reference; waits up to ``wait_s`` for a shard that has not joined or
-        loaded its model yet. ``secret`` proves this worker belongs to the job when it registers."""
+
+def shard_view(shard: int) -> View | None:
+    """The shard's view as the group's store has it now (None: no server has claimed it yet)."""
+    record = transport.group_registry().view(shard)
+    return record.view if record is not None else None
+
+
+class ServerClient:
+    """Calls on the process serving one shard (its view's primary, as read when this client was made)."""
+
+    def __init__(
+        self, timeout_s: float, shard: int = 0, wait_s: float = 0.0, newer_than: int = -1, secret: JobSecret | None = None
+    ) -> None:
+        """Finds the shard's primary and fetches its reference; waits up to ``wait_s`` for a shard that
+        has no view, or whose primary has not joined, loaded its model, or replaced a dead one yet.
+        ``newer_than``: take only a view of a later epoch (a failover in progress). ``secret`` proves
+        this worker belongs to the job when it registers."""
         self.timeout_s = timeout_s
         self.shard = shard
-        self._secret = secret
+        self.secret = secret
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                self._ref = unwrap(transport.call(endpoints.server_name(shard), endpoints.server_ref, (), timeout_s))
+                view = shard_view(shard)
+                if view is None or view.epoch <= newer_than:
+                    raise ShardUnavailable(f"no server has claimed shard {shard} yet" if view is None else
+                                           f"shard {shard} has not failed over from epoch {newer_than} yet")
+                self._ref = unwrap(transport.call(view.primary, endpoints.server_ref, (), timeout_s))
                 break
-            except (transport.PeerUnknown, ServerStarting):
+            except (transport.PeerUnknown, transport.PeerUnreachable, transport.StoreUnavailable, ServerStarting,
+                    ShardUnavailable):
+                # A stale view may name a primary that died; its successor claims the shard shortly.
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.2)
-        self._owner = endpoints.server_name(shard)
+                time.sleep(0.05 if newer_than >= 0 else 0.2)
+        self.view = view
+        """The view this client was made from (its primary is the process it calls)."""
+        self._owner = view.primary  # the reference is a token, not an RRef: it names no owner of its own
 
     def _call(self, fn: Any, *args: Any, timeout: float | None = None) -> transport.Pending:
         return transport.call_async(self._owner, fn, (self._ref, *args), timeout or self.timeout_s)
@@ -62,9 +86,9 @@ class ServerClient:
     def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
         """Takes ``slot``; with a job secret, answers a fresh challenge of the server's to prove it."""
         proof = None
-        if self._secret is not None:
+        if self.secret is not None:
             challenge = str(result(self._call(endpoints.challenge)))
-            proof = RegistrationProof(challenge, self._secret.registration_proof(challenge, slot, rpc_name))
+            proof = RegistrationProof(challenge, self.secret.registration_proof(challenge, slot, rpc_name))
         return result(self._call(endpoints.register, slot, rpc_name, signature, proof))
 
     def push(

@@ -47,6 +47,11 @@ class WorkerConfig:
     prefetch_pull: bool = setting(
         True, help="parameters come back with the push replies (no pull call per step); off: every refresh pulls and waits"
     )
+    failover_timeout_s: float = setting(
+        15.0,
+        help="a shard whose primary failed while its view named a standby: how long to wait for that standby to take "
+        "over before restarting this worker to rejoin",
+    )
     pause_poll_s: float = 0.5
     """How often a paused worker asks whether training resumed."""
 
@@ -67,6 +72,8 @@ class WorkerConfig:
             raise ValueError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.failover_timeout_s <= 0:
+            raise ValueError(f"failover_timeout_s must be > 0, got {self.failover_timeout_s}")
         if self.max_consecutive_rejects < 1:
             raise ValueError(f"max_consecutive_rejects must be >= 1, got {self.max_consecutive_rejects}")
 

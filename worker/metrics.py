@@ -35,6 +35,15 @@ class WorkerMetrics:
             self.pushes.labels(result)
         self.retries = Counter("rpcps_worker_retries", "Calls retried after a timeout.", registry=r)
         self.reconnects = Gauge("rpcps_worker_reconnects", "Times this worker restarted itself to reach a new server.", registry=r)
+        self.failovers = Counter(
+            "rpcps_worker_failovers", "Times a shard's primary failed and this worker switched to its promoted standby.", registry=r
+        )
+        self.failover_seconds = Gauge(
+            "rpcps_worker_failover_seconds", "The newest failover: from the failed call to the new primary's reference.", registry=r
+        )
+        self.pushes_resent = Counter(
+            "rpcps_worker_pushes_resent", "Unacknowledged pushes sent again to a shard's new primary after a failover.", registry=r
+        )
         self.model_version = Gauge("rpcps_worker_model_version", "Model version the worker computes on.", registry=r)
         self.device_memory = Gauge("rpcps_worker_device_memory_bytes", "GPU memory allocated now (0 on CPU).", registry=r)
         self.device_memory_peak = Gauge("rpcps_worker_device_memory_peak_bytes", "Peak GPU memory allocated (0 on CPU).", registry=r)

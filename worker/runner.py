@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 
-from rpcps import endpoints, memory, plugins, rpc_policy, threads, transport
+from rpcps import memory, plugins, replica_endpoints, rpc_policy, threads, transport
 from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
@@ -65,8 +65,9 @@ def run_worker(config: WorkerRunConfig) -> int:
     options = config.transport
     secret = JobSecret.from_file(options.job_secret_file) if options.job_secret_file else None
     # The size limit follows the model, which is loaded after joining (see below).
-    rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused))
+    rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused), extra_calls=replica_endpoints.WORKER_ENDPOINTS)
     name: str | None = None
+    store_host = ""
     try:
         assert config.ps is not None  # WorkerRunConfig requires it
         try:
@@ -75,12 +76,14 @@ def run_worker(config: WorkerRunConfig) -> int:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.
             raise transport.PeerUnreachable(str(e)) from e
+        store_host = transport.store_host()
         first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s, secret=secret)
         clients = [first] + [
             ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s, secret=secret)
             for k in range(1, first.shard_count())
         ]
         trainer = Trainer(config.worker, clients, name, metrics, stats)
+        replica_endpoints.publish_listener(trainer)  # a shard's new primary announces itself here
         transport.set_max_message_bytes(rpc_policy.message_limit(trainer.signature.numel, options.max_message_mb))
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
@@ -119,8 +122,8 @@ def run_worker(config: WorkerRunConfig) -> int:
         logger.error("%s; this slot's last steps would not survive a server crash (exit %d)", e, EXIT_NOT_DURABLE)
         return EXIT_NOT_DURABLE
     finally:
-        if name is not None:
-            transport.leave(name, endpoints.server_name(0), secret)  # bounded: fails fast (or in 5 s) when the server is gone
+        if store_host:
+            transport.leave(name, store_host, secret)  # bounded: fails fast (or in 5 s) when the store's host is gone
         transport.shutdown()
     raise AssertionError("unreachable")
 

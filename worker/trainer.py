@@ -16,6 +16,16 @@ parallel, and pulls from every shard. A push a shard refuses as too stale ('boun
 modes) is recomputed on that shard's fresh parameters from the same batch, with the same step
 number, and sent to that shard alone. In 'sync' mode the window is one step: the reply arrives when
 the round closes, and the next step computes on the round's result.
+
+A shard whose view names a standby survives the loss of its primary without this process
+restarting: a call that finds the primary gone (or answers ``NotPrimary``) makes the worker wait for
+the shard's next view (the standby promotes itself), switch to the new primary and send it again
+every push of that shard still in the window, in step order. Its buffers are still owned by the
+window, and the new primary deduplicates by (slot, step), so a push the old primary committed is
+answered 'duplicate' and nothing is applied twice. Registrations are replicated, so the slot keeps
+its incarnation. Without a standby the worker restarts itself to rejoin, as before. A primary that
+is frozen rather than dead never answers; the new primary announces itself (``view_changed``), and a
+worker waiting on the old one gives up on it then.
 """
 
 from __future__ import annotations
@@ -33,15 +43,15 @@ from typing import Any
 import torch
 
 from rpcps import plugins, transport
-from rpcps.errors import CheckpointFailed, PushRejected
-from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration
+from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
+from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.sparse.spec import SparsePush, declared_tables
 from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
 from worker.buffers import ModelBuffers
-from worker.client import ServerClient, result
+from worker.client import ServerClient, ShardUnavailable, result, shard_view
 from worker.config import WorkerConfig
 from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
 from worker.metrics import WorkerMetrics
@@ -52,6 +62,11 @@ logger = logging.getLogger(__name__)
 
 _LOSS_WINDOW = 10
 """Losses averaged for a summary's initial_loss (the first ones) and final_loss (the latest ones)."""
+
+_PRIMARY_LOST = (transport.PeerUnreachable, NotPrimary)
+"""What a call to a shard's primary raises when that process is gone or no longer serves the shard."""
+_MOVED_POLL_S = 0.05
+"""How often a worker waiting for a reply checks whether the shard's primary was replaced meanwhile."""
 
 
 class TooManyRejects(RuntimeError):
@@ -216,10 +231,17 @@ class Trainer:
         self._redo: deque[_InFlight] = deque()
         self._rejects_in_a_row = 0
         self._stop = threading.Event()
+        self._moved: set[int] = set()
+        """Shards whose new primary announced itself (``view_changed``) while this worker used an older one."""
         logger.info(
             "slot %d registered with %d shard(s), mode %s, on %s; %d parameters; resuming at step %d of %d",
             config.worker_index, len(self.shards), self.mode, self.device, self.signature.numel, self.step, config.steps,
         )
+
+    def view_changed(self, shard: int, view: View) -> None:
+        """A shard's new primary announced itself (runs on an RPC thread: only records it)."""
+        if 0 <= shard < len(self.shards) and view.epoch > self.shards[shard].client.view.epoch:
+            self._moved.add(shard)
 
     @property
     def slot(self) -> int:
@@ -296,7 +318,9 @@ class Trainer:
     def _finish_on(self, link: ShardLink) -> FinishReply:
         for attempt in range(self.config.max_retries + 1):
             try:
-                return self._with_retries(lambda: link.client.finish(self.slot, link.registration.incarnation, self.step))
+                return self._with_retries(
+                    lambda: self._at_primary(link, lambda: link.client.finish(self.slot, link.registration.incarnation, self.step))
+                )
             except CheckpointFailed as e:
                 if attempt == self.config.max_retries:
                     raise NotDurable(str(e)) from e
@@ -383,9 +407,7 @@ class Trainer:
                 self._load(link, link.pending)
             link.pending = None
         while stale:
-            replies = self._with_retries(
-                lambda: [result(f) for f in [s.client.pull(self.slot, s.registration.incarnation, s.version) for s in stale]]
-            )
+            replies = self._with_retries(lambda: self._pull_all(stale))
             paused = False
             for link, reply in zip(stale, replies):
                 self._note_stop(reply)
@@ -441,6 +463,98 @@ class Trainer:
         next_refresh = (seq // self.pull_every + 1) * self.pull_every
         return self.pull_with_push and next_refresh - seq <= self.window
 
+    def _pull_all(self, shards: list[ShardLink]) -> list[Any]:
+        """Pulls from ``shards`` in parallel; a shard whose primary failed is pulled again from its successor."""
+        started: list[Any] = []
+        for link in shards:
+            try:
+                started.append(link.client.pull(self.slot, link.registration.incarnation, link.version))
+            except _PRIMARY_LOST as e:
+                started.append(e)
+        replies = []
+        for link, pending in zip(shards, started):
+            try:
+                if isinstance(pending, Exception):
+                    raise pending
+                replies.append(self._result(link, pending))
+            except _PRIMARY_LOST as e:
+                self._fail_over(link, e)
+                replies.append(link.client.pull_now(self.slot, link.registration.incarnation, link.version))
+        return replies
+
+    def _result(self, link: ShardLink, pending: transport.Pending) -> Any:
+        """``result(pending)``; raises NotPrimary instead once the shard's new primary announced itself
+        (the old one may be frozen, and would keep this call waiting for the whole RPC timeout)."""
+        if not pending.done():
+            arrived = threading.Event()
+            pending.on_done(lambda _: arrived.set())
+            while not arrived.wait(_MOVED_POLL_S):
+                if link.index in self._moved and self._move_confirmed(link):
+                    raise NotPrimary(f"shard {link.index} has a new primary")
+        return result(pending)
+
+    def _move_confirmed(self, link: ShardLink) -> bool:
+        """Whether the store's view of ``link``'s shard is newer than the one in use. Anyone who reaches
+        this worker may call ``view_changed``; the view in the store is written only by compare-and-set
+        from the shard's replicas, so a stranger's announcement alone never moves a worker."""
+        try:
+            now = shard_view(link.index)
+        except transport.StoreUnavailable:
+            return False  # asked again on the next poll while the hint stands
+        if now is not None and now.epoch > link.client.view.epoch:
+            return True
+        self._moved.discard(link.index)
+        logger.warning("shard %d: an announced new view is not in the store; ignored", link.index)
+        return False
+
+    def _fail_over(self, link: ShardLink, error: Exception) -> None:
+        """Switches ``link`` to its shard's new primary and sends it every push of that shard still in
+        the window, in step order (see the module docstring).
+
+        Raises ``error`` again when the shard had no standby to take over, or none did within
+        ``failover_timeout_s``: the caller then restarts the worker to rejoin, as without replicas.
+        """
+        started = time.monotonic()
+        old = link.client.view
+        try:
+            now = shard_view(link.index)
+        except transport.StoreUnavailable:
+            raise error from None
+        if now is None or (now.epoch == old.epoch and now.standby is None):
+            raise error  # nobody to take over: the shard comes back from its snapshot
+        logger.warning("shard %d's primary %s failed (%s); switching to its successor", link.index, old.primary, error)
+        try:
+            link.client = ServerClient(
+                link.client.timeout_s, link.index, wait_s=self.config.failover_timeout_s, newer_than=old.epoch,
+                secret=link.client.secret,
+            )
+        except (ShardUnavailable, transport.CallFailed, transport.StoreUnavailable) as e:
+            logger.error("shard %d did not fail over within %.0fs: %s", link.index, self.config.failover_timeout_s, e)
+            raise error from e
+        self._moved.discard(link.index)
+        resent = 0
+        for item in self._in_flight:
+            if item.shard == link.index:
+                self._push(link, item)
+                resent += 1
+        took = time.monotonic() - started
+        self.metrics.failovers.inc()
+        self.metrics.failover_seconds.set(took)
+        self.metrics.pushes_resent.inc(resent)
+        logger.warning(
+            "shard %d: now served by %s (epoch %d) after %.0f ms; resent %d unacknowledged push(es)", link.index,
+            link.client.view.primary, link.client.view.epoch, 1000 * took, resent,
+        )
+
+    def _at_primary(self, link: ShardLink, call: Callable[[], Any]) -> Any:
+        """``call()`` (which reads ``link.client`` when it runs) against the shard's primary, once more
+        after a failover when the primary failed."""
+        try:
+            return call()
+        except _PRIMARY_LOST as e:
+            self._fail_over(link, e)
+        return call()
+
     def _with_retries(self, call: Callable[[], Any]) -> Any:
         for attempt in range(self.config.max_retries + 1):
             try:
@@ -456,14 +570,17 @@ class Trainer:
 
     def _send(self, item: _InFlight) -> None:
         link = self.shards[item.shard]
+        self._at_primary(link, lambda: self._push(link, item))
+        self._in_flight.append(item)
+        self.metrics.in_flight.set(len(self._in_flight))
+
+    def _push(self, link: ShardLink, item: _InFlight) -> None:
         item.sent = time.perf_counter()
         item.future = link.client.push(
             self.slot, link.registration.incarnation, item.seq, item.base_version, item.payload or item.buffers, item.loss,
             link.version if self._wants_params(item.seq) else None,
             item.sparse,
         )
-        self._in_flight.append(item)
-        self.metrics.in_flight.set(len(self._in_flight))
 
     def _wait_for_free_slot(self, link: ShardLink) -> float:
         started = time.perf_counter()
@@ -494,7 +611,12 @@ class Trainer:
         self.metrics.in_flight.set(len(self._in_flight))
         link = self.shards[item.shard]
         try:
-            reply: PushReply = result(item.future)
+            reply: PushReply = self._result(link, item.future)
+        except _PRIMARY_LOST as e:
+            self._in_flight.appendleft(item)  # resent with the rest of the shard's window
+            self.metrics.in_flight.set(len(self._in_flight))
+            self._fail_over(link, e)
+            return
         except transport.PeerTimeout:
             if item.attempts > self.config.max_retries:
                 raise

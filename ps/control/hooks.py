@@ -1,12 +1,30 @@
-"""The seam between the control plane and the checkpointer.
+"""The seams between the control plane and the checkpointer and replication.
 
-The control plane does not know how checkpoints are written; it calls whatever object the runner
-hands it, as long as it has these.
+The control plane does not know how checkpoints are written or how replicas follow each other; it
+calls whatever the runner hands it, as long as it has these.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """This server process's place in its shard's replica set, for ``GetStatus``."""
+
+    role: str
+    """'primary', 'standby' (named in the view), 'catching up' or 'stepping down'."""
+    epoch: int
+    primary: str
+    standby: str | None
+    lag_updates: float
+    lag_seconds: float
+    failovers: int
+    """Times this process promoted itself."""
+    configured: int
+    """--replicas."""
 
 
 class CheckpointHook(Protocol):

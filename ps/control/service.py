@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter
 from ps.config import ControlConfig
 from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
-from ps.control.hooks import CheckpointHook
+from ps.control.hooks import CheckpointHook, ReplicaState
+from rpcps.errors import NotPrimary
 from rpcps.model_file import to_bytes
 
 if TYPE_CHECKING:
@@ -119,6 +120,10 @@ def _control_call(method: _Handler) -> _Handler:
             logger.warning("control %s refused (%s): %s", name, e.code.name, e.message)
             self.metrics.count(name, e.code)
             context.abort(e.code, e.message)
+        except NotPrimary as e:  # a standby (or a replaced primary) changes nothing on its own
+            logger.warning("control %s refused: %s", name, e)
+            self.metrics.count(name, grpc.StatusCode.FAILED_PRECONDITION)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}; send {name} to the shard's primary (ctl status names it)")
         except Exception as e:  # the client gets a clean line; the traceback stays in the server log
             logger.exception("control %s failed", name)
             self.metrics.count(name, grpc.StatusCode.INTERNAL)
@@ -140,6 +145,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     ) -> None:
         self.server = server
         self.checkpoint = checkpoint
+        self.replica: Callable[[], ReplicaState | None] | None = None
+        """This process's replica status (``ps.replication.replica.ShardReplica.status``), once attached."""
         self.metrics = metrics
         self.health = health_servicer
         self._request_shutdown = request_shutdown
@@ -201,6 +208,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     control_pb2.CheckpointInfo(path=path, version=version, age_seconds=max(0.0, time.time() - committed))
                 )
         reply.slots.extend(self._slots(status))
+        replica = self.replica() if self.replica is not None else None
+        if replica is not None:
+            reply.replica.CopyFrom(
+                control_pb2.ReplicaStatus(
+                    role=replica.role, epoch=replica.epoch, primary=replica.primary, standby=replica.standby or "",
+                    lag_updates=replica.lag_updates, lag_seconds=replica.lag_seconds, failovers=replica.failovers,
+                    configured=replica.configured,
+                )
+            )
         return reply
 
     def _slots(self, status: ServerStatus) -> list[control_pb2.SlotProgress]:
@@ -324,6 +340,10 @@ class ControlServer:
     def attach_checkpointer(self, checkpoint: CheckpointHook | None) -> None:
         """Connects the checkpointer once resume is done (the control plane starts before it)."""
         self._servicer.checkpoint = checkpoint
+
+    def attach_replica(self, status: Callable[[], ReplicaState | None]) -> None:
+        """Connects the process's replica status (known once it has claimed its shard)."""
+        self._servicer.replica = status
 
     def set_serving(self, serving: bool) -> None:
         """SERVING once the model is loaded and any resume is done; NOT_SERVING when shutting down.

@@ -3,9 +3,10 @@
 Roles see: ``serve``/``join``/``leave``/``shutdown`` (the process's membership in the group),
 ``call``/``call_async``/``ping`` (calls on other members, failing with the classified errors of
 ``calls``), ``async_endpoint`` (what a server exposes), ``protect`` (what peers may make this
-process run; required before joining), and ``membership`` (the store host's upkeep of the member
-list and of the store). torch RPC is in maintenance mode upstream; keeping it
-behind this seam is what lets another transport replace it later.
+process run; required before joining), ``group_registry`` (the group's shared facts: which process
+serves each shard), and ``membership`` (the upkeep of the member list and of the store). torch RPC
+is in maintenance mode upstream; keeping it behind this seam is what lets another transport replace
+it later.
 """
 
 from rpcps.transport import membership
@@ -22,9 +23,10 @@ from rpcps.transport.calls import (
     ping,
 )
 from rpcps.transport.config import Address, TransportOptions
-from rpcps.transport.group import JoinFailed, TransportError, join, leave, serve, shutdown
+from rpcps.transport.group import JoinFailed, TransportError, group_registry, join, leave, serve, shutdown, store_host
 from rpcps.transport.pickling import REFUSAL_KINDS, Refusal, set_max_message_bytes
 from rpcps.transport.protection import Surface, protect, protected
+from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
 
 __all__ = [
     "REFUSAL_KINDS",
@@ -36,13 +38,17 @@ __all__ = [
     "PeerUnreachable",
     "Pending",
     "Refusal",
+    "Registry",
+    "StoreUnavailable",
     "Surface",
     "TransportError",
     "TransportOptions",
+    "ViewRecord",
     "async_endpoint",
     "call",
     "call_async",
     "classify",
+    "group_registry",
     "join",
     "leave",
     "membership",
@@ -52,4 +58,5 @@ __all__ = [
     "serve",
     "set_max_message_bytes",
     "shutdown",
+    "store_host",
 ]

@@ -87,6 +87,10 @@ class Pending:
         except RuntimeError as e:
             raise classify(e) from e
 
+    def on_done(self, callback: Callable[[Pending], None]) -> None:
+        """Calls ``callback(self)`` once the call finished (on a transport thread: keep it short)."""
+        self._future.add_done_callback(lambda _: callback(self))
+
 
 def call(to: str | rpc.WorkerInfo, fn: Callable[..., Any], args: tuple[Any, ...] = (), timeout_s: float | None = None) -> Any:
     """Runs ``fn(*args)`` in member ``to`` and returns its value (blocking)."""

@@ -1,8 +1,12 @@
 """Joining and leaving the torch RPC group: the process-level lifecycle of the transport.
 
-The group is *dynamic* (``world_size=None``): one process (the server's shard 0) is rank 0 and hosts
-the rendezvous store on its ``--listen`` address; every other process takes a fresh rank from a
-counter in that store, so a restarted process never collides with the rank of a dead one.
+The group is *dynamic* (``world_size=None``): one process is rank 0 and hosts the rendezvous store
+(a ``rpcps store`` coordinator, or a single server with ``--listen``, embedded); every other
+process takes a fresh rank from a counter in that store, so a restarted process never collides with
+the rank of a dead one, and joins under a name of its own (``<base>_r<rank>``) that no later
+process reuses: peers cache a dead member's connection per name forever.
+
+Every member keeps one store client of its own for the group's shared facts (``registry``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,15 @@ from rpcps.address import Address
 from rpcps.jobsecret import JobSecret
 from rpcps.transport import membership, protection
 from rpcps.transport.config import TransportOptions
+from rpcps.transport.registry import Registry
 
 logger = logging.getLogger(__name__)
+
+REGISTRY_TIMEOUT_S = 2.0
+"""Deadline of one registry operation: a store that does not answer within it is taken as unreachable
+(a view change must not hang a replica that is deciding whether to promote)."""
+
+_registry: Registry | None = None
 
 
 class TransportError(RuntimeError):
@@ -78,13 +89,13 @@ def serve(address: Address, name: str, options: TransportOptions, secret: JobSec
                 f"port {address.port} on {address.host} is already in use; stop whatever holds it or pick another --listen port"
             ) from e
         raise TransportError(f"could not start the RPC server on {address}: {text.splitlines()[0]}") from e
+    _open_registry(address)
 
 
-def join(address: Address, base_name: str, options: TransportOptions, fixed_name: bool = False) -> str:
-    """Waits for the store at ``address``, takes a fresh rank and joins the group. Returns the RPC name.
+def join(address: Address, base_name: str, options: TransportOptions) -> str:
+    """Waits for the store at ``address``, takes a fresh rank and joins the group as ``<base_name>_r<rank>``.
 
-    Without ``fixed_name`` the name is ``<base_name>_r<rank>``, fresh for every process; with it,
-    ``base_name`` itself (a server shard keeps its name: workers look it up).
+    Returns the RPC name.
     """
     _require_protection()
     _loopback_agent(address)
@@ -106,12 +117,37 @@ def join(address: Address, base_name: str, options: TransportOptions, fixed_name
     if rank > membership.MAX_RANK:
         raise TransportError(f"the server at {address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
-    name = base_name if fixed_name else f"{base_name}_r{rank}"
+    name = f"{base_name}_r{rank}"
     try:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options))
     except (RuntimeError, dist.DistError) as e:
         raise JoinFailed(f"could not join the server at {address}: {str(e).splitlines()[0]}") from e
+    _open_registry(address)
     return name
+
+
+def _open_registry(address: Address) -> None:
+    global _registry
+    try:
+        client = dist.TCPStore(
+            address.host, address.port, is_master=False, timeout=datetime.timedelta(seconds=REGISTRY_TIMEOUT_S)
+        )
+    except (RuntimeError, dist.DistError) as e:
+        raise TransportError(f"joined the group at {address} but could not open a store client: {e}") from e
+    _registry = Registry(client)
+
+
+def group_registry() -> Registry:
+    """The group's shared facts (views, replica records), through this process's own store client."""
+    if _registry is None:
+        raise TransportError("this process has not joined an RPC group yet")
+    return _registry
+
+
+def store_host() -> str:
+    """The RPC name of the member that hosts the group's store (rank 0: the coordinator, or an
+    embedded server): departing members ask it to drop them from the group."""
+    return next(name for name, rank in membership.store_members().items() if rank == 0)
 
 
 def _wait_for_listener(address: Address, deadline: float) -> bool:

@@ -1,13 +1,15 @@
 """Private torch RPC internals, in one place: the group's member list and the store keys behind it.
 
 In a dynamic group a joining process calls every member listed in the store. A member that died
-stays listed, so every later join would fail (and leak the group's join token). The server
-therefore removes dead or departed members itself: from its own agent's view and from the store's
-member list, holding the same token that joins hold. The store has no authentication, so the server
-also puts back what a stranger changed there (``StoreKeeper``), and the join handshake's membership
-call is handed out guarded (``guarded_update_group_membership``). All of it uses private torch APIs
-and store keys (pinned by tests/integration/test_membership.py and test_hostile_peers.py); nothing
-else in rpcps touches them.
+stays listed, so every later join would fail (and leak the group's join token). The group janitor
+(``rpcps.transport.coordinator``, in whichever process hosts the store) therefore removes dead or
+departed members: from its own agent's view and from the store's member list, holding the same
+token that joins hold; a replica that promotes itself removes the primary it replaces the same way,
+from any member (every agent has a client of the store). The store has no authentication, so its
+host also puts back what a stranger changed there (``StoreKeeper``), and the join handshake's
+membership call is handed out guarded (``guarded_update_group_membership``). All of it uses private
+torch APIs and store keys (pinned by tests/integration/test_membership.py and test_hostile_peers.py);
+nothing else in rpcps touches them.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def store_members() -> dict[str, int]:
 def forget_member(name: str) -> bool:
     """Makes this process's agent and the group's store forget RPC member ``name``.
 
-    Returns False when the member was not known to either. Must run on the store's host (the
-    server). Raises TokenBusy while a join is in progress.
+    Returns False when the member was not known to either. Runs in any member (the store's
+    list is shared; the agent is this process's). Raises TokenBusy while a join is in progress.
     """
     with _holding_token():
         return _forget_locked(name)
@@ -132,7 +134,7 @@ def require_leave_proofs(secret: JobSecret | None) -> None:
 
 
 def forget_me(name: str, proof: str = "") -> str:
-    """Runs on the server at a departing process's request (see ``group.leave``).
+    """Runs on the store's host at a departing member's request (see ``group.leave``).
 
     With a job secret, the caller must prove it (``JobSecret.leave_proof``): otherwise any peer
     could drop any member from the group. Returns 'done', 'unknown', 'busy' or 'refused' rather
@@ -163,7 +165,6 @@ def guarded_update_group_membership(worker_info: Any, my_devices: Any, reverse_d
     if holder != f"Token_for_{worker_info.name}_join":
         raise PermissionError(f"{worker_info.name} does not hold the group's join token; refused")
     return _utils._update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
-
 
 
 class JoinTokenWatch:
@@ -220,7 +221,8 @@ class Repair:
 
 
 class StoreKeeper:
-    """Puts back what a stranger changed in the group's store (run on the store's host, shard 0).
+    """Puts back what a stranger changed in the group's store (run on the store's host: the
+    coordinator, or the server that embeds the store).
 
     The store has no authentication: one ``set`` used to block every later join for good. Checked
     (``check``, every second from ``ps.store_guard``):

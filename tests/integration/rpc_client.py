@@ -18,7 +18,6 @@ import torch
 
 from rpcps import plugins, rpc_policy, transport
 from rpcps.address import Address
-from rpcps.endpoints import server_name
 from rpcps.errors import RpcpsError
 from rpcps.signature import FlatLayout, ModelSignature
 from worker.client import ServerClient, result
@@ -83,7 +82,7 @@ def main() -> int:
     try:
         print(json.dumps(scenario(ServerClient(20.0), name)), flush=True)
     finally:
-        transport.leave(name, server_name(0))
+        transport.leave(name, transport.store_host())
         transport.shutdown()
     return 0
 

@@ -24,9 +24,10 @@ from torch.distributed import rpc
 from torch.distributed.rpc import _utils
 
 from ps import runner
+from ps.replication.auth import attach_proof
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, plugins
+from rpcps import endpoints, plugins, replica_endpoints
 from rpcps.address import Address
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import RegistrationProof
@@ -34,6 +35,8 @@ from rpcps.signature import ModelSignature
 from rpcps.transport import membership
 
 TIMEOUT_S = 15
+SERVER = f"{endpoints.server_name(0)}_r0"
+"""The victim server's RPC name: shard 0 hosting the group's store joins as rank 0."""
 
 
 def attempt(run: Callable[[], Any]) -> dict[str, str]:
@@ -52,7 +55,7 @@ def main() -> int:
     rpc.init_rpc(f"stranger_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
 
     def on_server(fn: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        return lambda: rpc.rpc_sync("ps0", fn, args=args, kwargs=kwargs, timeout=TIMEOUT_S)
+        return lambda: rpc.rpc_sync(SERVER, fn, args=args, kwargs=kwargs, timeout=TIMEOUT_S)
 
     marker = os.path.join(marker_dir, "ran")
     code = {
@@ -75,15 +78,15 @@ def main() -> int:
         "membership.forget_member": on_server(membership.forget_member, victim),
         "runner._snapshot_for_restart": on_server(runner._snapshot_for_restart, None, None, None),
     }
-    ref = rpc.rpc_sync("ps0", endpoints.server_ref, timeout=TIMEOUT_S)
+    ref = rpc.rpc_sync(SERVER, endpoints.server_ref, timeout=TIMEOUT_S)
     signature = ModelSignature.of_module(plugins.load_model(plugins.BUILTIN_MODEL)).to_wire()
     wrong = JobSecret("w" * 64)
 
     def forged(secret: JobSecret) -> Callable[[], Any]:
         def run() -> Any:
-            challenge = rpc.rpc_sync("ps0", endpoints.challenge, args=(ref,), timeout=TIMEOUT_S)
+            challenge = rpc.rpc_sync(SERVER, endpoints.challenge, args=(ref,), timeout=TIMEOUT_S)
             proof = RegistrationProof(challenge, secret.registration_proof(challenge, 0, "stranger"))
-            return rpc.rpc_sync("ps0", endpoints.register, args=(ref, 0, "stranger", signature, proof), timeout=TIMEOUT_S)
+            return rpc.rpc_sync(SERVER, endpoints.register, args=(ref, 0, "stranger", signature, proof), timeout=TIMEOUT_S)
 
         return run
 
@@ -104,6 +107,16 @@ def main() -> int:
         section: {name: attempt(run) for name, run in attempts.items()}
         for section, attempts in (("code", code), ("methods", methods), ("registration", registration), ("group", group))
     }
+    guessed = "0" * 32
+    replication = {  # attach as the server's standby to copy its state; use or feed an attachment
+        "attach without proof": on_server(replica_endpoints.replica_attach, "stranger", {}, "", 0.0, ""),
+        "attach with a wrong secret": on_server(replica_endpoints.replica_attach, "stranger", {}, *attach_proof(wrong, "stranger", SERVER)),
+        "snapshot piece": on_server(replica_endpoints.replica_snapshot, guessed, 0),
+        "ready": on_server(replica_endpoints.replica_ready, guessed),
+        "watch": on_server(replica_endpoints.replica_watch, guessed),
+        "append": on_server(replica_endpoints.replica_append, guessed, 99, "stranger", [], 0.0),
+    }
+    results["replication"] = {name: attempt(run) for name, run in replication.items()}
     results["allowed"] = {"shard_count": attempt(on_server(endpoints.shard_count, ref))}
     # 32 MB of gradients to a server started with --max-message-mb 16: refused before it runs.
     results["size"] = attempt(on_server(endpoints.submit, ref, 0, "x", 0, 0, [torch.zeros(8 << 20)], None))

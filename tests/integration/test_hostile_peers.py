@@ -42,7 +42,7 @@ def store_client(port: int) -> dist.TCPStore:
 
 def tensorpipe_address(store: dist.TCPStore) -> tuple[str, int]:
     """The server's TensorPipe listener, as any store reader finds it (issue 11: 'anyone can read...')."""
-    url = store.get(_PREFIX + "addrs/ps0").decode()  # uv://127.0.0.1:PORT
+    url = store.get(_PREFIX + "addrs/ps0_r0").decode()  # uv://127.0.0.1:PORT
     host, _, port = url.removeprefix("uv://").rpartition(":")
     return host, int(port)
 
@@ -78,6 +78,11 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     assert group["drop a worker"] == {"outcome": "returned", "value": "'refused'"}, group
     assert "aten::from_file is refused" in group["torch.from_file"]["error"], group
     assert "TOP SECRET" not in json.dumps(results)
+    replication = results["replication"]
+    fenced = replication.pop("append")  # a primary takes no appends: it tells the sender it was replaced
+    assert fenced["outcome"] == "returned" and fenced["value"].startswith("Fenced("), fenced
+    for name, result in replication.items():  # no state copied, no attachment used
+        assert result["outcome"] == "returned" and "ReplicaRefused" in result["value"], (name, result)
     assert results["allowed"]["shard_count"] == {"outcome": "returned", "value": "1"}, "the worker API itself still answers"
     assert "rpc payload refused (size" in results["size"]["error"], results["size"]
 
@@ -88,6 +93,10 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     assert metrics['rpcps_server_registrations_refused_total{reason="no_proof"}'] == 1
     assert metrics['rpcps_server_registrations_refused_total{reason="bad_proof"}'] == 1
     assert metrics['rpcps_server_registrations_refused_total{reason="unknown_challenge"}'] == 1
+    assert metrics['rpcps_replica_refused_total{reason="no_proof"}'] == 1
+    assert metrics['rpcps_replica_refused_total{reason="bad_proof"}'] == 1
+    assert metrics['rpcps_replica_refused_total{reason="bad_attach_id"}'] == 3  # a primary answers appends Fenced, unchanged
+    assert "refused replication call (attach by 'stranger')" in ps.stderr()
     assert "refused an RPC payload from a peer: global posix.system" in ps.stderr()
     assert "refused registration of worker slot 0 by 'stranger'" in ps.stderr()
     assert "does not hold the group's join token" in ps.stderr()
@@ -120,17 +129,17 @@ def test_store_tampering_is_repaired_within_2s_and_a_new_worker_still_joins(proc
     first, _ = procs.worker("first", port, 0, 2, "--steps", "100000", "--job-secret-file", job_secret)
     wait_for_updates(ps_metrics, 5, proc=ps)
     store = store_client(port)
-    members, address = store.get(_PREFIX + "names/_ALL_WORKER_INFOS"), store.get(_PREFIX + "addrs/ps0")
+    members, address = store.get(_PREFIX + "names/_ALL_WORKER_INFOS"), store.get(_PREFIX + "addrs/ps0_r0")
     ranks = int(store.add(membership.RANK_COUNTER_KEY, 0))
     store.set(_PREFIX + "names/_ALL_WORKER_INFOS", "")  # issue 11: one set blocked all future joins
-    store.set(_PREFIX + "addrs/ps0", "uv://127.0.0.1:1")
+    store.set(_PREFIX + "addrs/ps0_r0", "uv://127.0.0.1:1")
     store.set(membership.RANK_COUNTER_KEY, str(membership.MAX_RANK))
     tampered = time.monotonic()
 
     def repaired() -> bool:
         return (
             store.get(_PREFIX + "names/_ALL_WORKER_INFOS") == members
-            and store.get(_PREFIX + "addrs/ps0") == address
+            and store.get(_PREFIX + "addrs/ps0_r0") == address
             and int(store.add(membership.RANK_COUNTER_KEY, 0)) == ranks
         )
 

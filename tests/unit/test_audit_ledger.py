@@ -56,7 +56,7 @@ def test_version_gap_is_caught(tmp_path: Path) -> None:
 
 
 def test_audit_log_writes_lines_the_checker_reads(tmp_path: Path) -> None:
-    log = AuditLog(str(tmp_path / "a.log"))
+    log = AuditLog(str(tmp_path / "a.log"), "ps0_r0")
     log.on_applied(UpdateApplied(version=1, step_seconds=0.0, applied=((0, 0, 0),), grad_bytes=4))
     log.snapshot(1)
     log.close()

@@ -19,7 +19,7 @@ SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.01})
 
 def test_captures_happen_every_n_updates_at_the_update_that_makes_them_due(tmp_path: Path) -> None:
     server, _ = make_server(SGD)
-    ledger = AuditLog(str(tmp_path / "audit.log"))
+    ledger = AuditLog(str(tmp_path / "audit.log"), "ps0_r0")
     server.core.on_applied(ledger.on_applied)
     checkpointer = Checkpointer(
         server.core, CheckpointConfig(directory=str(tmp_path / "ck"), every_updates=5, every_seconds=None), {},

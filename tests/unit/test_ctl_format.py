@@ -100,6 +100,21 @@ def test_errors_are_one_line_with_advice() -> None:
         assert "\n" not in line
 
 
+def test_status_shows_the_replica_set_and_warns_when_a_shard_runs_without_its_standby() -> None:
+    paired = pb.ReplicaStatus(role="primary", epoch=3, primary="ps0_r7", standby="ps0_r9", lag_updates=1, lag_seconds=0.012,
+                              failovers=1, configured=2)
+    d = status_dict(_status(replica=paired))
+    assert d["replica"] == {"role": "primary", "epoch": 3, "primary": "ps0_r7", "standby": "ps0_r9", "lag_updates": 1.0,
+                            "lag_seconds": pytest.approx(0.012), "failovers": 1, "configured": 2}
+    text = format_status(d)
+    assert "replica       primary, epoch 3, 1 failover(s) by this process" in text
+    assert "  standby     ps0_r9\n" in text
+    assert "  lag         1 updates / 0.012s" in text
+    alone = format_status(status_dict(_status(replica=pb.ReplicaStatus(role="primary", epoch=4, primary="ps0_r9", configured=2))))
+    assert "standby     none (WARNING: started with --replicas 2" in alone
+    assert status_dict(_status())["replica"] is None and "replica" not in format_status(status_dict(_status()))
+
+
 def test_status_says_how_many_threads_the_server_computes_with() -> None:
     d = status_dict(_status(intra_op_threads=3))
     assert d["intra_op_threads"] == 3

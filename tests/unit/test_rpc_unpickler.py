@@ -23,8 +23,23 @@ from torch.distributed.rpc import internal
 from ps.control.service import ControlServicer
 from ps.server import ParameterServer
 from ps.service import WorkerService
-from rpcps import endpoints, rpc_policy
-from rpcps.messages import ErrorReply, Mode, PullReply, PushReply, PushStatus, Registration, RegistrationProof
+from rpcps import endpoints, replica_endpoints, rpc_policy
+from rpcps.messages import (
+    Ack,
+    Attached,
+    ErrorReply,
+    Fenced,
+    Mark,
+    Mode,
+    PullReply,
+    PushReply,
+    PushStatus,
+    Registered,
+    Registration,
+    RegistrationProof,
+    Update,
+    View,
+)
 from rpcps.transport import builtin_ops, membership, pickling, protection
 
 
@@ -72,6 +87,57 @@ def test_every_endpoint_and_record_is_allowed(refusals: list[pickling.Refusal]) 
     for reply in replies:
         assert repr(roundtrip(reply)) == repr(reply)
     assert refusals == []
+
+
+def test_the_replication_api_is_callable_only_where_a_role_adds_it() -> None:
+    """Servers add the replica endpoints to their surface and workers ``view_changed``; the worker
+    API alone allows neither, so a worker cannot be made to serve state it does not hold."""
+    plain = protection.allowed_globals(rpc_policy.worker_api_surface())
+    server = protection.allowed_globals(rpc_policy.worker_api_surface(replica_endpoints.SERVER_ENDPOINTS))
+    worker = protection.allowed_globals(rpc_policy.worker_api_surface(replica_endpoints.WORKER_ENDPOINTS))
+    for fn in replica_endpoints.SERVER_ENDPOINTS:
+        name = (fn.__module__, fn.__qualname__)
+        assert name in server and name not in plain and name not in worker, fn
+    view_changed = (replica_endpoints.view_changed.__module__, replica_endpoints.view_changed.__qualname__)
+    assert view_changed in worker and view_changed not in server and view_changed not in plain
+
+
+def test_every_record_a_replica_sends_is_allowed() -> None:
+    seen: list[pickling.Refusal] = []
+    rpc_policy.protect(on_refusal=seen.append, extra_calls=replica_endpoints.SERVER_ENDPOINTS)
+    try:
+        entries = [
+            Update(4, 2, 9, [torch.ones(3)], ((0, 5, 0.5, 1),), [torch.zeros(2)]),
+            Mark(5, 2, 1, 6),
+            Registered(6, 2, 1, "worker1_r4", "inc"),
+        ]
+        assert roundtrip(call(replica_endpoints.replica_append, "a" * 32, 2, "ps0_r3", entries, 1.0)).func is replica_endpoints.replica_append
+        for reply in [Ack(2, 6, 5), Fenced(3, "ps0_r5"), Attached("a", 2, 6, 9, 1024, 1), View(3, "ps0_r5", "ps0_r3")]:
+            assert repr(roundtrip(reply)) == repr(reply)
+        assert seen == []
+    finally:
+        pickling.uninstall()
+
+
+def test_a_standby_s_attach_request_passes_the_allow_list() -> None:
+    """What a standby sends its primary to follow it (its compatibility: plain strings only; a
+    TorchVersion in it was refused once, and no standby could attach)."""
+    from harness.inprocess import make_server
+    from ps.config import ServerRunConfig
+    from ps.replication.auth import attach_proof
+    from ps.replication.replica import compatibility
+    from rpcps.jobsecret import JobSecret
+
+    server, _ = make_server()
+    seen: list[pickling.Refusal] = []
+    rpc_policy.protect(on_refusal=seen.append, extra_calls=replica_endpoints.SERVER_ENDPOINTS)
+    try:
+        proof = attach_proof(JobSecret("s" * 40), "ps0_r2", "ps0_r1")  # nonce, unix time, mac: plain values
+        request = call(replica_endpoints.replica_attach, "ps0_r2", compatibility(server, ServerRunConfig(model="m")), *proof)
+        assert roundtrip(request).func is replica_endpoints.replica_attach
+        assert seen == []
+    finally:
+        pickling.uninstall()
 
 
 def test_the_transport_itself_needs_only_its_probe_and_the_leave_request(refusals: list[pickling.Refusal]) -> None:

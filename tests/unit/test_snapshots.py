@@ -14,6 +14,7 @@ from harness.snapshots import verify_all
 from ps.checkpointer import Checkpointer, ResumeRefused, find_resume_point
 from ps.config import CheckpointConfig, OptimizerConfig, ServerCoreConfig
 from ps.snapshot_files import InvalidSnapshot, list_snapshots, load_snapshot, read_manifest
+from rpcps.errors import NotPrimary
 from rpcps.tasks import teacher_student_model
 
 
@@ -184,6 +185,17 @@ def test_snapshot_files_load_without_executing_code(tmp_path: Path) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InvalidSnapshot, match="cannot be loaded"):
         load_snapshot(path)
+
+
+def test_only_the_serving_replica_writes_snapshots(tmp_path: Path) -> None:
+    """A standby (or a replaced primary) shares its shard's checkpoint directory: writing there would
+    race the primary's writes, so an on-demand checkpoint is refused and nothing is written."""
+    server = make_server()
+    train(server, 2)
+    server.core.mirroring = True
+    with pytest.raises(NotPrimary):
+        checkpointer(server, tmp_path).checkpoint_now()
+    assert list_snapshots(tmp_path) == []
 
 
 def _rewrite_manifest(path: Path, **changes: object) -> None:

@@ -1,0 +1,1 @@
+"""Hot-standby replication of a shard: the log, the standby, failover (docs/FAULT_TOLERANCE.md)."""

@@ -1,0 +1,128 @@
+"""What a starting server process becomes for its shard: the primary, or a standby of a live primary.
+
+A starting server has joined the group under a fresh name and reads its shard's view:
+
+- no view (a new job, or a new store): it bootstraps, ``None -> {epoch, me, -}``, and serves from
+  its newest snapshot (or fresh);
+- a view whose primary is a live member: it attaches to that primary as a standby and copies its
+  state (``ps.replication.catchup``); it never resumes from disk while a live primary exists;
+- a view whose replicas are gone: it takes the shard over, ``{e, P, S} -> {e+1, me, -}``, from its
+  newest snapshot. "Gone" is what the group janitor recorded (a refused or reset connection: the
+  process exited), or, for a member that simply vanished from the group (hung or cut off, removed
+  after its lease), an absence longer than ``absent_grace_s``: such a primary may still be alive
+  behind a cut link, holding its store lease, and must be given time to notice and stop.
+
+A view whose standby is still a live member waits: that standby promotes itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rpcps.messages import View
+from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome: ``record`` is the view this process now serves as primary (``attach_to`` None),
+    or the view it found with a live primary to attach to as a standby."""
+
+    record: ViewRecord
+    attach_to: str | None = None
+    took_over: bool = False
+    """The shard's replicas were gone: this process serves it from a snapshot (what they applied after
+    that snapshot is lost, and recomputed by the workers)."""
+
+
+class ClaimTimeout(RuntimeError):
+    """The shard could not be claimed in time (its replicas neither came back nor were declared gone)."""
+
+
+def claim_shard(
+    registry: Registry,
+    shard: int,
+    me: str,
+    bootstrap_epoch: int,
+    members: Callable[[], set[str]],
+    absent_grace_s: float,
+    timeout_s: float,
+    attach_only: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Claim:
+    """Decides this process's role for ``shard`` (see the module docstring).
+
+    Args:
+        bootstrap_epoch: the epoch of a new view (one past the epoch of the snapshot it resumes).
+        members: the group's current member names (the store's list).
+        absent_grace_s: how long a primary that vanished without being declared gone is waited for.
+        timeout_s: give up after this long (raises ClaimTimeout).
+        attach_only: never serve the shard from a snapshot; only attach to a live primary (a standby
+            restarting after the store was lost: its primary's final snapshot is the one to go on from).
+    """
+    deadline = clock() + timeout_s
+    absent_since: dict[str, float] = {}
+    while True:
+        try:
+            claim = _try_claim(registry, shard, me, bootstrap_epoch, members(), absent_since, absent_grace_s, clock(), attach_only)
+        except StoreUnavailable as e:
+            logger.warning("reading shard %d's view: %s; retrying", shard, e)
+            claim = None
+        if claim is not None:
+            return claim
+        if clock() >= deadline:
+            raise ClaimTimeout(f"could not claim shard {shard} within {timeout_s:.0f}s: its replicas neither answered nor were declared gone")
+        sleep(_POLL_S)
+
+
+def _try_claim(
+    registry: Registry,
+    shard: int,
+    me: str,
+    bootstrap_epoch: int,
+    members: set[str],
+    absent_since: dict[str, float],
+    absent_grace_s: float,
+    now: float,
+    attach_only: bool,
+) -> Claim | None:
+    record = registry.view(shard)
+    if attach_only:
+        return Claim(record, attach_to=record.view.primary) if record is not None and record.view.primary in members else None
+    if record is None:
+        won = registry.change_view(shard, None, View(bootstrap_epoch, me))
+        if won is not None:
+            logger.info("shard %d has no view yet: serving it as primary, epoch %d", shard, bootstrap_epoch)
+            return Claim(won)
+        return None  # another replica bootstrapped first: read its view
+    view = record.view
+    if view.primary in members:
+        return Claim(record, attach_to=view.primary)
+    if view.standby is not None and view.standby in members:
+        return None  # the primary is gone and its standby is alive: it promotes itself; wait for that
+    declared = [_declared_gone(registry, name, absent_since, absent_grace_s, now) for name in view.names()]  # every timer starts now
+    if not all(declared):
+        return None
+    won = registry.change_view(shard, record, View(view.epoch + 1, me))
+    if won is None:
+        return None
+    logger.warning(
+        "shard %d's replicas %s are gone: taking it over as primary, epoch %d, from the newest snapshot", shard,
+        list(view.names()), view.epoch + 1,
+    )
+    return Claim(won, took_over=True)
+
+
+def _declared_gone(registry: Registry, name: str, absent_since: dict[str, float], grace_s: float, now: float) -> bool:
+    if registry.is_dead(name):
+        return True
+    first = absent_since.setdefault(name, now)
+    return now - first >= grace_s

@@ -1,0 +1,118 @@
+"""The group janitor: keeps the member list of a dynamic torch RPC group true.
+
+Runs in whichever process hosts the group's store: the ``rpcps store`` coordinator, or a single
+server with ``--listen`` (embedded). In a dynamic group every join calls every listed member, so a
+member that died stays a trap for every later join until someone removes it. Every sweep (1 s)
+pings every member in parallel:
+
+- a refused or reset connection means the process is gone: it is removed at once, and the registry
+  records it (``rpcps/dead/<name>``), so a server starting for that member's shard may take over
+  without waiting out a lease;
+- a ping that times out means the process is hung or cut off: it is removed once it has been silent
+  for longer than ``lease_s`` (a hung member would block every join); if it wakes up, its calls are
+  refused by peers that forgot it, and it restarts itself and rejoins.
+
+Joins that failed half-way are dropped from the member list, and a join token left behind by a dead
+joiner is released. A removal that finds a join in progress is retried on the next sweep, never
+dropped. The janitor holds no training state: nothing here knows what a shard or a worker slot is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from rpcps.transport import membership
+from rpcps.transport.calls import CallFailed, PeerUnreachable, ping
+from rpcps.transport.registry import Registry, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class Janitor:
+    def __init__(
+        self,
+        registry: Registry,
+        lease_s: float,
+        on_removed: Callable[[str], None] = lambda name: None,
+        token_max_age_s: float = 5.0,
+        interval_s: float = 1.0,
+        ping_timeout_s: float = 2.0,
+    ) -> None:
+        """
+        Args:
+            registry: where dead members are recorded.
+            lease_s: how long a member may go without answering before it is removed.
+            on_removed: told the name of every member removed (a metric).
+        """
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.registry = registry
+        self.lease_s = lease_s
+        self.interval_s = interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self._on_removed = on_removed
+        self._token_watch = membership.JoinTokenWatch(token_max_age_s)
+        self._to_forget: set[str] = set()
+        """Members to remove from the group; kept until a removal succeeds."""
+        self._first_silent: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="group-janitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sweep()
+            except Exception:  # one bad sweep must not end membership upkeep
+                logger.exception("membership sweep failed; trying again in %.1fs", self.interval_s)
+
+    def sweep(self) -> None:
+        self._token_watch.check(time.monotonic())
+        me = membership.my_name()
+        names = [n for n in membership.member_names() if n != me and n not in self._to_forget]
+        pings = [ping(name, self.ping_timeout_s) for name in names]
+        now = time.monotonic()
+        for name, pending in zip(names, pings):
+            try:
+                pending.wait()
+            except CallFailed as e:
+                self._on_failed_ping(name, e, now)
+                continue
+            self._first_silent.pop(name, None)
+        self._forget_pending()
+
+    def _on_failed_ping(self, name: str, error: CallFailed, now: float) -> None:
+        if isinstance(error, PeerUnreachable):
+            logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
+            try:
+                self.registry.mark_dead(name)
+            except StoreUnavailable as e:
+                logger.warning("could not record %s as dead: %s", name, e)
+        else:
+            silent_since = self._first_silent.setdefault(name, now)
+            if now - silent_since <= self.lease_s:
+                return
+            logger.warning("%s has not answered for %.0fs (hung or cut off); removing it", name, now - silent_since)
+        self._first_silent.pop(name, None)
+        self._to_forget.add(name)
+
+    def _forget_pending(self) -> None:
+        try:
+            for name in sorted(self._to_forget):
+                if membership.forget_member(name):
+                    self._on_removed(name)
+                self._to_forget.discard(name)
+            for name in membership.forget_failed_joins():
+                logger.warning("removed %s, whose join failed, from the RPC group", name)
+                self._on_removed(name)
+        except membership.TokenBusy:
+            logger.debug("a join is in progress; removing %s on the next sweep", sorted(self._to_forget))
