@@ -29,7 +29,7 @@ from rpcps.errors import SignatureMismatch
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.model_file import save_state_dict
-from rpcps.reexec import restart_self
+from rpcps.reexec import rejoin_or_give_up
 from rpcps.summary import write_summary
 from worker.client import ServerClient
 from worker.device import pick_device
@@ -41,7 +41,6 @@ BEST_ENV = "RPCPS_EVALUATOR_BEST"
 """The best score so far, handed to the next incarnation so a restart never overwrites a better export."""
 
 EXIT_OK = 0
-EXIT_SERVER_LOST = 3
 EXIT_REFUSED = 5
 
 
@@ -161,13 +160,8 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
         if stop.is_set():
             logger.info("stopped while the server was unreachable (%s)", e)
             return EXIT_OK
-        if reconnects >= config.max_reconnects:
-            logger.error("lost the server (%s) and gave up after %d reconnects", e, reconnects)
-            return EXIT_SERVER_LOST
-        logger.warning("lost the server (%s); restarting the evaluator to rejoin (reconnect %d)", e, reconnects + 1)
-        transport.shutdown()
-        http.shutdown()  # type: ignore[attr-defined]
-        restart_self({RECONNECTS_ENV: str(reconnects + 1), BEST_ENV: best.to_carry()})
+        carry = {RECONNECTS_ENV: str(reconnects + 1), BEST_ENV: best.to_carry()}
+        return rejoin_or_give_up("evaluator", e, reconnects, config.max_reconnects, http, carry)
     except SignatureMismatch as e:
         logger.error("%s", e)
         return EXIT_REFUSED

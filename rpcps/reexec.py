@@ -10,9 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import NoReturn, Protocol
+
+from rpcps import transport
 
 logger = logging.getLogger(__name__)
+
+EXIT_SERVER_LOST = 3
+"""A client role's exit status once it has given up reconnecting to a lost server."""
+
+
+class _Shutdown(Protocol):
+    def shutdown(self) -> None: ...
 
 
 def restart_self(env: dict[str, str]) -> NoReturn:
@@ -21,3 +30,20 @@ def restart_self(env: dict[str, str]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def rejoin_or_give_up(
+    role: str, error: Exception, reconnects: int, max_reconnects: int, http: _Shutdown, carry: dict[str, str]
+) -> int:
+    """A client role (worker, evaluator) lost its server: restart in place to rejoin, or give up.
+
+    Returns ``EXIT_SERVER_LOST`` once ``max_reconnects`` restarts were spent; otherwise does not return.
+    ``carry`` holds the environment the fresh process needs (its reconnect count, what it must keep).
+    """
+    if reconnects >= max_reconnects:
+        logger.error("lost the server (%s) and gave up after %d reconnects", error, reconnects)
+        return EXIT_SERVER_LOST
+    logger.warning("lost the server (%s); restarting the %s to rejoin (reconnect %d)", error, role, reconnects + 1)
+    transport.shutdown()
+    http.shutdown()
+    restart_self(carry)

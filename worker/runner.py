@@ -17,7 +17,7 @@ from rpcps import memory, plugins, replica_endpoints, rpc_policy, threads, trans
 from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
-from rpcps.reexec import restart_self
+from rpcps.reexec import rejoin_or_give_up
 from rpcps.summary import write_summary
 from worker.client import ServerClient
 from worker.config import DEFAULT_METRICS_PORT, WorkerRunConfig
@@ -32,7 +32,6 @@ STATS_ENV = "RPCPS_WORKER_STATS"
 """The slot's statistics so far, handed to the next incarnation when the worker restarts itself."""
 
 EXIT_OK = 0
-EXIT_SERVER_LOST = 3
 EXIT_BAD_GRADIENTS = 4
 EXIT_REFUSED = 5
 EXIT_NOT_DURABLE = 6
@@ -105,13 +104,8 @@ def run_worker(config: WorkerRunConfig) -> int:
         if stopping:
             logger.info("stopped by signal while the server went away (%s)", e)
             return EXIT_OK
-        if reconnects >= config.max_reconnects:
-            logger.error("lost the server (%s) and gave up after %d reconnects", e, reconnects)
-            return EXIT_SERVER_LOST
-        logger.warning("lost the server (%s); restarting this worker to rejoin (reconnect %d)", e, reconnects + 1)
-        transport.shutdown()
-        http.shutdown()  # type: ignore[attr-defined]
-        restart_self({RECONNECTS_ENV: str(reconnects + 1), STATS_ENV: stats.to_carry()})
+        carry = {RECONNECTS_ENV: str(reconnects + 1), STATS_ENV: stats.to_carry()}
+        return rejoin_or_give_up("worker", e, reconnects, config.max_reconnects, http, carry)
     except (SignatureMismatch, UnknownWorker, RegistrationRefused) as e:
         logger.error("%s", e)
         return EXIT_REFUSED
