@@ -63,6 +63,7 @@ def test_digits_through_local_with_an_evaluator_and_an_exported_model(procs: Pro
     assert digits.evaluate(kept)["loss"] == pytest.approx(held_out["best"]["value"])  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # over 40 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(300)
 def test_charlm_through_local_learns(procs: ProcessGroup, tmp_path: Path) -> None:
     local = procs.start("local", [

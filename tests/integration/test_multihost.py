@@ -125,6 +125,7 @@ def cluster(net: TestNetwork, procs: ProcessGroup, tmp_path: Path) -> Iterator[C
 VERSION, LIVE, REAPED = "rpcps_server_model_version", "rpcps_server_live_workers", "rpcps_server_workers_reaped_total"
 
 
+@pytest.mark.slow  # over 40 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(240)
 def test_training_across_hosts_survives_cut_links_and_a_server_crash(cluster: Cluster) -> None:
     c = cluster

@@ -59,6 +59,7 @@ def test_local_trains_the_ctr_task_with_one_server_and_two_workers(procs: Proces
     assert trained > 0.75, f"AUC {untrained:.3f} untrained -> {trained:.3f} after {2 * STEPS} updates; expected > 0.75"
 
 
+@pytest.mark.slow  # over 40 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(500)
 def test_kill_9_of_the_server_resumes_sparse_rows_with_nothing_applied_twice(tmp_path: Path) -> None:
     plan = ChaosPlan(workers=2, steps=STEPS, checkpoint_every_updates=40, kills=(Kill("ps", 130),), extra_args=CTR, timeout_s=420)
@@ -68,6 +69,7 @@ def test_kill_9_of_the_server_resumes_sparse_rows_with_nothing_applied_twice(tmp
     assert _auc(tmp_path / "chaos" / "checkpoints") > 0.75
 
 
+@pytest.mark.slow  # over 40 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(400)
 def test_admission_and_ttl_keep_far_fewer_rows_and_still_learn(procs: ProcessGroup, tmp_path: Path) -> None:
     local = procs.start(
@@ -81,6 +83,7 @@ def test_admission_and_ttl_keep_far_fewer_rows_and_still_learn(procs: ProcessGro
     assert _auc(tmp_path / "ckpt") > 0.75
 
 
+@pytest.mark.slow  # over 40 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(400)
 def test_two_server_shards_split_the_rows_and_train(procs: ProcessGroup, tmp_path: Path) -> None:
     summary_path = tmp_path / "summary.json"

@@ -139,6 +139,7 @@ def test_local_with_two_replicas_runs_a_coordinator_and_a_standby(tmp_path: Path
     assert report.problems == [] and report.final_version == 200, report.problems[:5]
 
 
+@pytest.mark.slow  # over 40 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(480)
 def test_ten_kills_of_the_primary_in_one_run_lose_nothing_and_recover_within_a_second(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -148,9 +149,12 @@ def test_ten_kills_of_the_primary_in_one_run_lose_nothing_and_recover_within_a_s
     one history (versions never go back, no step applied twice, final version workers x steps),
     digests equal; recovery (kill -> next update applied by another process) <= 1 s at the median
     and <= 2 s at worst."""
-    monkeypatch.setenv(INTERVAL_ENV, "0.04")  # ~50 updates/s: 64 s of training, time for 10 restarts
+    # ~50 updates/s: 96 s of training. Each kill waits for the restarted replica to be back in sync
+    # (a fresh interpreter importing torch: 3-6 s on a loaded 2-core machine), so the tenth kill needs
+    # slack after version 2000; with 1600 steps a loaded run once ended before it fired.
+    monkeypatch.setenv(INTERVAL_ENV, "0.04")
     kills = tuple(Kill("primary", v) for v in range(200, 2200, 200))
-    plan = ChaosPlan(workers=2, steps=1600, replicas=2, kills=kills, extra_args=(*PACED, "--digest-every", "25"), timeout_s=420)
+    plan = ChaosPlan(workers=2, steps=2400, replicas=2, kills=kills, extra_args=(*PACED, "--digest-every", "25"), timeout_s=420)
     result = run_chaos(plan, tmp_path / "run")
     assert result.problems(plan) == [], (result.problems(plan)[:5], result.notes)
     ledger = result.ledger
