@@ -4,9 +4,10 @@ Used by the integration tests and by ``tools/chaos.py``. Three kinds of planned 
 
 - ``Kill(target, at_version)``: SIGKILL a process once the server's model version reaches a value
   (read from /metrics). A worker that already finished is replaced by the server as the target,
-  so every planned crash hurts something. With ``replicas=2`` the target ``primary`` is whichever
-  of shard 0's two server processes serves it when the kill fires, and a kill waits until the
-  shard has its standby back in sync (so every kill is a failover, not a fall back to a snapshot).
+  so every planned crash hurts something. With ``replicas=2`` the target ``primary`` (``primaryK``
+  for shard K) is whichever of the shard's two server processes serves it when the kill fires, and a
+  kill waits until the shard has its standby back in sync (so every kill is a failover, not a fall
+  back to a snapshot).
 - ``KillAfterFinish(worker, delay_s)``: SIGKILL the server ``delay_s`` after a worker exited
   successfully (its steps must have been made durable first).
 - ``FailPoint(name, hit)``: the server kills itself the ``hit``-th time it reaches a named point
@@ -42,7 +43,8 @@ POLL_S = 0.02
 @dataclass(frozen=True)
 class Kill:
     target: str
-    """'ps', 'psK' (shard K), 'workerN', or 'primary' (shard 0's serving replica, with replicas=2)."""
+    """'ps', 'psK' (shard K), 'workerN', or 'primary' / 'primaryK' (shard 0's / shard K's serving
+    replica, with replicas=2)."""
     at_version: int
     sig: int = signal.SIGKILL
 
@@ -160,7 +162,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     ]
     fail_points = [k for k in plan.kills if isinstance(k, FailPoint)]
     env = {**os.environ, "RPCPS_FAILPOINTS": ";".join(f"{k.name}=kill@{k.hit}:{_marker(run_dir, k)}" for k in fail_points)}
-    driver = _Driver(plan, run_dir, [f"ps_{'abcdefgh'[r]}" if r else "ps" for r in range(plan.replicas)])
+    driver = _Driver(plan, run_dir, [_replica_names(k, plan.replicas) for k in range(plan.shards)])
     with open(run_dir / "local.log", "wb") as log:
         local = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -189,8 +191,10 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     # server may take the killed one's name again (shard 0 hosting the store is always rank 0), so it
     # is counted from the next server start as before.
     pids = driver.killed_pids if plan.replicas > 1 else {}
-    server_crashes = sorted((when, pids.get(i)) for i, (fault, when) in enumerate(driver.fired) if _hits_server(fault))
-    recovery = [r for when, pid in server_crashes if (r := recovery_after(report, when, pid)) is not None]
+    server_crashes = sorted(
+        (when, pids.get(i), reports[_shard_of(fault)]) for i, (fault, when) in enumerate(driver.fired) if _hits_server(fault)
+    )
+    recovery = [r for when, pid, shard in server_crashes if (r := recovery_after(shard, when, pid)) is not None]
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     roots = [run_dir / "checkpoints"] + sorted((run_dir / "checkpoints").glob("shard-*"))
     invalid = {str(p): why for root in roots for p, why in verify_all(root).items() if why is not None}
@@ -203,16 +207,33 @@ def _marker(run_dir: Path, point: FailPoint) -> Path:
 
 
 def _hits_server(fault: Fault) -> bool:
-    return not isinstance(fault, Kill) or fault.target.startswith("ps") or fault.target == "primary"
+    return not isinstance(fault, Kill) or fault.target.startswith(("ps", "primary"))
+
+
+def _shard_of(fault: Fault) -> int:
+    """The shard a server crash hits (fail points and kills after a finish hit shard 0)."""
+    if isinstance(fault, Kill):
+        for prefix in ("primary", "ps"):
+            rest = fault.target.removeprefix(prefix)
+            if rest != fault.target:
+                return int(rest.split("_")[0] or 0)
+    return 0
+
+
+def _replica_names(shard: int, replicas: int) -> list[str]:
+    """The children serving ``shard``, as ``local`` names them: ps, ps_b; ps1, ps1_b; ..."""
+    base = "ps" if shard == 0 else f"ps{shard}"
+    return [base if r == 0 else f"{base}_{'abcdefgh'[r]}" for r in range(replicas)]
 
 
 class _Driver:
     """Fires the plan's signal-sent crashes as the run reaches them (fail points fire by themselves)."""
 
-    def __init__(self, plan: ChaosPlan, run_dir: Path, shard0: list[str]) -> None:
+    def __init__(self, plan: ChaosPlan, run_dir: Path, replicas: list[list[str]]) -> None:
         self.run_dir = run_dir
-        self.shard0 = shard0
-        """The children serving shard 0 (two with replicas)."""
+        self.replicas = replicas
+        """Per shard, the children serving it (two each with replicas)."""
+        self.shard0 = replicas[0]
         self.killed_pids: dict[int, int] = {}
         """Index in ``fired`` -> pid of the process that kill hit."""
         self.deferred = 0
@@ -227,14 +248,15 @@ class _Driver:
         children = _children(self.run_dir)
         if self.by_version and _server_version(children, self.shard0) >= self.by_version[0].at_version:
             kill = self.by_version.pop(0)
-            target = self._primary(children) if kill.target == "primary" else kill.target
+            primary = kill.target.startswith("primary")
+            target = self._primary(children, _shard_of(kill)) if primary else kill.target
             if target is None:
                 self.deferred += 1
                 self.by_version.insert(0, kill)  # no in-sync pair right now: try again on the next poll
                 return
             pid = _pid(children, target)
             if pid is None or not pid_alive(pid) or self._finished(target):
-                fallback = self._primary(children) if len(self.shard0) > 1 else "ps"
+                fallback = self._primary(children, _shard_of(kill)) if len(self.shard0) > 1 else "ps"
                 if fallback is None:
                     self.by_version.insert(0, kill)
                     return
@@ -253,9 +275,9 @@ class _Driver:
                 self.after_finish.remove(kill)
                 self.fired.append((kill, time.time()))
 
-    def _primary(self, children: dict[str, Any]) -> str | None:
-        """Shard 0's serving replica, when it has an in-sync standby; else None."""
-        for name in self.shard0:
+    def _primary(self, children: dict[str, Any], shard: int) -> str | None:
+        """The shard's serving replica, when it has an in-sync standby; else None."""
+        for name in self.replicas[shard]:
             port = children.get(name, {}).get("metrics_port")
             metrics = try_scrape(port) if port is not None else {}
             if metrics.get("rpcps_replica_role") == 2:
