@@ -146,9 +146,11 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
             raise transport.PeerUnreachable(str(e)) from e
         store_host = transport.store_host()
         options = config.transport
-        first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s)
+        secret = JobSecret.from_file(options.job_secret_file) if options.job_secret_file else None
+        first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s, secret=secret)
         clients = [first] + [
-            ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s) for k in range(1, first.shard_count())
+            ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s, secret=secret)
+            for k in range(1, first.shard_count())
         ]
         observer = Observer(evaluation.model, clients)
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -90,7 +90,7 @@ class ServerMetrics:
         )
         self.rpc_refused = refusal_counter(r)
         self.registrations_refused = _labelled_counter(
-            r, "rpcps_server_registrations_refused", "Worker registrations refused for lack of a valid job-secret proof, by reason.",
+            r, "rpcps_server_registrations_refused", "Worker registrations and model observations (the evaluator) refused for lack of a valid job-secret proof, by reason.",
             "reason", REGISTRATION_REFUSALS,
         )
         self.store_repairs = _labelled_counter(

@@ -248,8 +248,10 @@ class WorkerService:
         except BadSparse as e:
             raise Refused(f"sparse pull from worker {slot}: {e}", RejectReason.SHAPE) from None
 
-    def observe(self, have_version: int) -> Observation:
-        """A read-only look at the newest model (the sidecar evaluator): no slot, no record, no effect."""
+    def observe(self, have_version: int, proof: RegistrationProof | None = None) -> Observation:
+        """A read-only look at the newest model (the sidecar evaluator): no slot, no record, no effect.
+        With a job secret, ``proof`` answers a fresh challenge (``RegistrationGate.check_observer``)."""
+        self.gate.check_observer(proof)
         server, config = self.server, self.server.config
         with server.lock:
             fresh = have_version != server.version

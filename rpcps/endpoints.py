@@ -80,7 +80,7 @@ class WorkerApi(Protocol):
 
     def leave(self, slot: int, incarnation: str) -> None: ...
 
-    def observe(self, have_version: int) -> Observation: ...
+    def observe(self, have_version: int, proof: RegistrationProof | None = None) -> Observation: ...
 
 
 _published: tuple[WorkerApi, ServerRef] | None = None
@@ -202,10 +202,11 @@ def leave(ref: ServerRef, slot: int, incarnation: str) -> Any:
     return _reply(lambda: _api(ref).leave(slot, incarnation))
 
 
-def observe(ref: ServerRef, have_version: int) -> Any:
+def observe(ref: ServerRef, have_version: int, proof: RegistrationProof | None = None) -> Any:
     """Read-only: the newest parameters and buffers (None when ``have_version`` is current), for an
-    observer that holds no worker slot and changes nothing (the sidecar evaluator)."""
-    return _reply(lambda: _api(ref).observe(have_version))
+    observer that holds no worker slot and changes nothing (the sidecar evaluator). With a job secret
+    the observer answers a fresh ``challenge`` (``JobSecret.observe_proof``)."""
+    return _reply(lambda: _api(ref).observe(have_version, proof))
 
 
 ENDPOINTS = (server_ref, shard_count, challenge, register, submit, push_named, pull, pull_rows, heartbeat, finish, leave, observe)

@@ -20,6 +20,7 @@ from rpcps.secret_files import read_secret_line, warn_if_readable_by_others
 MIN_LENGTH = 32
 """Characters a secret must have at least (``openssl rand -hex 32`` gives 64)."""
 _REGISTER, _LEAVE, _MANIFEST, _REPLICA_ATTACH = b"register/v1", b"leave/v1", b"manifest/v1", b"replica-attach/v1"
+_OBSERVE = b"observe/v1"
 
 
 class JobSecret:
@@ -52,6 +53,11 @@ class JobSecret:
     def registration_proof(self, challenge: str, slot: int, rpc_name: str) -> str:
         """What a worker sends with ``register``: binds the server's challenge, the slot and the name."""
         return self._mac(_REGISTER, challenge, str(slot), rpc_name)
+
+    def observe_proof(self, challenge: str) -> str:
+        """What an observer (the sidecar evaluator) sends with ``observe``: answers one challenge, so a
+        stranger cannot read the model's parameters."""
+        return self._mac(_OBSERVE, challenge)
 
     def leave_proof(self, rpc_name: str) -> str:
         """What a departing process sends to be dropped from the group (its name is never reused)."""

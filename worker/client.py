@@ -135,8 +135,12 @@ class ServerClient:
         return result(self._call(endpoints.finish, slot, incarnation, steps))
 
     def observe(self, have_version: int) -> transport.Pending:
-        """Starts a read-only look at the newest model (no slot needed); ``result`` gives an Observation."""
-        return self._call(endpoints.observe, have_version)
+        """Starts a read-only look at the newest model (no slot needed); ``result`` gives an Observation.
+        With a job secret it first answers a fresh challenge (one more round trip per observation)."""
+        if self.secret is None:
+            return self._call(endpoints.observe, have_version)
+        challenge = str(result(self._call(endpoints.challenge)))
+        return self._call(endpoints.observe, have_version, RegistrationProof(challenge, self.secret.observe_proof(challenge)))
 
     def leave(self, slot: int, incarnation: str) -> None:
         result(self._call(endpoints.leave, slot, incarnation, timeout=min(self.timeout_s, 10.0)))

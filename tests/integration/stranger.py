@@ -117,6 +117,14 @@ def main() -> int:
         "append": on_server(replica_endpoints.replica_append, guessed, 99, "stranger", [], 0.0),
     }
     results["replication"] = {name: attempt(run) for name, run in replication.items()}
+
+    def observe_forged() -> Any:
+        challenge = rpc.rpc_sync(SERVER, endpoints.challenge, args=(ref,), timeout=TIMEOUT_S)
+        return rpc.rpc_sync(SERVER, endpoints.observe, args=(ref, -1, RegistrationProof(challenge, wrong.observe_proof(challenge))),
+                            timeout=TIMEOUT_S)
+
+    # Read the model's parameters, as the sidecar evaluator does.
+    results["observe"] = {"no proof": attempt(on_server(endpoints.observe, ref, -1)), "wrong secret": attempt(observe_forged)}
     results["allowed"] = {"shard_count": attempt(on_server(endpoints.shard_count, ref))}
     # 32 MB of gradients to a server started with --max-message-mb 16: refused before it runs.
     results["size"] = attempt(on_server(endpoints.submit, ref, 0, "x", 0, 0, [torch.zeros(8 << 20)], None))

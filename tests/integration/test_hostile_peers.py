@@ -83,6 +83,8 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     assert fenced["outcome"] == "returned" and fenced["value"].startswith("Fenced("), fenced
     for name, result in replication.items():  # no state copied, no attachment used
         assert result["outcome"] == "returned" and "ReplicaRefused" in result["value"], (name, result)
+    for name, result in results["observe"].items():  # the parameters are not for strangers either
+        assert result["outcome"] == "returned" and "RegistrationRefused" in result["value"], (name, result)
     assert results["allowed"]["shard_count"] == {"outcome": "returned", "value": "1"}, "the worker API itself still answers"
     assert "rpc payload refused (size" in results["size"]["error"], results["size"]
 
@@ -90,9 +92,10 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     refused = len(results["code"]) + len(results["methods"])
     assert metrics['rpcps_transport_refused_total{kind="global"}'] >= refused
     assert metrics['rpcps_transport_refused_total{kind="size"}'] == 1
-    assert metrics['rpcps_server_registrations_refused_total{reason="no_proof"}'] == 1
-    assert metrics['rpcps_server_registrations_refused_total{reason="bad_proof"}'] == 1
+    assert metrics['rpcps_server_registrations_refused_total{reason="no_proof"}'] == 2  # a registration, an observation
+    assert metrics['rpcps_server_registrations_refused_total{reason="bad_proof"}'] == 2
     assert metrics['rpcps_server_registrations_refused_total{reason="unknown_challenge"}'] == 1
+    assert "refused an observation of the model" in ps.stderr()
     assert metrics['rpcps_replica_refused_total{reason="no_proof"}'] == 1
     assert metrics['rpcps_replica_refused_total{reason="bad_proof"}'] == 1
     assert metrics['rpcps_replica_refused_total{reason="bad_attach_id"}'] == 3  # a primary answers appends Fenced, unchanged

@@ -61,6 +61,24 @@ def test_refusals_name_the_reason_and_never_the_secret(caplog: pytest.LogCapture
     assert [refused(g, r) for r in registration_auth.REASONS] == [1, 1, 1]
 
 
+def test_an_observation_of_the_model_needs_its_own_fresh_proof(caplog: pytest.LogCaptureFixture) -> None:
+    """``observe`` reads the parameters: a stranger without the secret must not, and a registration
+    proof (another purpose) or a replayed observation proof does not pass."""
+    g = gate()
+    challenge = g.challenge()
+    good = RegistrationProof(challenge, SECRET.observe_proof(challenge))
+    g.check_observer(good)
+    with pytest.raises(RegistrationRefused, match="used already"):
+        g.check_observer(good)
+    with pytest.raises(RegistrationRefused, match="start the evaluator with --job-secret-file"):
+        g.check_observer(None)
+    with pytest.raises(RegistrationRefused, match="wrong proof"):
+        g.check_observer(answer(g))  # a registration proof is not an observation proof
+    assert [refused(g, r) for r in registration_auth.REASONS] == [1, 1, 1]
+    assert "refused an observation of the model" in caplog.text
+    gate(None).check_observer(None)  # no secret configured (loopback only): open, as registration is
+
+
 def test_without_a_secret_anyone_registers() -> None:
     g = gate(None)
     g.check(0, "w", None)
