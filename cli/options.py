@@ -27,7 +27,7 @@ def add_settings(parser: argparse.ArgumentParser, settings: Sequence[Declared]) 
         seen.add(d.flag)
         group = groups.get(d.group)
         if group is None:
-            group = groups[d.group] = parser.add_argument_group(d.group.lower()) if d.group else parser
+            group = groups[d.group] = parser.add_argument_group(d.group[:1].lower() + d.group[1:]) if d.group else parser  # keep file names as written
         sources = f"env {d.env}"
         alias = d.setting.torchrun
         if isinstance(alias, str):
