@@ -127,7 +127,7 @@ check_systemd() {
     done
     # shellcheck disable=SC2016 # $1 expands in the inner shell
     run "systemd-analyze verify" bash -c '
-        cd "$1" && out=$(systemd-analyze verify --man=false rpcps-server.service rpcps-worker@0.service 2>&1)
+        cd "$1" && out=$(systemd-analyze verify --man=false rpcps-server.service rpcps-store.service rpcps-worker@0.service 2>&1)
         status=$?; [ -z "$out" ] || echo "$out"; [ $status -eq 0 ] && [ -z "$out" ]' _ "$tmp"
 }
 
