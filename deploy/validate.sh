@@ -108,7 +108,7 @@ check_compose() {
     # check-jsonschema ships the compose-spec schema, so this works offline.
     run "compose.yaml against the compose-spec schema" \
         check-jsonschema --builtin-schema vendor.compose-spec "$here/docker/compose.yaml"
-    run "compose cross-references (services, Prometheus targets, Grafana provisioning)" \
+    run "compose cross-references (services, replicas, flags, Prometheus targets, Grafana; defaults and each docker/*.env)" \
         "$python" "$repo/tools/check_deploy.py" compose "$here/docker/compose.yaml"
 }
 
@@ -135,10 +135,11 @@ check_prometheus() {
     need promtool "apt-get install prometheus" || return
     # promtool resolves rule_files next to the config: check each config beside a copy of alerts.yml.
     local name src dir
-    for name in prometheus docker k8s; do
+    for name in prometheus docker docker-standby k8s; do
         case $name in
             prometheus) src=$here/prometheus/prometheus.yml ;;
             docker) src=$here/docker/prometheus.yml ;;
+            docker-standby) src=$here/docker/prometheus-standby.yml ;;
             k8s) src=$here/k8s/prometheus-k8s.yml ;;
         esac
         dir="$tmp/prom-$name"

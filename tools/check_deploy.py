@@ -3,9 +3,11 @@
 
 A schema says a Service is well formed; it does not say that its selector matches the pods, that
 the port it names exists in them, that the Job runs as many pods as the workers are told there are
-slots, or that Prometheus scrapes the ports the processes serve on. This does, for
-deploy/docker/compose.yaml (+ its prometheus.yml and the Grafana provisioning) and the Kubernetes
-manifests (rendered by kustomize, or the base files). Run by deploy/validate.sh:
+slots, that a standby joins the coordinator its workers join, or that Prometheus scrapes the ports
+the processes serve on. This does, for deploy/docker/compose.yaml (+ its prometheus configs and the
+Grafana provisioning; once with its defaults and once with each *.env file beside it, as
+`docker compose --env-file` renders it) and the Kubernetes manifests (rendered by kustomize, or the
+base files). Run by deploy/validate.sh:
 
     python tools/check_deploy.py compose deploy/docker/compose.yaml
     python tools/check_deploy.py k8s RENDERED.yaml [deploy/k8s/servicemonitor.yaml ...]
@@ -16,6 +18,7 @@ Exit status 0 when nothing is wrong, 1 with one line per problem on stderr, 2 on
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Iterable, Iterator
@@ -25,10 +28,14 @@ from urllib.parse import urlparse
 
 import yaml
 
+REPO = Path(__file__).resolve().parent.parent
 SERVER_METRICS_DEFAULT = 9400
 WORKER_METRICS_DEFAULT = 9410
+STORE_METRICS_DEFAULT = 9390
 RPC_PORT_DEFAULT = 29500
 JOBS = {"ps": "rpcps-ps", "worker": "rpcps-worker"}  # what deploy/prometheus/alerts.yml selects
+STORE_JOB = "rpcps-store"  # the coordinator's job, where one runs (alert RpcpsCoordinatorDown)
+ROLES = ("ps", "worker", "store")
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 
@@ -52,12 +59,17 @@ def env_list(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
-def env_map(service: dict[str, Any]) -> dict[str, str]:
-    """A Compose service's environment (mapping or KEY=VALUE list) as a dict."""
+def env_map(service: dict[str, Any], outer: dict[str, str] | None = None) -> dict[str, str]:
+    """A Compose service's environment (mapping or KEY=VALUE list) as a dict.
+
+    A variable listed without a value takes the value of ``outer`` (what `docker compose` runs
+    with: its environment and --env-file), or is left out, as Compose does.
+    """
     env = service.get("environment") or {}
     if isinstance(env, list):
-        return dict(item.split("=", 1) for item in env)
-    return {k: str(v) for k, v in env.items()}
+        env = dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
+    outer = outer or {}
+    return {k: str(v) if v is not None else outer[k] for k, v in env.items() if v is not None or k in outer}
 
 
 def setting(args: Iterable[str], env: dict[str, Any], flag_name: str, default: str | None = None) -> str | None:
@@ -66,6 +78,31 @@ def setting(args: Iterable[str], env: dict[str, Any], flag_name: str, default: s
     if value is None:
         value = env.get("RPCPS_" + flag_name.lstrip("-").replace("-", "_").upper())
     return default if value is None else str(value)
+
+
+@functools.cache
+def cli_settings() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """{role: (its flags, its RPCPS_* variables)}, from the command line's own declarations (cli/main.py)."""
+    sys.path.insert(0, str(REPO))  # tools/ runs from a checkout, not an installed package
+    from cli.main import ROLES as CLI_ROLES
+
+    found = {}
+    for role in (*ROLES, "evaluate"):
+        settings = CLI_ROLES[role].settings()
+        found[role] = (frozenset(d.flag for d in settings), frozenset(d.env for d in settings))
+    return found
+
+
+def unknown_settings(where: str, role: str, args: Iterable[str], env: Iterable[str]) -> list[str]:
+    """Flags that `rpcps ROLE` does not have, and RPCPS_* variables no rpcps role reads: either is a typo
+    that rpcps would refuse (a flag) or silently ignore (a variable)."""
+    flags, _ = cli_settings()[role]
+    variables = frozenset().union(*(names for _, names in cli_settings().values()))
+    problems = [f"{where}: rpcps {role} has no flag {name} (see `rpcps {role} --help`)"
+                for name in (str(a).split("=", 1)[0] for a in args) if name.startswith("--") and name not in flags]
+    problems += [f"{where}: no rpcps role reads {name} (a typo? `rpcps ps --help` lists each flag's variable)"
+                 for name in env if name.startswith("RPCPS_") and name not in variables]
+    return problems
 
 
 def _loopback(host: str) -> bool:
@@ -80,91 +117,159 @@ def exposure_problems(where: str, role: str, args: list[str], env: dict[str, Any
     loopback needs a token.
     """
     problems = []
-    if role == "ps":
+    if role in ("ps", "store"):  # the coordinator's --listen is a torch RPC port like the server's
         listen = setting(args, env, "--listen", "127.0.0.1:29500") or ""
         if not _loopback(listen.rsplit(":", 1)[0]):
             if setting(args, env, "--trust-network", "off") not in ("on", "true", "yes", "1"):
                 problems.append(f"{where}: --listen {listen} is not loopback, so rpcps needs --trust-network on (docs/SECURITY.md)")
             if setting(args, env, "--job-secret-file") is None:
                 problems.append(f"{where}: --listen {listen} is not loopback, so rpcps needs --job-secret-file")
+    if role == "ps":
         control = setting(args, env, "--control-addr", "127.0.0.1") or ""
         if not _loopback(control) and setting(args, env, "--control-token-file") is None:
             problems.append(f"{where}: --control-addr {control} is not loopback, so rpcps needs --control-token-file")
-    elif setting(args, env, "--job-secret-file") is None:
+    elif role == "worker" and setting(args, env, "--job-secret-file") is None:
         problems.append(f"{where}: a worker without --job-secret-file cannot register with a server off loopback")
     return problems
 
 
-def default_expanded(text: str) -> str:
-    """Compose interpolation with defaults only: ${VAR:-default} -> default, ${VAR} -> ''."""
-    return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m.group(1) or "", text)
+def interpolated(text: str, env: dict[str, str]) -> str:
+    """Compose interpolation: ${VAR:-default} is VAR when set and not empty, else default; ${VAR} is VAR or ''."""
+
+    def value(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(2)
+        return (env.get(name) or default) if default is not None else env.get(name, "")
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}", value, text)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a Compose --env-file (comments and blank lines skipped)."""
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
 
 
 # ---------------------------------------------------------------- compose
 
 
 def check_compose(path: Path) -> list[str]:
-    """Compose file, its Prometheus config and the Grafana provisioning agree with each other."""
+    """The Compose file as it renders with its defaults and with each *.env file beside it."""
+    problems = check_compose_variant(path, {}, "compose")
+    for env_file in sorted(path.parent.glob("*.env")):
+        problems += check_compose_variant(path, read_env_file(env_file), f"compose (--env-file {env_file.name})")
+    return problems
+
+
+def check_compose_variant(path: Path, outer: dict[str, str], where: str) -> list[str]:
+    """One rendering: its services, Prometheus config and the Grafana provisioning agree with each other."""
     problems: list[str] = []
     base = path.parent
-    compose = yaml.safe_load(path.read_text())
-    services: dict[str, dict[str, Any]] = compose.get("services", {})
+    compose = yaml.safe_load(interpolated(path.read_text(), outer))
+    profiles = {p for p in outer.get("COMPOSE_PROFILES", "").split(",") if p}
+    services: dict[str, dict[str, Any]] = {
+        n: s for n, s in compose.get("services", {}).items() if not s.get("profiles") or profiles & set(s["profiles"])
+    }
 
     def role(service: dict[str, Any]) -> str | None:
-        command = [default_expanded(str(c)) for c in service.get("command", [])]
-        return command[0] if command and command[0] in ("ps", "worker") else None
+        command = [str(c) for c in service.get("command", [])]
+        return command[0] if command and command[0] in ROLES else None
 
     for name, service in services.items():
         for volume in service.get("volumes", []):
             source = str(volume).split(":", 1)[0]
             if source.startswith((".", "/")) and not (base / source).exists():
-                problems.append(f"compose: service {name} mounts {source}, which does not exist next to {path.name}")
+                problems.append(f"{where}: service {name} mounts {source}, which does not exist next to {path.name}")
 
     servers = [n for n, s in services.items() if role(s) == "ps"]
     workers = {n: s for n, s in services.items() if role(s) == "worker"}
-    if len(servers) != 1:
-        problems.append(f"compose: expected one server service (command 'ps ...'), found {servers}")
-        return problems
-    server = services[servers[0]]
-    listen = flag(server["command"], "--listen") or f"0.0.0.0:{RPC_PORT_DEFAULT}"
-    rpc_port = listen.rsplit(":", 1)[1]
-    metrics_port: dict[str, int] = {
-        servers[0]: int(flag(server["command"], "--metrics-port") or env_map(server).get("RPCPS_METRICS_PORT", SERVER_METRICS_DEFAULT))
-    }
+    stores = [n for n, s in services.items() if role(s) == "store"]
+    if not servers or len(stores) > 1:
+        found = f"found servers {servers}, coordinators {stores}"
+        return [*problems, f"{where}: expected one server service ('ps ...') or a replica set of them, at most one coordinator ('store ...'); {found}"]
+    envs = {n: env_map(s, outer) for n, s in services.items()}
+    commands = {n: [str(c) for c in s.get("command", [])] for n, s in services.items()}
+    join, join_problems = _compose_replicas(where, servers, stores, commands, envs)
+    problems += join_problems
+    metrics_port: dict[str, int] = {}
+    for name in [*servers, *stores, *workers]:
+        default = {"ps": SERVER_METRICS_DEFAULT, "store": STORE_METRICS_DEFAULT}.get(commands[name][0], WORKER_METRICS_DEFAULT)
+        metrics_port[name] = int(setting(commands[name], envs[name], "--metrics-port", str(default)) or default)
     slots: list[int] = []
-    for name, service in workers.items():
-        command = [default_expanded(str(c)) for c in service["command"]]
-        env = env_map(service)
+    for name in workers:
+        command, env = commands[name], envs[name]
         ps = flag(command, "--ps") or env.get("RPCPS_PS")
-        if ps != f"{servers[0]}:{rpc_port}":
-            problems.append(f"compose: worker {name} has --ps {ps}, but the server is {servers[0]}:{rpc_port}")
+        if ps != join:
+            what = "the group's coordinator" if stores else "the server"
+            problems.append(f"{where}: worker {name} has --ps {ps}, but {what} is {join}")
         num = flag(command, "--num-workers") or env.get("RPCPS_NUM_WORKERS")
         if num is None or int(num) != len(workers):
-            problems.append(f"compose: worker {name} has --num-workers {num}, but there are {len(workers)} worker services")
+            problems.append(f"{where}: worker {name} has --num-workers {num}, but there are {len(workers)} worker services")
         index = flag(command, "--worker-index") or env.get("RPCPS_WORKER_INDEX")
         if index is None:
-            problems.append(f"compose: worker {name} sets no --worker-index / RPCPS_WORKER_INDEX")
+            problems.append(f"{where}: worker {name} sets no --worker-index / RPCPS_WORKER_INDEX")
         else:
             slots.append(int(index))
-        metrics_port[name] = int(flag(command, "--metrics-port") or env.get("RPCPS_METRICS_PORT", WORKER_METRICS_DEFAULT))
     if sorted(slots) != list(range(len(workers))):
-        problems.append(f"compose: worker slots {sorted(slots)} are not 0..{len(workers) - 1}, each once")
-    for name in [servers[0], *workers]:
-        command = [default_expanded(str(c)) for c in services[name]["command"]]
-        problems += exposure_problems(f"compose: service {name}", command[0], command, env_map(services[name]))
+        problems.append(f"{where}: worker slots {sorted(slots)} are not 0..{len(workers) - 1}, each once")
+    for name in [*servers, *stores, *workers]:
+        problems += exposure_problems(f"{where}: service {name}", commands[name][0], commands[name], envs[name])
+        problems += unknown_settings(f"{where}: service {name}", commands[name][0], commands[name][1:], envs[name])
 
     prometheus = next((s for s in services.values() if "prom/prometheus" in str(s.get("image", ""))), None)
     if prometheus is None:
-        problems.append("compose: no Prometheus service")
+        problems.append(f"{where}: no Prometheus service")
     else:
-        problems += _check_compose_prometheus(base, prometheus, servers[0], workers, metrics_port)
+        expected = {
+            JOBS["ps"]: {f"{n}:{metrics_port[n]}" for n in servers},
+            JOBS["worker"]: {f"{n}:{metrics_port[n]}" for n in workers},
+            STORE_JOB: {f"{n}:{metrics_port[n]}" for n in stores},
+        }
+        problems += _check_compose_prometheus(where, base, prometheus, expected)
     grafana_name = next((n for n, s in services.items() if "grafana/grafana" in str(s.get("image", ""))), None)
     if grafana_name is None:
-        problems.append("compose: no Grafana service")
+        problems.append(f"{where}: no Grafana service")
     else:
         prom_name = next(n for n, s in services.items() if s is prometheus) if prometheus else None
-        problems += _check_compose_grafana(base, services[grafana_name], prom_name)
+        problems += _check_compose_grafana(where, base, services[grafana_name], prom_name)
     return problems
+
+
+def _compose_replicas(
+    where: str, servers: list[str], stores: list[str], commands: dict[str, list[str]], envs: dict[str, dict[str, str]]
+) -> tuple[str, list[str]]:
+    """The address workers must join, and what is wrong with the server replicas and their coordinator.
+
+    Every server runs the same command (replicas are interchangeable: whichever claims the shard
+    first is the primary), with --replicas equal to the number of servers; more than one needs the
+    coordinator, and then every server joins it with --store.
+    """
+    problems = []
+    first = servers[0]
+    for name in servers[1:]:
+        if commands[name] != commands[first]:
+            problems.append(f"{where}: server {name} runs {commands[name]}, not the command of {first}: replicas run the same command")
+    for name in servers:
+        replicas = int(setting(commands[name], envs[name], "--replicas", "1") or 1)
+        if replicas != len(servers):
+            problems.append(f"{where}: server {name} has --replicas {replicas}, but {len(servers)} server service(s) run "
+                            "(a standby service needs --replicas 2 on both)")
+    if stores:
+        store_listen = setting(commands[stores[0]], envs[stores[0]], "--listen", "127.0.0.1:29500") or ""
+        join = f"{stores[0]}:{store_listen.rsplit(':', 1)[1]}"
+        for name in servers:
+            store = setting(commands[name], envs[name], "--store")
+            if store != join:
+                problems.append(f"{where}: server {name} has --store {store}, but the coordinator is {join}")
+        return join, problems
+    if len(servers) > 1:
+        problems.append(f"{where}: {len(servers)} server services run without a coordinator ('store' service): a standby cannot "
+                        "take over from a primary that hosts the group's store")
+    for name in servers:
+        store = setting(commands[name], envs[name], "--store")
+        if store is not None:
+            problems.append(f"{where}: server {name} has --store {store}, but no coordinator ('store' service) runs")
+    listen = setting(commands[first], envs[first], "--listen", f"0.0.0.0:{RPC_PORT_DEFAULT}") or ""
+    return f"{first}:{listen.rsplit(':', 1)[1]}", problems
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, str]:
@@ -177,57 +282,54 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
     return found
 
 
-def _check_compose_prometheus(
-    base: Path, prometheus: dict[str, Any], server: str, workers: dict[str, Any], metrics_port: dict[str, int]
-) -> list[str]:
+def _check_compose_prometheus(where: str, base: Path, prometheus: dict[str, Any], expected: dict[str, set[str]]) -> list[str]:
+    """Prometheus scrapes exactly the running services of each job: a target that does not run would
+    fire its down alert, one that runs unscraped is not watched."""
     problems = []
     mounts = _mounts(prometheus)
     config_file = flag(prometheus.get("command", []), "--config.file") or "/etc/prometheus/prometheus.yml"
     if config_file not in mounts:
-        return [f"compose: Prometheus reads {config_file}, which no volume provides"]
+        return [f"{where}: Prometheus reads {config_file}, which no volume provides"]
     config = yaml.safe_load((base / mounts[config_file]).read_text())
     for rule_file in config.get("rule_files", []):
         in_container = str(Path(config_file).parent / rule_file)
         if in_container not in mounts:
-            problems.append(f"compose: Prometheus loads rules {in_container}, which no volume provides")
+            problems.append(f"{where}: Prometheus loads rules {in_container}, which no volume provides")
     targets = {job["job_name"]: {t for group in job.get("static_configs", []) for t in group["targets"]}
                for job in config.get("scrape_configs", [])}
-    expected = {
-        JOBS["ps"]: {f"{server}:{metrics_port[server]}"},
-        JOBS["worker"]: {f"{w}:{metrics_port[w]}" for w in workers},
-    }
     for job, want in expected.items():
-        if targets.get(job) != want:
-            problems.append(f"compose: Prometheus job {job} scrapes {sorted(targets.get(job, []))}, expected {sorted(want)}")
+        if targets.get(job, set()) != want:
+            problems.append(f"{where}: Prometheus job {job} scrapes {sorted(targets.get(job, []))}, expected {sorted(want)} "
+                            f"({mounts[config_file]})")
     return problems
 
 
-def _check_compose_grafana(base: Path, grafana: dict[str, Any], prometheus_service: str | None) -> list[str]:
+def _check_compose_grafana(where: str, base: Path, grafana: dict[str, Any], prometheus_service: str | None) -> list[str]:
     problems = []
     mounts = _mounts(grafana)
     provisioning = mounts.get("/etc/grafana/provisioning")
     if provisioning is None:
-        return ["compose: Grafana has no /etc/grafana/provisioning mount"]
+        return [f"{where}: Grafana has no /etc/grafana/provisioning mount"]
     root = base / provisioning
     dashboards = [p for f in sorted((root / "dashboards").glob("*.y*ml")) for p in yaml.safe_load(f.read_text())["providers"]]
     paths = [p["options"]["path"] for p in dashboards]
     mounted_dashboards = [c for c, s in mounts.items() if s.endswith(".json")]
     for container_path in mounted_dashboards:
         if not any(container_path.startswith(p.rstrip("/") + "/") for p in paths):
-            problems.append(f"compose: dashboard mounted at {container_path} is outside every provider path {paths}")
+            problems.append(f"{where}: dashboard mounted at {container_path} is outside every provider path {paths}")
     if not mounted_dashboards:
-        problems.append("compose: no dashboard JSON mounted into Grafana")
+        problems.append(f"{where}: no dashboard JSON mounted into Grafana")
     env = env_map(grafana)
     for f in sorted((root / "datasources").glob("*.y*ml")):
         for source in yaml.safe_load(f.read_text())["datasources"]:
             url = str(source["url"])
             for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", url):
                 if var not in env:
-                    problems.append(f"compose: data source {source['name']} needs {var}, which Grafana's environment lacks")
+                    problems.append(f"{where}: data source {source['name']} needs {var}, which Grafana's environment lacks")
                 url = re.sub(r"\$\{?" + var + r"\}?", env.get(var, ""), url)
             host = urlparse(url).hostname
             if prometheus_service and host != prometheus_service:
-                problems.append(f"compose: data source {source['name']} points at {url}, not the {prometheus_service} service")
+                problems.append(f"{where}: data source {source['name']} points at {url}, not the {prometheus_service} service")
     return problems
 
 
@@ -284,8 +386,9 @@ def check_k8s(docs: list[dict[str, Any]]) -> list[str]:
                 problems.append(f"k8s: {workload} prometheus.io/port {scrape_port} is not its metrics port {ports.get('metrics')}")
             problems += _check_secret_mounts(workload, c, template)
             args = [str(a) for a in c.get("args", [])]
-            if args and args[0] in ("ps", "worker"):
+            if args and args[0] in ROLES:
                 problems += exposure_problems(f"k8s: {workload}", args[0], args, env_list(c))
+                problems += unknown_settings(f"k8s: {workload}", args[0], args[1:], env_list(c))
         if spec["kind"] == "Job":
             problems += _check_worker_job(spec, template, services, pods)
         if spec["kind"] == "StatefulSet":

@@ -141,6 +141,58 @@ def test_compose_disagreement_is_reported(deploy_copy: Path, file: str, edit: Ca
     assert any(message in p for p in problems), problems
 
 
+def _set_env(path: Path, key: str, value: str | None) -> None:
+    """Sets (or with None removes) KEY=VALUE in an env file."""
+    lines = [line for line in path.read_text().splitlines() if not line.startswith(f"{key}=")]
+    path.write_text("\n".join([*lines, *([f"{key}={value}"] if value is not None else [])]) + "\n")
+
+
+def test_each_env_file_is_checked_as_compose_renders_it(deploy_copy: Path) -> None:
+    """standby.env adds the coordinator and a second server: both servers join it with --replicas 2."""
+    _set_env(deploy_copy / "docker" / "standby.env", "RPCPS_REPLICAS", None)
+    problems = check_compose(deploy_copy / "docker" / "compose.yaml")
+    assert problems and all(p.startswith("compose (--env-file standby.env): ") for p in problems), problems
+    assert any("server ps-standby has --replicas 1, but 2 server service(s) run" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("file", "key", "value", "message"),
+    [
+        ("standby.env", "RPCPS_PS", None, "worker worker0 has --ps ps:29500, but the group's coordinator is store:29400"),
+        ("standby.env", "RPCPS_STORE", "store:29500", "server ps has --store store:29500, but the coordinator is store:29400"),
+        ("standby.env", "RPCPS_PROMETHEUS_CONFIG", "./prometheus.yml",
+         "job rpcps-ps scrapes ['ps:9400'], expected ['ps-standby:9400', 'ps:9400']"),
+        ("standby.env", "COMPOSE_PROFILES", "", "server ps has --replicas 2, but 1 server service(s) run"),
+        ("ctr.env", "RPCPS_SPARSE_MAX_ROW", "10", "no rpcps role reads RPCPS_SPARSE_MAX_ROW"),
+    ],
+)
+def test_env_file_disagreement_is_reported(deploy_copy: Path, file: str, key: str, value: str | None, message: str) -> None:
+    path = deploy_copy / "docker" / file
+    _set_env(path, key, value)
+    if key == "RPCPS_SPARSE_MAX_ROW":  # a variable passed through to the server, misspelt in both places
+        compose = deploy_copy / "docker" / "compose.yaml"
+        compose.write_text(compose.read_text().replace("RPCPS_SPARSE_MAX_ROWS:", "RPCPS_SPARSE_MAX_ROW:"))
+    problems = check_compose(deploy_copy / "docker" / "compose.yaml")
+    assert any(message in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["services"]["ps"]["command"].append("--sparse-max-row=10"), "rpcps ps has no flag --sparse-max-row"),
+        (lambda d: d["services"]["worker0"]["command"].append("--replicas=2"), "rpcps worker has no flag --replicas"),
+        (lambda d: d["services"]["store"]["command"].remove("--trust-network=on"),
+         "service store: --listen 0.0.0.0:29400 is not loopback, so rpcps needs --trust-network on"),
+        (lambda d: d["services"]["ps-standby"].update(command=[*d["services"]["ps"]["command"], "--optimizer=sgd"]),
+         "not the command of ps: replicas run the same command"),
+    ],
+)
+def test_compose_flag_and_replica_mistakes_are_reported(deploy_copy: Path, edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    _edit(deploy_copy / "docker" / "compose.yaml", edit)
+    problems = check_compose(deploy_copy / "docker" / "compose.yaml")
+    assert any(message in p for p in problems), problems
+
+
 def test_kubernetes_discovery_is_swapped_for_an_empty_static_list() -> None:
     config = yaml.safe_load((K8S / "prometheus-k8s.yml").read_text())
     swapped = without_k8s_sd(copy.deepcopy(config))
