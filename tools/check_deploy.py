@@ -11,6 +11,7 @@ base files). Run by deploy/validate.sh:
 
     python tools/check_deploy.py compose deploy/docker/compose.yaml
     python tools/check_deploy.py k8s RENDERED.yaml [deploy/k8s/servicemonitor.yaml ...]
+    python tools/check_deploy.py render deploy/k8s/overlays/standby > RENDERED.yaml   # without kubectl
     python tools/check_deploy.py prometheus-without-k8s-sd IN.yml OUT.yml
 
 Exit status 0 when nothing is wrong, 1 with one line per problem on stderr, 2 on bad usage.
@@ -84,7 +85,11 @@ def setting(args: Iterable[str], env: dict[str, Any], flag_name: str, default: s
 def cli_settings() -> dict[str, tuple[frozenset[str], frozenset[str]]]:
     """{role: (its flags, its RPCPS_* variables)}, from the command line's own declarations (cli/main.py)."""
     sys.path.insert(0, str(REPO))  # tools/ runs from a checkout, not an installed package
-    from cli.main import ROLES as CLI_ROLES
+    try:
+        from cli.main import ROLES as CLI_ROLES
+    except ImportError as e:
+        raise SystemExit(f"check_deploy: cannot import rpcps's command line ({e}): run it from the checkout, with the "
+                         "project's Python (PYTHON=.venv/bin/python), to check the flags the recipes pass") from None
 
     found = {}
     for role in (*ROLES, "evaluate"):
@@ -392,7 +397,9 @@ def check_k8s(docs: list[dict[str, Any]]) -> list[str]:
         if spec["kind"] == "Job":
             problems += _check_worker_job(spec, template, services, pods)
         if spec["kind"] == "StatefulSet":
-            problems += _check_server_set(spec, template, services)
+            problems += _check_server_set(spec, template, services, pods, docs)
+        if _role(template) == "store":
+            problems += _check_coordinator(spec)
 
     for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
         problems += _check_network_policy(policy, pods)
@@ -413,6 +420,34 @@ def _check_secret_mounts(workload: str, container: dict[str, Any], template: dic
     return problems
 
 
+def _role(template: dict[str, Any]) -> str | None:
+    """The rpcps role a pod template runs (its first container's first argument), if any."""
+    args = template["spec"]["containers"][0].get("args", [])
+    return str(args[0]) if args and str(args[0]) in ROLES else None
+
+
+def _coordinator_address(address: Any, services: dict[str, Any], pods: list) -> str | None:
+    """Why ``address`` is not SERVICE[.NAMESPACE...]:PORT of a Service in front of the coordinator, or None when it is."""
+    match = re.fullmatch(r"([a-z0-9-]+)(?:\.[a-z0-9.-]+)?:(\d+)", str(address))
+    if match is None or match.group(1) not in services:
+        return f"{address!r} is not SERVICE:PORT of a Service"
+    service = services[match.group(1)]
+    if not any(_role(t) == "store" and _selects(service["spec"]["selector"], t["metadata"]["labels"]) for _, _, t in pods):
+        return f"Service {match.group(1)} does not select the coordinator's pods (args 'store ...')"
+    if int(match.group(2)) not in {p["port"] for p in service["spec"]["ports"]}:
+        return f"port {match.group(2)} is not a port of Service {match.group(1)}"
+    return None
+
+
+def _check_coordinator(deployment: dict[str, Any]) -> list[str]:
+    name = deployment["metadata"]["name"]
+    spec = deployment["spec"]
+    if deployment["kind"] != "Deployment" or spec.get("replicas", 1) != 1 or spec.get("strategy", {}).get("type") != "Recreate":
+        why = "two coordinators at once would split the group"
+        return [f"k8s: the coordinator {deployment['kind']} {name} must be a Deployment of replicas 1 with strategy Recreate: {why}"]
+    return []
+
+
 def _check_worker_job(job: dict[str, Any], template: dict[str, Any], services: dict[str, Any], pods: list) -> list[str]:
     problems = []
     name = job["metadata"]["name"]
@@ -429,7 +464,12 @@ def _check_worker_job(job: dict[str, Any], template: dict[str, Any], services: d
         problems.append(f"k8s: Job {name} runs completions={spec.get('completions')} parallelism={spec.get('parallelism')} "
                         f"but RPCPS_NUM_WORKERS={num}: all three must be equal")
     ps = flag(container.get("args", []), "--ps") or env.get("RPCPS_PS")
-    problems += _check_server_address(f"Job {name} --ps", ps, services, pods)
+    if any(_role(t) == "store" for _, _, t in pods):  # with a coordinator, everyone joins the group there
+        why = _coordinator_address(ps, services, pods)
+        if why is not None:
+            problems.append(f"k8s: Job {name} --ps must name the coordinator, which the servers join: {why}")
+    else:
+        problems += _check_server_address(f"Job {name} --ps", ps, services, pods)
     if template["spec"].get("restartPolicy") == "Never" and "podFailurePolicy" not in spec:
         problems.append(f"k8s: Job {name} has no podFailurePolicy: exit codes 2/4/5 would be retried for nothing")
     return problems
@@ -449,7 +489,8 @@ def _check_server_address(what: str, address: Any, services: dict[str, Any], pod
     return []
 
 
-def _check_server_set(sts: dict[str, Any], template: dict[str, Any], services: dict[str, Any]) -> list[str]:
+def _check_server_set(sts: dict[str, Any], template: dict[str, Any], services: dict[str, Any], pods: list,
+                      docs: list[dict[str, Any]]) -> list[str]:
     problems = []
     name = sts["metadata"]["name"]
     service = services.get(sts["spec"].get("serviceName", ""))
@@ -458,21 +499,59 @@ def _check_server_set(sts: dict[str, Any], template: dict[str, Any], services: d
     elif not service["spec"].get("publishNotReadyAddresses"):
         problems.append(f"k8s: Service {service['metadata']['name']} should publish not-ready addresses: workers must "
                         "resolve the server while it resumes")
-    env = env_list(template["spec"]["containers"][0])
+    container = template["spec"]["containers"][0]
+    env = env_list(container)
+    args = container.get("args", [])
     shards = int(env.get("RPCPS_SHARDS", 1))
-    if shards != sts["spec"].get("replicas", 1):
-        problems.append(f"k8s: StatefulSet {name} has replicas={sts['spec'].get('replicas', 1)} but RPCPS_SHARDS={shards}")
-    if shards > 1 or "RPCPS_SHARD_INDEX" in env:
-        index = env.get("RPCPS_SHARD_INDEX")
-        if not (isinstance(index, dict) and index.get("fieldRef", {}).get("fieldPath") == POD_INDEX):
-            problems.append(f"k8s: StatefulSet {name} must take RPCPS_SHARD_INDEX from {POD_INDEX}")
+    replicas = int(setting(args, env, "--replicas", "1") or 1)
+    if shards * replicas != sts["spec"].get("replicas", 1):
+        per_shard = f" x RPCPS_REPLICAS={replicas}" if replicas > 1 else ""
+        problems.append(f"k8s: StatefulSet {name} has replicas={sts['spec'].get('replicas', 1)} but RPCPS_SHARDS={shards}{per_shard}")
+    index = env.get("RPCPS_SHARD_INDEX")
+    if replicas > 1:
+        problems += _check_replica_set(name, sts, template, shards, index, setting(args, env, "--store"), services, pods)
+    elif (shards > 1 or index is not None) and not (isinstance(index, dict) and index.get("fieldRef", {}).get("fieldPath") == POD_INDEX):
+        problems.append(f"k8s: StatefulSet {name} must take RPCPS_SHARD_INDEX from {POD_INDEX}")
     claims = {c["metadata"]["name"] for c in sts["spec"].get("volumeClaimTemplates", [])}
-    args = template["spec"]["containers"][0].get("args", [])
-    ckpt = flag(args, "--checkpoint-dir") or env.get("RPCPS_CHECKPOINT_DIR")
-    mounts = {m["mountPath"]: m["name"] for m in template["spec"]["containers"][0].get("volumeMounts", [])}
-    if ckpt is None or mounts.get(str(ckpt)) not in claims:
+    ckpt = setting(args, env, "--checkpoint-dir")
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    volume = mounts.get(str(ckpt))
+    if replicas == 1 and (ckpt is None or volume not in claims):
         problems.append(f"k8s: StatefulSet {name} must keep --checkpoint-dir ({ckpt}) on a volumeClaimTemplate")
+    if replicas > 1 and not _shared_claim(template, volume, docs):
+        problems.append(f"k8s: StatefulSet {name} runs replicas of one shard: --checkpoint-dir ({ckpt}) must be one "
+                        "ReadWriteMany PersistentVolumeClaim they share, not a volume per pod (a replica that never was "
+                        "primary holds no snapshot, and may claim the shard first after a full restart)")
     return problems
+
+
+def _check_replica_set(name: str, sts: dict[str, Any], template: dict[str, Any], shards: int, index: Any, store: str | None,
+                       services: dict[str, Any], pods: list) -> list[str]:
+    """A StatefulSet whose pods are the replicas of one shard (--replicas > 1)."""
+    problems = []
+    if shards != 1 or index not in (None, "0"):
+        problems.append(f"k8s: StatefulSet {name} runs replicas of one shard: RPCPS_SHARDS must be 1 and RPCPS_SHARD_INDEX "
+                        "\"0\" (a pod index cannot be split into shard and replica)")
+    why = _coordinator_address(store, services, pods)
+    if why is not None:
+        problems.append(f"k8s: StatefulSet {name} has replicas of a shard, so RPCPS_STORE must name the coordinator: {why}")
+    anti = template["spec"].get("affinity", {}).get("podAntiAffinity", {})
+    terms = [*anti.get("requiredDuringSchedulingIgnoredDuringExecution", []),
+             *(t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", []))]
+    labels = template["metadata"]["labels"]
+    if not any(t.get("topologyKey") == "kubernetes.io/hostname" and _selects(t["labelSelector"].get("matchLabels", {}), labels)
+               for t in terms):
+        problems.append(f"k8s: StatefulSet {name} runs replicas of one shard without a podAntiAffinity on kubernetes.io/hostname: "
+                        "a standby on its primary's node does not survive that node")
+    return problems
+
+
+def _shared_claim(template: dict[str, Any], volume: str | None, docs: list[dict[str, Any]]) -> bool:
+    """Whether the pod volume ``volume`` is a PersistentVolumeClaim of the documents with access mode ReadWriteMany."""
+    source = next((v for v in template["spec"].get("volumes", []) if v["name"] == volume), {})
+    claim = source.get("persistentVolumeClaim", {}).get("claimName")
+    return any(d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == claim
+               and "ReadWriteMany" in d["spec"].get("accessModes", []) for d in docs)
 
 
 def _check_network_policy(policy: dict[str, Any], pods: list) -> list[str]:
@@ -510,6 +589,65 @@ def _check_service_monitor(monitor: dict[str, Any], services: dict[str, Any], po
     return problems
 
 
+# ---------------------------------------------------------------- rendering without kubectl
+
+
+class CannotRender(Exception):
+    """The kustomization uses what this renderer does not do, or a patch does not apply: it says which."""
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    """The documents of a kustomization, for the subset of kustomize that deploy/k8s uses: resources
+    (files and directories), a namespace, and inline JSON 6902 patches by kind and name. Anything else
+    is refused rather than rendered wrongly; kubectl kustomize renders the rest."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(kustomization) - {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
+    if unsupported:
+        raise CannotRender(f"{directory}: cannot render {sorted(unsupported)} without kubectl")
+    docs: list[dict[str, Any]] = []
+    for resource in kustomization.get("resources", []):
+        path = directory / resource
+        docs += render(path) if path.is_dir() else load_documents([path])
+    for patch in kustomization.get("patches", []):
+        ops = yaml.safe_load(patch.get("patch", "")) if "target" in patch else None
+        if not isinstance(ops, list):
+            raise CannotRender(f"{directory}: only inline JSON 6902 patches with a target render without kubectl")
+        target = patch["target"]
+        matched = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
+        if not matched:
+            raise CannotRender(f"{directory}: a patch targets {target['kind']} {target['name']}, which no resource is")
+        for doc in matched:
+            for op in ops:
+                _apply(doc, op, f"{directory}: {target['kind']} {target['name']}")
+    if "namespace" in kustomization:
+        for doc in docs:
+            if doc["kind"] != "Namespace":
+                doc["metadata"]["namespace"] = kustomization["namespace"]
+    return docs
+
+
+def _apply(doc: dict[str, Any], op: dict[str, Any], where: str) -> None:
+    """One JSON patch operation (RFC 6902: add, remove, replace, test) on ``doc``, in place."""
+    *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+    node: Any = doc
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    index: Any = last if isinstance(node, dict) else (len(node) if last == "-" else int(last))
+    kind = op["op"]
+    if kind == "test" and node[index] != op["value"]:
+        raise CannotRender(f"{where}: patch test failed at {op['path']}: {node[index]!r} is not {op['value']!r}")
+    if kind == "remove":
+        del node[index]
+    elif kind == "replace":
+        node[index] = op["value"]
+    elif kind == "add" and isinstance(node, list):
+        node.insert(index, op["value"])
+    elif kind == "add":
+        node[index] = op["value"]
+    elif kind != "test":
+        raise CannotRender(f"{where}: JSON patch op {kind!r} does not render without kubectl")
+
+
 # ---------------------------------------------------------------- prometheus
 
 
@@ -534,6 +672,13 @@ def main(argv: list[str]) -> int:
         problems = check_compose(Path(paths[0]))
     elif command == "k8s" and paths:
         problems = check_k8s(load_documents(Path(p) for p in paths))
+    elif command == "render" and len(paths) == 1:
+        try:
+            print(yaml.safe_dump_all(render(Path(paths[0])), sort_keys=False), end="")
+        except (CannotRender, KeyError, IndexError) as e:
+            print(f"check_deploy render: {e}", file=sys.stderr)
+            return 1
+        return 0
     elif command == "prometheus-without-k8s-sd" and len(paths) == 2:
         config = without_k8s_sd(yaml.safe_load(Path(paths[0]).read_text()))
         Path(paths[1]).write_text(yaml.safe_dump(config, sort_keys=False))
