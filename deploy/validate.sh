@@ -64,6 +64,8 @@ check_shell() {
         run "bash -n ${s#"$repo"/}" bash -n "$s"
     done
     need shellcheck "apt-get install shellcheck" && run "shellcheck" shellcheck "${scripts[@]}"
+    run "settings of bare-metal/rpcps.env.example (rpcps or the launchers read each)" \
+        "$python" "$repo/tools/check_deploy.py" env-file "$here/bare-metal/rpcps.env.example"
 }
 
 check_yaml() {

@@ -12,6 +12,7 @@ base files). Run by deploy/validate.sh:
     python tools/check_deploy.py compose deploy/docker/compose.yaml
     python tools/check_deploy.py k8s RENDERED.yaml [deploy/k8s/servicemonitor.yaml ...]
     python tools/check_deploy.py render deploy/k8s/overlays/standby > RENDERED.yaml   # without kubectl
+    python tools/check_deploy.py env-file deploy/bare-metal/rpcps.env.example
     python tools/check_deploy.py prometheus-without-k8s-sd IN.yml OUT.yml
 
 Exit status 0 when nothing is wrong, 1 with one line per problem on stderr, 2 on bad usage.
@@ -589,6 +590,24 @@ def _check_service_monitor(monitor: dict[str, Any], services: dict[str, Any], po
     return problems
 
 
+# ---------------------------------------------------------------- env files of the node launcher
+
+LAUNCHERS = (REPO / "deploy" / "bare-metal" / "rpcps-node.sh", REPO / "deploy" / "slurm" / "rpcps.sbatch")
+
+
+def check_env_file(path: Path) -> list[str]:
+    """Every RPCPS_* setting of a launcher env file (commented-out examples too) is one that rpcps or
+    the launchers read: a misspelt one is silently ignored by both."""
+    variables = frozenset().union(*(names for _, names in cli_settings().values()))
+    launchers = frozenset(name for script in LAUNCHERS for name in re.findall(r"RPCPS_[A-Z0-9_]+", script.read_text()))
+    problems = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        match = re.fullmatch(r"#?\s*(RPCPS_[A-Z0-9_]+)=.*", line.strip())
+        if match and match.group(1) not in variables | launchers:
+            problems.append(f"{path.name}:{number}: neither rpcps nor its launchers read {match.group(1)}")
+    return problems
+
+
 # ---------------------------------------------------------------- rendering without kubectl
 
 
@@ -672,6 +691,8 @@ def main(argv: list[str]) -> int:
         problems = check_compose(Path(paths[0]))
     elif command == "k8s" and paths:
         problems = check_k8s(load_documents(Path(p) for p in paths))
+    elif command == "env-file" and len(paths) == 1:
+        problems = check_env_file(Path(paths[0]))
     elif command == "render" and len(paths) == 1:
         try:
             print(yaml.safe_dump_all(render(Path(paths[0])), sort_keys=False), end="")

@@ -16,7 +16,7 @@ import yaml
 from harness.procs import REPO
 
 sys.path.insert(0, str(REPO / "tools"))  # a script in the checkout, not an installed module
-from check_deploy import CannotRender, check_compose, check_k8s, load_documents, render, without_k8s_sd
+from check_deploy import CannotRender, check_compose, check_env_file, check_k8s, load_documents, render, without_k8s_sd
 
 K8S = REPO / "deploy" / "k8s"
 BASE_FILES = [K8S / "base" / f for f in yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["resources"]]
@@ -261,6 +261,14 @@ def test_render_refuses_what_it_cannot_render(tmp_path: Path) -> None:
     (tmp_path / "k8s" / "overlays" / "cpu" / "kustomization.yaml").write_text("resources: [../../base]\nconfigMapGenerator: []\n")
     with pytest.raises(CannotRender, match=r"cannot render \['configMapGenerator'\] without kubectl"):
         render(tmp_path / "k8s" / "overlays" / "cpu")
+
+
+def test_the_launcher_env_example_names_only_settings_someone_reads(tmp_path: Path) -> None:
+    example = REPO / "deploy" / "bare-metal" / "rpcps.env.example"
+    assert check_env_file(example) == []
+    typo = tmp_path / "rpcps.env"
+    typo.write_text(example.read_text() + "#RPCPS_REPLICA=2\nRPCPS_STORE_METRICS_PORT=9391\n")
+    assert check_env_file(typo) == [f"rpcps.env:{len(example.read_text().splitlines()) + 1}: neither rpcps nor its launchers read RPCPS_REPLICA"]
 
 
 def test_kubernetes_discovery_is_swapped_for_an_empty_static_list() -> None:
