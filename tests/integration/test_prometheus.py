@@ -16,9 +16,27 @@ from dataclasses import dataclass
 import pytest
 
 try:
-    from monitoring_support import DEPLOY, REPO, LocalRun, Prometheus, checkpoint_flags, scrape_config_for, wait_for
+    from monitoring_support import (
+        DEPLOY,
+        REPO,
+        LocalRun,
+        Prometheus,
+        checkpoint_flags,
+        panels_in_row,
+        scrape_config_for,
+        wait_for,
+    )
 except ImportError:  # tests/ laid out as a package
-    from .monitoring_support import DEPLOY, REPO, LocalRun, Prometheus, checkpoint_flags, scrape_config_for, wait_for
+    from .monitoring_support import (
+        DEPLOY,
+        REPO,
+        LocalRun,
+        Prometheus,
+        checkpoint_flags,
+        panels_in_row,
+        scrape_config_for,
+        wait_for,
+    )
 
 PROMETHEUS = shutil.which("prometheus")
 # Far more steps than the tests need (a worker does ~100 steps/s here): the last test stops the
@@ -135,24 +153,13 @@ def test_every_dashboard_query_evaluates_on_live_data(monitored: Monitored) -> N
     # Empty by design: the checkpoint age only exists once a checkpoint was written; this dense run
     # without replicas has no coordinator (`rpcps store`) and no sparse tables.
     may_be_empty = set() if monitored.checkpointing else {"Newest checkpoint age"}
-    may_be_empty |= {"(coordinator)", "variable $store_job", *_panels_in_row(dashboard, "Sparse tables")}
+    may_be_empty |= {"(coordinator)", "variable $store_job", *panels_in_row(dashboard, "Sparse tables")}
     assert len(may_be_empty) > 3, "the dashboard's sparse row is gone or renamed: update this test"
 
     def empty() -> list[str]:
         return [q.where for q in queries if not monitored.prom.query(q.expr) and not any(t in q.where for t in may_be_empty)]
 
     wait_for(empty, lambda e: e == [], 60, "every dashboard query to return data", monitored.run.diagnostics)
-
-
-def _panels_in_row(dashboard: dict, row_prefix: str) -> list[str]:
-    """Quoted titles (as check_dashboard writes them in a query's `where`) of the panels below the row whose title starts so."""
-    titles, inside = [], False
-    for panel in dashboard["panels"]:
-        if panel["type"] == "row":
-            inside = panel["title"].startswith(row_prefix)
-        elif inside:
-            titles.append(repr(panel["title"]))
-    return titles
 
 
 def test_checkpoint_timestamp_is_scraped(monitored: Monitored) -> None:
