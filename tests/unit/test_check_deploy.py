@@ -16,7 +16,7 @@ import yaml
 from harness.procs import REPO
 
 sys.path.insert(0, str(REPO / "tools"))  # a script in the checkout, not an installed module
-from check_deploy import check_compose, check_k8s, load_documents, without_k8s_sd
+from check_deploy import CannotRender, check_compose, check_env_file, check_k8s, load_documents, render, without_k8s_sd
 
 K8S = REPO / "deploy" / "k8s"
 BASE_FILES = [K8S / "base" / f for f in yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["resources"]]
@@ -139,6 +139,136 @@ def test_compose_disagreement_is_reported(deploy_copy: Path, file: str, edit: Ca
     _edit(deploy_copy / file, edit)
     problems = check_compose(deploy_copy / "docker" / "compose.yaml")
     assert any(message in p for p in problems), problems
+
+
+def _set_env(path: Path, key: str, value: str | None) -> None:
+    """Sets (or with None removes) KEY=VALUE in an env file."""
+    lines = [line for line in path.read_text().splitlines() if not line.startswith(f"{key}=")]
+    path.write_text("\n".join([*lines, *([f"{key}={value}"] if value is not None else [])]) + "\n")
+
+
+def test_each_env_file_is_checked_as_compose_renders_it(deploy_copy: Path) -> None:
+    """standby.env adds the coordinator and a second server: both servers join it with --replicas 2."""
+    _set_env(deploy_copy / "docker" / "standby.env", "RPCPS_REPLICAS", None)
+    problems = check_compose(deploy_copy / "docker" / "compose.yaml")
+    assert problems and all(p.startswith("compose (--env-file standby.env): ") for p in problems), problems
+    assert any("server ps-standby has --replicas 1, but 2 server service(s) run" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("file", "key", "value", "message"),
+    [
+        ("standby.env", "RPCPS_PS", None, "worker worker0 has --ps ps:29500, but the group's coordinator is store:29400"),
+        ("standby.env", "RPCPS_STORE", "store:29500", "server ps has --store store:29500, but the coordinator is store:29400"),
+        ("standby.env", "RPCPS_PROMETHEUS_CONFIG", "./prometheus.yml",
+         "job rpcps-ps scrapes ['ps:9400'], expected ['ps-standby:9400', 'ps:9400']"),
+        ("standby.env", "COMPOSE_PROFILES", "", "server ps has --replicas 2, but 1 server service(s) run"),
+        ("ctr.env", "RPCPS_SPARSE_MAX_ROW", "10", "no rpcps role reads RPCPS_SPARSE_MAX_ROW"),
+    ],
+)
+def test_env_file_disagreement_is_reported(deploy_copy: Path, file: str, key: str, value: str | None, message: str) -> None:
+    path = deploy_copy / "docker" / file
+    _set_env(path, key, value)
+    if key == "RPCPS_SPARSE_MAX_ROW":  # a variable passed through to the server, misspelt in both places
+        compose = deploy_copy / "docker" / "compose.yaml"
+        compose.write_text(compose.read_text().replace("RPCPS_SPARSE_MAX_ROWS:", "RPCPS_SPARSE_MAX_ROW:"))
+    problems = check_compose(deploy_copy / "docker" / "compose.yaml")
+    assert any(message in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["services"]["ps"]["command"].append("--sparse-max-row=10"), "rpcps ps has no flag --sparse-max-row"),
+        (lambda d: d["services"]["worker0"]["command"].append("--replicas=2"), "rpcps worker has no flag --replicas"),
+        (lambda d: d["services"]["store"]["command"].remove("--trust-network=on"),
+         "service store: --listen 0.0.0.0:29400 is not loopback, so rpcps needs --trust-network on"),
+        (lambda d: d["services"]["ps-standby"].update(command=[*d["services"]["ps"]["command"], "--optimizer=sgd"]),
+         "not the command of ps: replicas run the same command"),
+    ],
+)
+def test_compose_flag_and_replica_mistakes_are_reported(deploy_copy: Path, edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    _edit(deploy_copy / "docker" / "compose.yaml", edit)
+    problems = check_compose(deploy_copy / "docker" / "compose.yaml")
+    assert any(message in p for p in problems), problems
+
+
+def standby_k8s() -> list[dict[str, Any]]:
+    return [*render(K8S / "overlays" / "standby"), *load_documents([K8S / "servicemonitor.yaml"])]
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "ctr", "standby"])
+def test_shipped_overlays_agree(overlay: str) -> None:
+    assert check_k8s([*render(K8S / "overlays" / overlay), *load_documents([K8S / "servicemonitor.yaml"])]) == []
+
+
+def _ps_env(docs: list[dict[str, Any]], name: str, value: str) -> None:
+    next(e for e in container(docs, "StatefulSet")["env"] if e["name"] == name)["value"] = value
+
+
+STANDBY_BREAKAGES: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
+    ("store address", lambda d: _ps_env(d, "RPCPS_STORE", "rpcps-ps-0.rpcps-ps:29500"),
+     "RPCPS_STORE must name the coordinator: 'rpcps-ps-0.rpcps-ps:29500' is not SERVICE:PORT of a Service"),
+    ("store port", lambda d: _ps_env(d, "RPCPS_STORE", "rpcps-store:29500"), "port 29500 is not a port of Service rpcps-store"),
+    ("workers join the server", lambda d: container(d, "Job")["args"].__setitem__(1, "--ps=rpcps-ps-0.rpcps-ps:29500"),
+     "--ps must name the coordinator, which the servers join"),
+    ("pair size", lambda d: find(d, "StatefulSet")["spec"].update(replicas=3), "replicas=3 but RPCPS_SHARDS=1 x RPCPS_REPLICAS=2"),
+    ("shards", lambda d: (find(d, "StatefulSet")["spec"].update(replicas=4), _ps_env(d, "RPCPS_SHARDS", "2")),
+     "RPCPS_SHARDS must be 1 and RPCPS_SHARD_INDEX"),
+    ("volume per pod", lambda d: find(d, "PersistentVolumeClaim")["spec"].update(accessModes=["ReadWriteOnce"]),
+     "must be one ReadWriteMany PersistentVolumeClaim they share"),
+    ("same node", lambda d: find(d, "StatefulSet")["spec"]["template"]["spec"].pop("affinity"),
+     "without a podAntiAffinity on kubernetes.io/hostname"),
+    ("two coordinators", lambda d: find(d, "Deployment", "rpcps-store")["spec"].update(replicas=2),
+     "must be a Deployment of replicas 1 with strategy Recreate"),
+    ("coordinator trust", lambda d: container(d, "Deployment")["args"].remove("--trust-network=on"),
+     "k8s: rpcps-store: --listen 0.0.0.0:29400 is not loopback, so rpcps needs --trust-network on"),
+    ("flag typo", lambda d: container(d, "StatefulSet")["args"].append("--replica=2"), "rpcps ps has no flag --replica"),
+    ("variable typo", lambda d: container(d, "StatefulSet")["env"].append({"name": "RPCPS_REPLICA", "value": "2"}),
+     "no rpcps role reads RPCPS_REPLICA"),
+]
+
+
+@pytest.mark.parametrize(("what", "breakage", "message"), STANDBY_BREAKAGES, ids=[b[0] for b in STANDBY_BREAKAGES])
+def test_standby_disagreement_is_reported(what: str, breakage: Callable[[list[dict[str, Any]]], None], message: str) -> None:
+    docs = standby_k8s()
+    breakage(docs)
+    problems = check_k8s(docs)
+    assert any(message in p for p in problems), problems
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl to compare with")
+@pytest.mark.parametrize("directory", ["base", "overlays/cpu", "overlays/ctr", "overlays/standby"])
+def test_render_matches_kubectl_kustomize(directory: str) -> None:
+    import subprocess
+
+    def by_name(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+        for d in docs:  # kustomize rewrites image names (images:); the renderer leaves them
+            for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                c["image"] = "rpcps"
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+    kustomized = subprocess.run(["kubectl", "kustomize", str(K8S / directory)], capture_output=True, text=True, check=True).stdout
+    assert by_name(render(K8S / directory)) == by_name(list(yaml.safe_load_all(kustomized)))
+
+
+def test_render_refuses_what_it_cannot_render(tmp_path: Path) -> None:
+    shutil.copytree(K8S, tmp_path / "k8s")
+    standby = tmp_path / "k8s" / "overlays" / "standby" / "kustomization.yaml"
+    standby.write_text(standby.read_text().replace("value: --ps=rpcps-ps-0.rpcps-ps:29500", "value: --ps=elsewhere:1"))
+    with pytest.raises(CannotRender, match="patch test failed at /spec/template/spec/containers/0/args/1"):
+        render(standby.parent)
+    (tmp_path / "k8s" / "overlays" / "cpu" / "kustomization.yaml").write_text("resources: [../../base]\nconfigMapGenerator: []\n")
+    with pytest.raises(CannotRender, match=r"cannot render \['configMapGenerator'\] without kubectl"):
+        render(tmp_path / "k8s" / "overlays" / "cpu")
+
+
+def test_the_launcher_env_example_names_only_settings_someone_reads(tmp_path: Path) -> None:
+    example = REPO / "deploy" / "bare-metal" / "rpcps.env.example"
+    assert check_env_file(example) == []
+    typo = tmp_path / "rpcps.env"
+    typo.write_text(example.read_text() + "#RPCPS_REPLICA=2\nRPCPS_STORE_METRICS_PORT=9391\n")
+    assert check_env_file(typo) == [f"rpcps.env:{len(example.read_text().splitlines()) + 1}: neither rpcps nor its launchers read RPCPS_REPLICA"]
 
 
 def test_kubernetes_discovery_is_swapped_for_an_empty_static_list() -> None:

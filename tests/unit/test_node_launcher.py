@@ -129,6 +129,25 @@ def test_memory_max_caps_every_process_it_starts(stub: Stub) -> None:
     assert stub.starts("ps")[0]["data_limit_kb"] == str(2048 * 1024)
 
 
+def test_store_role_starts_the_coordinator_where_the_servers_look_for_it() -> None:
+    """The coordinator listens at RPCPS_STORE, the address a shared env file gives the servers as --store."""
+    result = dry("store", "--log-dir", "-", env={"RPCPS_STORE": "10.0.0.9:29400", "RPCPS_METRICS_PORT": "9400"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("trainer_entry.py store --listen 10.0.0.9:29400 --metrics-port 9390 > -")
+    flags = dry("store", "--listen", "127.0.0.1:1234", "--metrics-port", "9391", "--", "--lease-s", "3")
+    assert "store --listen 127.0.0.1:1234 --metrics-port 9391 --lease-s 3 > /var/log/rpcps/store.log" in flags.stdout
+
+
+def test_a_server_with_a_standby_joins_the_coordinator() -> None:
+    result = dry("server", "--store", "10.0.0.9:29400", "--replicas", "2", "--metrics-port", "9401", "--control-port", "9501")
+    assert result.returncode == 0, result.stderr
+    assert "--metrics-port 9401 --control-port 9501 --store 10.0.0.9:29400 --replicas 2 > " in result.stdout
+    from_env = dry("server", env={"RPCPS_STORE": "10.0.0.9:29400", "RPCPS_REPLICAS": "2"})
+    assert "--store 10.0.0.9:29400 --replicas 2 > " in from_env.stdout
+    alone = dry("server")
+    assert "--store" not in alone.stdout and "--replicas" not in alone.stdout
+
+
 def test_torchrun_mode_builds_a_torchrun_command_with_a_rendezvous() -> None:
     result = dry("workers", "--torchrun", "--ps", "ps-0:29500", "--count", "4", "--nnodes", "2",
                  "--rdzv-endpoint", "node-0:29400", "--log-dir", "/l", "--", "--steps", "5")
@@ -154,6 +173,11 @@ def test_torchrun_mode_builds_a_torchrun_command_with_a_rendezvous() -> None:
         (["workers", "--ps", "a:1", "--torchrun", "--nnodes", "2"], "--rdzv-endpoint HOST:PORT is required"),
         (["workers", "--ps", "a:1", "--ifname", "no-such-if0"], "--ifname no-such-if0: no such network interface"),
         (["server", "--python", "/no/such/python"], "--python /no/such/python not found"),
+        (["server", "--replicas", "2"], "--replicas 2 needs --store HOST:PORT"),
+        (["server", "--store", "nohost", "--replicas", "2"], "--store must be HOST:PORT, got 'nohost'"),
+        (["server", "--replicas", "0"], "--replicas must be >= 1"),
+        (["store", "--ps", "a:1"], "unknown option --ps for 'store'"),
+        (["store", "--listen", "a:99999"], "--listen's port must be a port in [0, 65535], got '99999'"),
         (["nonsense"], "unknown role 'nonsense'"),
     ],
 )
@@ -175,7 +199,7 @@ def test_help_lists_every_option_it_parses() -> None:
     source = NODE.read_text()
     flags = set()
     for line in source.splitlines():
-        if line.startswith(("common_flags=", "server_flags=", "worker_flags=")):
+        if line.startswith(("common_flags=", "server_flags=", "worker_flags=", "store_flags=")):
             flags.update(line.split("=", 1)[1].strip('" ').split())
     assert flags, "flag lists not found in the script"
     missing = sorted(f for f in flags if f"--{f}" not in help_text)

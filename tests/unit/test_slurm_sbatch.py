@@ -64,13 +64,13 @@ done
 exit $rc
 """
 
-# The node launcher: records its arguments and the interpreter it was handed; a server (and a worker when HANG_WORKERS is set) runs
-# until SIGTERM and records that it was stopped.
+# The node launcher: records its arguments and the interpreter it was handed; a server or coordinator (and a worker when
+# HANG_WORKERS is set) runs until SIGTERM and records that it was stopped.
 NODE = """
 #!/usr/bin/env bash
 echo "node $* ckpt=$RPCPS_CHECKPOINT_DIR logs=$RPCPS_LOG_DIR python=$RPCPS_PYTHON" >> "$RECORD"
 [ -n "${STANDIN_SRUN:-}" ] && : > "$RECORD.started.$STANDIN_SRUN.${SLURM_PROCID:-0}"
-if [ "$1" = server ] || [ -n "${HANG_WORKERS:-}" ]; then
+if [ "$1" = server ] || [ "$1" = store ] || [ -n "${HANG_WORKERS:-}" ]; then
     trap 'echo "stopped $1" >> "$RECORD"; exit 0' TERM
     while :; do sleep 0.1; done
 fi
@@ -130,6 +130,36 @@ def test_near_the_time_limit_it_stops_workers_then_the_server_and_requeues(slurm
     assert job.returncode == 0, out + err
     stops = [line for line in record(slurm) if line.startswith(("stopped", "requeue"))]
     assert stops == ["stopped workers", "stopped workers", "stopped server", "requeue 42"]
+
+
+def test_two_replicas_run_a_coordinator_and_a_server_on_each_of_the_first_two_nodes(slurm: dict[str, str], tmp_path: Path) -> None:
+    result = subprocess.run(["bash", str(SBATCH)], env={**slurm, "RPCPS_REPLICAS": "2"}, capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = record(slurm)
+    run_dir = tmp_path / "rpcps-runs" / "train"
+    tail = f"ckpt={run_dir}/checkpoints logs={run_dir}/logs python={sys.executable}"
+    assert [line for line in lines if line.startswith("node store")] == [f"node store --listen n0:29400 {tail}"]
+    servers = sorted(line for line in lines if line.startswith("node server"))
+    assert servers == [f"node server --listen {n}:29500 --store n0:29400 --replicas 2 {tail}" for n in ("n0", "n1")]
+    # Workers join the coordinator, on the one node left.
+    assert [line for line in lines if line.startswith("node workers")] == [
+        f"node workers --ps n0:29400 --count 2 --first-index 0 --num-workers 2 {tail}"]
+    store_srun = next(line for line in lines if line.startswith("srun") and " store " in line)
+    assert "--nodelist=n0 --overlap" in store_srun
+    assert "--exclude=n0,n1" in next(line for line in lines if line.startswith("srun") and "workers" in line)
+    stops = [line for line in lines if line.startswith("stopped")]
+    assert stops == ["stopped server", "stopped server", "stopped store"], "servers first, then the coordinator"
+
+
+@pytest.mark.parametrize(("replicas", "message"), [("3", "RPCPS_REPLICAS must be 1 or 2"), ("2", "needs at least 3 nodes")])
+def test_replicas_that_cannot_be_placed_are_refused(slurm: dict[str, str], replicas: str, message: str) -> None:
+    scontrol = Path(slurm["PATH"].split(":")[0]) / "scontrol"
+    scontrol.write_text("#!/usr/bin/env bash\nprintf '%s\\n' n0 n1\n")
+    result = subprocess.run(["bash", str(SBATCH)], env={**slurm, "RPCPS_REPLICAS": replicas}, capture_output=True, text=True,
+                            timeout=30, check=False)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert record(slurm) == []
 
 
 def test_one_node_is_refused(slurm: dict[str, str]) -> None:
