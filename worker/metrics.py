@@ -44,6 +44,14 @@ class WorkerMetrics:
         self.pushes_resent = Counter(
             "rpcps_worker_pushes_resent", "Unacknowledged pushes sent again to a shard's new primary after a failover.", registry=r
         )
+        self.sparse_ids = Counter(
+            "rpcps_worker_sparse_ids", "Ids looked up in sparse embedding tables by training steps (all tables).", registry=r
+        )
+        self.sparse_unique_ids = Counter(
+            "rpcps_worker_sparse_unique_ids",
+            "Distinct ids those lookups pulled (deduplicated per table and step); unique / looked up is the unique-id ratio.",
+            registry=r,
+        )
         self.model_version = Gauge("rpcps_worker_model_version", "Model version the worker computes on.", registry=r)
         self.device_memory = Gauge("rpcps_worker_device_memory_bytes", "GPU memory allocated now (0 on CPU).", registry=r)
         self.device_memory_peak = Gauge("rpcps_worker_device_memory_peak_bytes", "Peak GPU memory allocated (0 on CPU).", registry=r)

@@ -63,6 +63,8 @@ class SparseEmbeddingBagCollection(nn.Module):
         self.pooling = pooling
         self._source: RowSource | None = None
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lookups = (0, 0)
+        """(ids looked up, distinct ids pulled) by training forwards since ``take_lookup_counts``."""
 
     def attach(self, source: RowSource) -> None:
         self._source = source
@@ -81,6 +83,10 @@ class SparseEmbeddingBagCollection(nn.Module):
             uniques[name], inverses[name] = torch.unique(ids, return_inverse=True)
         rows = self._source.pull(uniques)
         track = self.training and torch.is_grad_enabled()
+        if track:
+            looked_up, distinct = self._lookups
+            self._lookups = (looked_up + sum(ids.numel() for ids, _ in features.values()),
+                             distinct + sum(u.numel() for u in uniques.values()))
         self._pending = {}
         out: dict[str, torch.Tensor] = {}
         for name, (_, offsets) in features.items():
@@ -102,6 +108,13 @@ class SparseEmbeddingBagCollection(nn.Module):
             grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
             grads[name] = (ids, grad.detach())
         return grads
+
+
+    def take_lookup_counts(self) -> tuple[int, int]:
+        """(ids looked up, distinct ids pulled) by training forwards since the last call; resets them.
+        Their ratio is what deduplication saves on the wire (``rpcps_worker_sparse_*_ids_total``)."""
+        counts, self._lookups = self._lookups, (0, 0)
+        return counts
 
 
 def collections_of(model: nn.Module) -> list[SparseEmbeddingBagCollection]:

@@ -376,6 +376,9 @@ class Trainer:
         grads: SparsePush = {}
         for module in self.sparse_modules:
             grads.update(module.take_grads())
+            looked_up, distinct = module.take_lookup_counts()
+            self.metrics.sparse_ids.inc(looked_up)
+            self.metrics.sparse_unique_ids.inc(distinct)
         return self.router.split_push(grads)
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -105,6 +105,13 @@ def test_module_grads_are_nn_embedding_bags_summed_per_unique_id() -> None:
     (expected.sum(dim=1) * torch.arange(4.0)).sum().backward()
     assert torch.equal(grads["user"][0], unique)
     assert torch.equal(grads["user"][1], bag.weight.grad)
+    looked_up = sum(ids.numel() for ids, _ in features.values())
+    distinct = sum(torch.unique(ids).numel() for ids, _ in features.values())
+    assert model.embeddings.take_lookup_counts() == (looked_up, distinct) and distinct < looked_up
+    assert model.embeddings.take_lookup_counts() == (0, 0)  # taken: reset
+    with torch.no_grad():
+        model.embeddings(features)
+    assert model.embeddings.take_lookup_counts() == (0, 0)  # evaluation lookups are not counted
 
 
 def test_push_applies_dense_and_sparse_once_and_a_retry_is_a_duplicate() -> None:
