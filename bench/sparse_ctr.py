@@ -1,23 +1,28 @@
 #!/usr/bin/env python3
 """The CTR task on rpcps against one process holding every table in ``nn.EmbeddingBag(sparse=True)``
-(not a test).
+and against the design of PyTorch's RPC tutorial for remote embeddings (not a test).
 
     flock /tmp/rpcps-cpu.lock python -m bench.sparse_ctr                 # batch 4096, 2 workers
     flock /tmp/rpcps-cpu.lock python -m bench.sparse_ctr --steps 40 --batch-size 4096 --workers 2
 
 In one run, same model (``worker.ctr`` DLRM: 26 tables of dim 16, bottom/top MLPs), same data
-generator, same batch size:
+generator, same batches:
 
 * **rpcps**: ``trainer_entry.py local`` with 1 server and ``--workers`` workers, rows on the server
   (``--sparse-optimizer``, by default element-wise Adagrad like the one process's), dense part on the
-  dense path (Adam); samples/s over the steady part of the run (bench.common: first to last sample
-  of the workers' step counters).
+  dense path (Adam).
 * **one process**: the same DLRM with ``nn.EmbeddingBag(sparse=True)`` tables sized to the
   generator's vocabularies (rank as index: no hashing), ``torch.optim.Adagrad`` on the sparse
   gradients and Adam on the dense part, one process with every core; samples/s after ``--warmup``
   steps.
+* **RPC tutorial design** (bench/sparse_tutorial_design.py, once per ``--tutorial-transports``):
+  1 server holding every table as ``RemoteModule(nn.EmbeddingBag)`` over the same ranks, and
+  ``--workers`` trainers with the dense part local (DDP), distributed autograd and
+  ``DistributedOptimizer`` (Adagrad on the tables, Adam on the dense part).
 
-Both then report held-out AUC after the same number of samples (rpcps from its final snapshot).
+The distributed sides' samples/s are over the steady part of each run (bench.common.steady_rate:
+15 % to 85 % of the steps). Every side then reports held-out AUC after the same samples (rpcps from
+its final snapshot).
 """
 
 from __future__ import annotations
