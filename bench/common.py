@@ -218,6 +218,33 @@ def _sample(run_dir: Path, samples: Samples, done: threading.Event, started: flo
             samples.worker_steps.append((now, total))
 
 
+def run_ranks(argv: list[str], ranks: int, timeout_s: float = 900) -> dict[str, Any]:
+    """Runs ``ranks`` processes of ``argv`` (+ --rank R when more than one) and returns rank 0's last stdout line, parsed as JSON.
+
+    For the benchmarks' stand-alone designs (bench/example_design.py, bench/sparse_tutorial_design.py):
+    rank 0 reports what it measured as one JSON line at the end. Raises if any rank fails; kills
+    every rank that is still running on the way out.
+    """
+    procs = [
+        subprocess.Popen([*argv, *(["--rank", str(r)] if ranks > 1 else [])], cwd=REPO, env=child_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(ranks)
+    ]
+    try:
+        outs = []
+        for r, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=timeout_s)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv[:4])} rank {r} failed: {err.decode(errors='replace')[-2000:]}")
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return json.loads(outs[0].decode().strip().splitlines()[-1])
+
+
 def print_table(columns: list[str], rows: list[list[str]]) -> str:
     """Prints a Markdown table (pasted into docs/BENCHMARKS.md as is) and returns it."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -22,6 +22,7 @@ Run it alone on the machine (single process; on a shared machine under the CPU l
 
     python -m bench.sparse_core                       # 10M rows, dim 16, row-wise Adagrad
     python -m bench.sparse_core --rows 1000000 --optimizer lazy_adam
+    python -m bench.sparse_core --via-store --build-only  # memory of the table as the server builds and fills it
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ from typing import Any
 import torch
 
 from bench.common import proc_memory_kb
+from ps.config import SparseConfig
 from ps.snapshot_files import load_snapshot, write_snapshot
 from ps.sparse.checkpoint import payload_nbytes
 from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
+from ps.sparse_store import SparseStore
 from rpcps.sparse.hashing import derive_key, keyed_hash
+from rpcps.sparse.spec import TableSpec
 
 OPTIMIZERS: dict[str, Callable[[], Any]] = {
     "sgd": lambda: SGD(lr=0.01),
@@ -130,23 +134,39 @@ def _measure_disk(table: SparseTable, directory: Path) -> None:
     )
 
 
-def _measure_build(config: TableConfig, rows: int, batch: int, key: int) -> SparseTable:
-    warm = SparseTable(config)  # torch's lazy one-time initialisation is not the table's memory
-    warm.pull(torch.arange(5000))
+Pull = Callable[[torch.Tensor], object]
+
+
+def _table(config: TableConfig, via_store: bool) -> tuple[SparseTable, Pull]:
+    """A fresh table and the call that pulls its ids: the table itself, or the server's SparseStore
+    (``ps.sparse_store``: the table built from a SparseConfig as the server builds it, pulls through
+    the store's request checks, rows returned in the fp32 wire dtype)."""
+    if not via_store:
+        table = SparseTable(config)
+        return table, table.pull
+    sparse = SparseConfig(optimizer=config.optimizer.name, lr=config.optimizer.lr)
+    store = SparseStore((TableSpec(name=config.name, table_id=config.table_id, dim=config.dim),), sparse, 0, 1)
+    return store.tables[config.name], lambda ids: store.pull({config.name: ids}, torch.float32)
+
+
+def _measure_build(config: TableConfig, rows: int, batch: int, key: int, via_store: bool) -> SparseTable:
+    warm, pull = _table(config, via_store)  # torch's lazy one-time initialisation is not the table's memory
+    pull(torch.arange(5000))
     warm.apply(torch.arange(5000), torch.zeros(5000, config.dim))
     warm.capture_full()
-    del warm
+    del warm, pull
     rss0, hwm0 = _rss_kb()
-    table = SparseTable(config)
+    table, pull = _table(config, via_store)
     start = time.perf_counter()
     for lo in range(0, rows, batch):
-        table.pull(keyed_hash(torch.arange(lo, min(lo + batch, rows)), key))
+        pull(keyed_hash(torch.arange(lo, min(lo + batch, rows)), key))
     build_s = time.perf_counter() - start
     rss1, hwm1 = _rss_kb()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss2, _ = _rss_kb()
     stats = table.stats()
-    print(f"build: {rows} rows in {build_s:.1f} s = {rows / build_s / 1e6:.2f} M rows/s (pull of new ids)")
+    print(f"build{' through ps.sparse_store.SparseStore' if via_store else ''}: {rows} rows in {build_s:.1f} s = "
+          f"{rows / build_s / 1e6:.2f} M rows/s (pull of new ids)")
     per_row = {name: (kb - base) * 1024 / rows for name, kb, base in (("rss", rss1, rss0), ("hwm", hwm1, hwm0), ("trim", rss2, rss0))}
     print(
         f"memory: VmRSS +{per_row['rss']:.1f} B/row, VmHWM +{per_row['hwm']:.1f} B/row, "
@@ -166,12 +186,16 @@ def main() -> None:
     p.add_argument("--delta-steps", default="10,100", help="comma-separated step counts, one delta after each")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--write-dir", type=Path, help="an empty scratch directory on the disk to measure (removed after)")
+    p.add_argument("--via-store", action="store_true", help="build the table as the server does (ps.sparse_store) and pull through it")
+    p.add_argument("--build-only", action="store_true", help="stop after the build (memory) figures")
     args = p.parse_args()
     key = derive_key(2024)
     config = TableConfig(name="bench", table_id=0, dim=args.dim, optimizer=OPTIMIZERS[args.optimizer]())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {config.optimizer}, width {config.width}")
     print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
-    table = _measure_build(config, args.rows, args.batch, key)
+    table = _measure_build(config, args.rows, args.batch, key, args.via_store)
+    if args.build_only:
+        return
     lock = TimedLock()
     table._lock = lock  # type: ignore[assignment]
 

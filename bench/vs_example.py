@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import REPO, child_env, local_argv, print_table, run_local, steady_rate
+from bench.common import local_argv, print_table, run_local, run_ranks, steady_rate
 from rpcps.ports import free_port
 
 
@@ -57,39 +56,17 @@ SGD_LR = 0.05
 """The example's SGD learning rate (stable on both presets' data)."""
 
 
-def _timestamps(argv: list[str], ranks: int) -> list[float]:
-    """Runs ``ranks`` processes of ``argv`` (+ --rank R when more than one) and returns rank 0's update times."""
-    procs = [
-        subprocess.Popen([*argv, *(["--rank", str(r)] if ranks > 1 else [])], cwd=REPO, env=child_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for r in range(ranks)
-    ]
-    try:
-        outs = []
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=900)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(argv[:4])} rank {r} failed: {err.decode(errors='replace')[-2000:]}")
-            outs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return json.loads(outs[0].decode().strip().splitlines()[-1])["update_times"]
-
-
 def one_process(p: Preset, workers: int) -> float:
     argv = [sys.executable, "-m", "bench.one_process", "--model", p.model, "--data", p.data, "--loss", p.loss,
             "--lr", str(SGD_LR), "--steps", str(workers * p.steps)]
-    return steady_rate([(t, i + 1) for i, t in enumerate(_timestamps(argv, 1))])
+    return steady_rate([(t, i + 1) for i, t in enumerate(run_ranks(argv, 1)["update_times"])])
 
 
 def example_design(p: Preset, workers: int, transport: str) -> float:
     argv = [sys.executable, "-m", "bench.example_design", "--world", str(workers + 1), "--port", str(free_port()),
             "--model", p.model, "--data", p.data, "--loss", p.loss, "--lr", str(SGD_LR), "--steps", str(p.steps),
             "--transport", transport]
-    return steady_rate([(t, i + 1) for i, t in enumerate(_timestamps(argv, workers + 1))])
+    return steady_rate([(t, i + 1) for i, t in enumerate(run_ranks(argv, workers + 1)["update_times"])])
 
 
 def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
