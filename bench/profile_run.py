@@ -60,6 +60,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--seconds", type=float, default=8.0, help="py-spy recording length")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil): where "
+                   "Python time goes, without threads py-spy wrongly counts as active (seen under gVisor)")
+    p.add_argument("--delay", type=float, default=4.0, help="seconds after the processes are up before recording")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-prof-"))
     run_dir = root / "run"
@@ -79,9 +82,10 @@ def main() -> int:
             time.sleep(0.2)
         else:
             return
-        time.sleep(4)  # past start-up and registration
+        time.sleep(args.delay)  # past start-up and registration
         spies = [subprocess.Popen([_PY_SPY, "record", "--pid", str(info[k]["pid"]), "--duration", str(int(args.seconds)),
-                                   "--rate", "200", "--format", "raw", "--nonblocking", "-o", str(root / f"{k}.txt")],
+                                   "--rate", "200", "--format", "raw", "--nonblocking", *(["--gil"] if args.gil else []),
+                                   "-o", str(root / f"{k}.txt")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in ("ps", "worker0")]
         for s in spies:
             s.wait()
