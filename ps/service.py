@@ -154,6 +154,8 @@ class WorkerService:
         answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
         if have_version is None:
             return answered
+        if answered.done():  # applied already (async modes): no callback and second future needed
+            return done(self._with_params(answered.value(), slot, incarnation, have_version))
         return answered.then(lambda f: self._with_params(f.value(), slot, incarnation, have_version))
 
     def _with_params(self, reply: Any, slot: int, incarnation: str, have_version: int) -> Any:
