@@ -92,10 +92,10 @@ def example_side(p: Preset, workers: int, interval_s: float) -> Split:
                         + [(times[-1], {}, float(len(times)))])
 
 
-def rpcps_side(p: Preset, workers: int, root: Path, interval_s: float) -> Split:
-    run_dir = root / "rpcps"
+def rpcps_side(p: Preset, workers: int, root: Path, interval_s: float, extra: list[str]) -> Split:
+    run_dir = root / f"rpcps{len(list(root.iterdir()))}"
     run_dir.mkdir(parents=True)
-    argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=SGD_ARGS)
+    argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=[*SGD_ARGS, *extra])
     proc = subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     info: dict[str, dict] = {}
 
@@ -132,6 +132,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, help="steps per worker (default: the preset's)")
     parser.add_argument("--interval-s", type=float, default=0.25, help="how often CPU times (and rpcps's counter) are read")
+    parser.add_argument("--also", action="append", default=[], metavar="FLAGS",
+                        help="an extra rpcps side with these flags added to its defaults, e.g. '--rpc-transports shm' "
+                        "(an experiment, not a default: the table names the flags); repeatable")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     if args.steps:
@@ -139,8 +142,10 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-cpu-"))
     sides = {
         "example design (TensorPipe defaults)": example_side(preset, args.workers, args.interval_s),
-        "rpcps defaults, --optimizer sgd": rpcps_side(preset, args.workers, root, args.interval_s),
+        "rpcps defaults, --optimizer sgd": rpcps_side(preset, args.workers, root, args.interval_s, []),
     }
+    for flags in args.also:
+        sides[f"rpcps, --optimizer sgd {flags}"] = rpcps_side(preset, args.workers, root, args.interval_s, flags.split())
     print(f"\n{preset.model}, {args.workers} workers x {preset.steps} steps, steady part (15-85 %) of one run each")
     rows = []
     for name, split in sides.items():
