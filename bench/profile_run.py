@@ -3,6 +3,7 @@
 
     python -m bench.profile_run                                    # mlp_5m, 2 workers
     python -m bench.profile_run --model mlp_25m --steps 40 --seconds 8
+    python -m bench.profile_run --model tiny --steps 3000 --optimizer sgd   # bench.vs_example's tiny preset
 
 Runs ``local`` (bench.common.run_local) and, once its processes are up, records ``--seconds`` of
 py-spy samples (``pip install py-spy``; active threads only, native frames off) of shard 0 and of
@@ -25,6 +26,10 @@ import time
 from pathlib import Path
 
 from bench.common import local_argv, run_local
+from bench.vs_example import PRESETS, SGD_LR
+
+_PY_SPY = str(Path(sys.executable).parent / "py-spy") if (Path(sys.executable).parent / "py-spy").exists() else "py-spy"
+"""The py-spy installed beside this interpreter (a virtualenv's bin is often not on PATH), else PATH's."""
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -48,11 +53,16 @@ def top_frames(raw: Path, n: int) -> list[tuple[str, float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile_run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="mlp_5m", choices=["mlp_5m", "mlp_25m"])
+    p.add_argument("--model", default="mlp_5m", choices=["mlp_5m", "mlp_25m", "tiny"],
+                   help="tiny: bench.vs_example's 22k MLP preset (its data and loss)")
+    p.add_argument("--optimizer", help="--optimizer for local (sgd: with the example's lr); default: local's")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--seconds", type=float, default=8.0, help="py-spy recording length")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil): where "
+                   "Python time goes, without threads py-spy wrongly counts as active (seen under gVisor)")
+    p.add_argument("--delay", type=float, default=4.0, help="seconds after the processes are up before recording")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-prof-"))
     run_dir = root / "run"
@@ -72,9 +82,10 @@ def main() -> int:
             time.sleep(0.2)
         else:
             return
-        time.sleep(4)  # past start-up and registration
-        spies = [subprocess.Popen(["py-spy", "record", "--pid", str(info[k]["pid"]), "--duration", str(int(args.seconds)),
-                                   "--rate", "200", "--format", "raw", "--nonblocking", "-o", str(root / f"{k}.txt")],
+        time.sleep(args.delay)  # past start-up and registration
+        spies = [subprocess.Popen([_PY_SPY, "record", "--pid", str(info[k]["pid"]), "--duration", str(int(args.seconds)),
+                                   "--rate", "200", "--format", "raw", "--nonblocking", *(["--gil"] if args.gil else []),
+                                   "-o", str(root / f"{k}.txt")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in ("ps", "worker0")]
         for s in spies:
             s.wait()
@@ -87,8 +98,15 @@ def main() -> int:
 
     t = threading.Thread(target=profile, daemon=True)
     t.start()
-    model = f"rpcps.tasks:{args.model}"
-    r = run_local(local_argv(run_dir, model=model, data=f"{model}_data", workers=args.workers, steps=args.steps), run_dir)
+    if args.model == "tiny":
+        preset = PRESETS["tiny"]
+        model, data, loss = preset.model, preset.data, preset.loss
+    else:
+        model = f"rpcps.tasks:{args.model}"
+        data, loss = f"{model}_data", "mse"
+    extra = ["--optimizer", args.optimizer, *(["--lr", str(SGD_LR)] if args.optimizer == "sgd" else [])] if args.optimizer else []
+    argv = local_argv(run_dir, model=model, data=data, loss=loss, workers=args.workers, steps=args.steps, extra=extra)
+    r = run_local(argv, run_dir)
     done.set()
     t.join()
     updates = r.summary["updates_applied"]

@@ -62,11 +62,17 @@ def one_process(p: Preset, workers: int) -> float:
     return steady_rate([(t, i + 1) for i, t in enumerate(run_ranks(argv, 1)["update_times"])])
 
 
-def example_design(p: Preset, workers: int, transport: str) -> float:
-    argv = [sys.executable, "-m", "bench.example_design", "--world", str(workers + 1), "--port", str(free_port()),
+def example_argv(p: Preset, workers: int, transport: str) -> list[str]:
+    """bench.example_design's command line for ``p`` (each rank adds ``--rank R``)."""
+    return [sys.executable, "-m", "bench.example_design", "--world", str(workers + 1), "--port", str(free_port()),
             "--model", p.model, "--data", p.data, "--loss", p.loss, "--lr", str(SGD_LR), "--steps", str(p.steps),
             "--transport", transport]
-    return steady_rate([(t, i + 1) for i, t in enumerate(run_ranks(argv, workers + 1)["update_times"])])
+def example_design(p: Preset, workers: int, transport: str) -> float:
+    return steady_rate([(t, i + 1) for i, t in enumerate(run_ranks(example_argv(p, workers, transport), workers + 1)["update_times"])])
+
+
+SGD_ARGS = ["--optimizer", "sgd", "--lr", str(SGD_LR)]
+"""The one setting the comparison changes in rpcps: the example's optimizer."""
 
 
 def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
@@ -90,7 +96,7 @@ def main() -> int:
     sides: dict[str, Callable[[int], float]] = {"one process (limit)": lambda i: one_process(preset, args.workers)}
     for t in args.example_transports.split(","):
         sides[f"example design ({t})"] = lambda i, t=t: example_design(preset, args.workers, t)
-    sides["rpcps defaults, --optimizer sgd"] = lambda i: rpcps(preset, args.workers, root, f"sgd-{i}", ["--optimizer", "sgd", "--lr", str(SGD_LR)])
+    sides["rpcps defaults, --optimizer sgd"] = lambda i: rpcps(preset, args.workers, root, f"sgd-{i}", SGD_ARGS)
     sides["rpcps defaults (Adam)"] = lambda i: rpcps(preset, args.workers, root, f"adam-{i}", [])
     runs: dict[str, list[float]] = {name: [] for name in sides}
     started = time.monotonic()

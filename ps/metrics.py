@@ -59,8 +59,8 @@ class ServerMetrics:
         )
         self.skipped = Counter("rpcps_server_pushes_skipped", "Non-finite pushes dropped (--on-nonfinite skip).", registry=r)
         self.pulls = Counter("rpcps_server_pulls_served", "Parameter pulls answered.", ["result"], registry=r)
-        for result in ("full", "unchanged"):
-            self.pulls.labels(result)
+        # The children, looked up once: every push of a small model answers with a pull.
+        self.pulls_full, self.pulls_unchanged = self.pulls.labels("full"), self.pulls.labels("unchanged")
         self.grad_bytes = Counter("rpcps_server_gradient_received_bytes", "Gradient bytes received.", registry=r)
         self.param_bytes = Counter("rpcps_server_parameter_sent_bytes", "Parameter bytes sent.", registry=r)
         self.staleness = Histogram(

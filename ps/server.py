@@ -159,6 +159,8 @@ class ParameterServer:
         self.started = time.monotonic()
         self._listeners: list[Callable[[UpdateApplied], None]] = []
         self._pull_copy: list[torch.Tensor] = []
+        self.pull_bytes = sum(self.layout.chunk_numels) * self.wire.itemsize
+        """Parameter bytes a full pull sends (buffers aside)."""
         self._pull_copy_version = -1
         self._running = threading.Event()
         self._running.set()

@@ -154,6 +154,8 @@ class WorkerService:
         answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
         if have_version is None:
             return answered
+        if answered.done():  # applied already (async modes): no callback and second future needed
+            return done(self._with_params(answered.value(), slot, incarnation, have_version))
         return answered.then(lambda f: self._with_params(f.value(), slot, incarnation, have_version))
 
     def _with_params(self, reply: Any, slot: int, incarnation: str, have_version: int) -> Any:
@@ -227,11 +229,11 @@ class WorkerService:
             record = server.workers.get(slot, incarnation)
             record.last_seen = time.monotonic()
             if have_version == server.version or server.finishing:
-                self.metrics.pulls.labels("unchanged").inc()
+                self.metrics.pulls_unchanged.inc()
                 return PullReply(server.version, None, server.paused, server.finishing)
             reply = PullReply(server.version, server.params_for_pull_locked(), server.paused, buffers=server.buffers.for_pull_locked())
-        self.metrics.pulls.labels("full").inc()
-        self.metrics.param_bytes.inc(sum(c.numel() * c.element_size() for c in reply.chunks or []))
+        self.metrics.pulls_full.inc()
+        self.metrics.param_bytes.inc(server.pull_bytes)
         self.metrics.pull_seconds.observe(time.perf_counter() - started)
         return reply
 

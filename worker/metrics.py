@@ -31,8 +31,8 @@ class WorkerMetrics:
         )
         self.in_flight = Gauge("rpcps_worker_pushes_in_flight", "Pushes sent and not yet answered.", registry=r)
         self.pushes = Counter("rpcps_worker_pushes", "Pushes answered, by outcome.", ["result"], registry=r)
-        for result in ("applied", "duplicate", "skipped", "stale", "rejected"):
-            self.pushes.labels(result)
+        self.push_results = {result: self.pushes.labels(result) for result in ("applied", "duplicate", "skipped", "stale", "rejected")}
+        """The children by outcome, looked up once (one is bumped every step)."""
         self.retries = Counter("rpcps_worker_retries", "Calls retried after a timeout.", registry=r)
         self.reconnects = Gauge("rpcps_worker_reconnects", "Times this worker restarted itself to reach a new server.", registry=r)
         self.failovers = Counter(

@@ -53,7 +53,7 @@ from rpcps.wire import TopK, wire_dtype
 from worker.buffers import ModelBuffers
 from worker.client import ServerClient, ShardUnavailable, result, shard_view
 from worker.config import WorkerConfig
-from worker.device import GradientStager, load_parameters, memory_in_use, pick_device
+from worker.device import GradientStager, ParameterSink, memory_in_use, pick_device
 from worker.metrics import WorkerMetrics
 from worker.sparse_client import SparseRouter
 from worker.sparse_embedding import collections_of
@@ -112,6 +112,7 @@ class ShardLink:
     layout: FlatLayout
     params: list[torch.nn.Parameter]
     stager: GradientStager
+    sink: ParameterSink
     free: list[list[torch.Tensor]]
     topk: TopK | None = None
     version: int = -1
@@ -210,7 +211,8 @@ class Trainer:
             stager = GradientStager(layout, shard_params, self.device, torch.float32 if config.topk_ratio else wire)
             free = [stager.new_buffers() for _ in range(window)]
             topk = TopK(layout.chunk_numels, config.topk_ratio, wire) if config.topk_ratio else None
-            self.shards.append(ShardLink(reg.shard_index, client, reg, layout, shard_params, stager, free, topk))
+            sink = ParameterSink(layout, shard_params, wire)
+            self.shards.append(ShardLink(reg.shard_index, client, reg, layout, shard_params, stager, sink, free, topk))
         self.sparse_modules = collections_of(self.model)
         self.router: SparseRouter | None = None
         if self.sparse_modules:
@@ -440,7 +442,7 @@ class Trainer:
 
     def _load(self, link: ShardLink, reply: PullReply) -> None:
         assert reply.chunks is not None
-        load_parameters(link.layout, link.params, reply.chunks)
+        link.sink.load(reply.chunks)
         if reply.buffers is not None:
             self.model_buffers.load(reply.buffers)
         link.version = reply.version
@@ -632,7 +634,7 @@ class Trainer:
         except PushRejected as e:
             link.free.append(item.buffers)
             self.stats.rejected += 1
-            self.metrics.pushes.labels("rejected").inc()
+            self.metrics.push_results["rejected"].inc()
             self._rejects_in_a_row += 1
             logger.error("%s", e)
             if self._rejects_in_a_row >= self.config.max_consecutive_rejects:
@@ -647,7 +649,7 @@ class Trainer:
             self._send(item)
             return
         link.free.append(item.buffers)
-        self.metrics.pushes.labels(reply.status).inc()
+        self.metrics.push_results[reply.status].inc()
         if reply.status == PushStatus.STALE:  # not recorded: recompute this step on fresh parameters
             self._redo.append(item)
             return
@@ -667,9 +669,10 @@ class Trainer:
         m.step_seconds.observe(elapsed)
         m.add_time(max(elapsed - comm, 0.0), comm)
         m.last_step.set_to_current_time()
-        used, peak = memory_in_use(self.device)
-        m.device_memory.set(used)
-        m.device_memory_peak.set(peak)
+        if self.device.type == "cuda":  # a CPU worker's gauges stay 0
+            used, peak = memory_in_use(self.device)
+            m.device_memory.set(used)
+            m.device_memory_peak.set(peak)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):

@@ -71,6 +71,11 @@ class ReplicationLog:
         """A follower still needs entries from this index on (it has not acknowledged them yet)."""
         self.pending: dict[tuple[int, int], Sequenced] = {}
         """(slot, step) of every update sequenced and not yet applied: a retry joins the original."""
+        self.unwatched = False
+        """Set by a primary that no standby ever attached to: every entry commits at once and the thread
+        that sequenced it applies it, so appends and applies need to wake nobody. (Each notify woke the
+        primary's sender and applier threads: four thread wake-ups per update, which on a small model
+        cost more CPU than the optimizer step.) Cleared for good once a standby attaches."""
 
     # ---- sequencing (under the server's lock) -------------------------------------------------
 
@@ -86,7 +91,8 @@ class ReplicationLog:
                 self.last_version = entry.version
                 for slot, seq, _, _ in entry.contributions:
                     self.pending[(slot, seq)] = sequenced
-            self.cond.notify_all()
+            if not self.unwatched:
+                self.cond.notify_all()
 
     @property
     def next_index(self) -> int:
@@ -115,7 +121,8 @@ class ReplicationLog:
                     if self.pending.get((slot, seq)) is sequenced:
                         del self.pending[(slot, seq)]
             self._trim_locked()
-            self.cond.notify_all()
+            if not self.unwatched:
+                self.cond.notify_all()
 
     def acknowledged(self, index: int, retain: bool) -> None:
         """A follower holds every entry up to ``index``; ``retain``: it is the in-sync standby (commits need it)."""

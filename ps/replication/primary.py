@@ -131,6 +131,8 @@ class Primary:
         server.lease = self.lease
 
     def start(self) -> None:
+        with self.log.cond:
+            self.log.unwatched = self._follower is None
         replica_endpoints.publish_replica(self)
         for thread in self._threads:
             thread.start()
@@ -193,6 +195,7 @@ class Primary:
             index = self.log.applied_index
             with self.log.cond:
                 self.log.retain_from = index + 1
+                self.log.unwatched = False  # the sender streams every entry from now on
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)

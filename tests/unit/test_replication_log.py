@@ -29,6 +29,20 @@ def test_entries_commit_at_once_without_a_standby_and_wait_for_its_acknowledgeme
     assert log.commit_index == 2
 
 
+@pytest.mark.parametrize("unwatched", [False, True])
+def test_appends_and_applies_wake_waiters_unless_nobody_follows(unwatched: bool) -> None:
+    log = ReplicationLog()
+    log.unwatched = unwatched
+    woken: list[bool] = []
+    log.cond.notify_all = lambda: woken.append(True)  # type: ignore[method-assign]
+    first = _update(1, 1)
+    log.append(first)
+    log.applied(first)
+    assert woken == ([] if unwatched else [True, True])
+    log.acknowledged(1, retain=False)  # a follower's acknowledgement always wakes the sender and applier
+    assert woken[-1:] == [True]
+
+
 def test_entries_apply_in_index_order_and_are_freed_once_nobody_needs_them() -> None:
     log = ReplicationLog()
     released: list[int] = []

@@ -11,7 +11,7 @@ from rpcps.errors import PushRejected
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.tasks import teacher_student_model
 from rpcps.wire import TopK, to_dense_fp32
-from worker.device import GradientStager, load_parameters
+from worker.device import GradientStager, ParameterSink, load_parameters
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 1.0})
 
@@ -34,6 +34,56 @@ def test_flat_buffer_round_trip_is_exact_in_fp32() -> None:
     load_parameters(layout, list(fresh.parameters()), buffers)
     for a, b in zip(fresh.parameters(), (p.grad for p in params)):
         assert torch.equal(a, b)
+
+
+def test_stager_reuses_views_of_its_own_buffers_and_stages_each_set_exactly() -> None:
+    model = teacher_student_model()
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=16 * 1024)  # several chunks
+    params = list(model.parameters())
+    stager = GradientStager(layout, params, torch.device("cpu"))
+    sets = [stager.new_buffers() for _ in range(2)]
+    foreign = layout.empty_chunks()  # not made by this stager: sliced on the spot
+    for seed, buffers in enumerate([*sets, foreign, sets[0]]):
+        g = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        stager.stage(buffers)
+        for view, p in zip(layout.views(buffers), params):
+            assert torch.equal(view, p.grad)
+
+
+@pytest.mark.parametrize("chunk_bytes", [16 * 1024, 4 << 20])
+def test_parameter_sink_loads_into_flat_storage_like_per_parameter_copies(chunk_bytes: int) -> None:
+    source = teacher_student_model()
+    layout = FlatLayout(ModelSignature.of_module(source), chunk_bytes=chunk_bytes)
+    chunks = layout.empty_chunks()
+    for view, p in zip(layout.views(chunks), source.parameters()):
+        view.copy_(torch.randn_like(p))
+    expected, flat = teacher_student_model(), teacher_student_model()
+    initial = [p.detach().clone() for p in flat.parameters()]
+    load_parameters(layout, list(expected.parameters()), chunks)
+    sink = ParameterSink(layout, list(flat.parameters()), torch.float32)
+    assert sink.flat is not None  # CPU fp32 parameters: the flat path
+    for p, before in zip(flat.parameters(), initial):  # rebinding keeps the values
+        assert torch.equal(p, before)
+    sink.load(chunks)
+    for a, b in zip(flat.parameters(), expected.parameters()):
+        assert torch.equal(a, b)
+    inputs = torch.randn(4, 32)
+    flat(inputs).sum().backward()  # the model still trains on its rebound parameters
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in flat.parameters())
+    with pytest.raises(ValueError, match="same model and --chunk-mb"):
+        sink.load([c[:-1] for c in chunks])
+
+
+def test_parameter_sink_loads_parameter_by_parameter_when_the_wire_is_narrower() -> None:
+    model = teacher_student_model()
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=64 * 1024)
+    sink = ParameterSink(layout, list(model.parameters()), torch.bfloat16)
+    assert sink.flat is None
+    chunks = [torch.ones(n, dtype=torch.bfloat16) for n in layout.chunk_numels]
+    sink.load(chunks)
+    assert all(torch.equal(p, torch.ones_like(p)) for p in model.parameters())
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
