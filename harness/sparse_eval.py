@@ -14,6 +14,7 @@ import torch
 
 from ps.config import SparseConfig
 from ps.snapshot_files import list_snapshots, load_snapshot
+from ps.sparse_checkpoint import snapshot_tables
 from ps.sparse_store import SparseStore
 from rpcps.signature import ModelSignature
 from rpcps.sparse.spec import SparsePull, declared_tables
@@ -48,7 +49,7 @@ def model_from_snapshot(
         with torch.no_grad():
             for spec, value in zip(specs, flat.split([s.numel for s in specs])):
                 params[spec.name].copy_(value.view(spec.shape))
-        store.restore(state["sparse"])
+        store.restore(snapshot_tables(snapshots[0]))
     for module in collections_of(model):
         module.attach(StoreRows(store))
     return model
