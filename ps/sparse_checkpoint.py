@@ -113,6 +113,11 @@ class SparseCheckpoints:
         deltas = len(self.chain) - 1
         return deltas >= self.store.config.full_every_deltas or self._delta_bytes > self._full_bytes
 
+    @property
+    def full_ready(self) -> bool:
+        """A prepared full waits for the next capture to close it."""
+        return self._prepared is not None
+
     def prepare(self) -> None:
         """Copies a full of every table off the request path, to be closed by the next capture (no-op
         when one is ready or none is due). Call it without holding the server's lock."""
