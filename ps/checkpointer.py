@@ -517,13 +517,13 @@ def find_resume_point(
             _quarantine(path)
             continue
         _check_compatible(path, manifest, signature, optimizer)
-        if chain_names(manifest):
-            state["sparse"] = _read_sparse_chain(path, manifest, checks)
         if partition is not None and manifest.get("partition_digest", partition) != partition:
             raise ResumeRefused(
                 f"snapshot {path} belongs to a different partition of the model (other --shards); resume with the "
                 "same --shards or start a fresh --checkpoint-dir"
             )
+        if MANIFEST_KEY in manifest:  # read last: it may be hundreds of MB
+            state["sparse"] = _read_sparse_chain(path, manifest, checks)
         info = SnapshotInfo(path, int(manifest["version"]), float(manifest["created_unix"]),
                             sum(f["size"] for f in manifest["files"].values()))
         return info, state

@@ -124,6 +124,10 @@ class SparseCheckpoints:
         if self._prepared is not None or not self.full_due():
             return
         started = time.perf_counter()
+        # From here the next snapshot must be this full: the changes dropped below are in no delta.
+        self.chain = None
+        for table in self.store.tables.values():
+            table.drop_changes()
         prepared = {
             name: [table.begin_full(lo, hi) for lo, hi in self.store.ranges] for name, table in self.store.tables.items()
         }

@@ -327,6 +327,14 @@ class SparseTable:
             self._counters.delta_bytes += self._counters.last_delta_bytes
         return payload
 
+    def drop_changes(self) -> None:
+        """Forgets which rows changed since the previous delta, without copying them: the next delta
+        will not hold those changes. For a caller about to take a full before any further delta: the
+        full's slices copy those rows anyway, and its closing step then copies only the rows changed
+        while it ran (not, say, every row pulled into a fresh table). Tombstones stay pending."""
+        with self._lock:
+            self._slab.take_dirty()
+
     def begin_full(self, bucket_lo: int = 0, bucket_hi: int | None = None) -> FullCapture:
         """Starts a full capture of buckets [bucket_lo, bucket_hi); drive it with step() or finish()."""
         bucket_hi = self.config.num_buckets if bucket_hi is None else bucket_hi

@@ -221,3 +221,13 @@ def test_snapshot_tables_reads_a_snapshot_from_before_chains(tmp_path: Path) -> 
     store = SparseStore(TABLES, SparseConfig(lr=0.5), 0, 1)
     store.restore(snapshot_tables(info.path))
     assert sum(len(t) for t in store.tables.values()) == sum(len(r) for r in _rows(server).values())
+
+
+def test_the_first_full_does_not_copy_the_rows_pulled_before_it_under_the_lock(tmp_path: Path) -> None:
+    server = _server()
+    table = server.sparse.tables["user"]
+    table.pull(torch.arange(5000))  # dirty since no delta was ever taken
+    path = Path(_checkpointer(server, tmp_path).checkpoint_now()[0])
+    assert _kind(path) == "full" and sum(len(r) for r in _rows(_resume(path)).values()) == 5000
+    closing = table.stats().last_delta_bytes
+    assert closing < 5000 * 8, f"the closing delta copied {closing} bytes under the lock: the slices had copied those rows already"
