@@ -303,7 +303,13 @@ class Checkpointer:
         version, state = captured.version, captured.state
         meta, files = self.meta, {}
         if captured.sparse is not None and self.sparse is not None:
-            sparse = captured.sparse.payload()  # builds a prepared full's rows: outside the lock, before the I/O
+            try:
+                sparse = captured.sparse.payload()  # builds a prepared full's rows: outside the lock, before the I/O
+            except Exception as e:  # out of memory, most likely: this capture is lost, the next trigger retries
+                self.sparse.broken(f"building the sparse part of version {version} failed")
+                self.metrics.checkpoint_failures.inc()
+                logger.exception("snapshot of version %d failed before its write; training goes on, the next trigger retries", version)
+                raise OSError(f"snapshot of version {version}: building its sparse tables' payload failed: {e}") from e
             chain = self.sparse.chain_for(captured.sparse, snapshot_name(version))
             meta = {**self.meta, MANIFEST_KEY: {"kind": captured.sparse.kind, "chain": chain}}
             files = {SPARSE_FILE: sparse}
