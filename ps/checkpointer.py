@@ -310,8 +310,7 @@ class Checkpointer:
                 self.metrics.checkpoint_failures.inc()
                 logger.exception("snapshot of version %d failed before its write; training goes on, the next trigger retries", version)
                 raise OSError(f"snapshot of version {version}: building its sparse tables' payload failed: {e}") from e
-            chain = self.sparse.chain_for(captured.sparse, snapshot_name(version))
-            meta = {**self.meta, MANIFEST_KEY: {"kind": captured.sparse.kind, "chain": chain}}
+            meta = {**self.meta, MANIFEST_KEY: self.sparse.manifest_entry(captured.sparse, snapshot_name(version))}
             files = {SPARSE_FILE: sparse}
 
         def before_commit() -> None:

@@ -5,9 +5,10 @@ either a **full** (every row of this server's buckets, one payload per table and
 **delta** (per table: the rows changed since the previous snapshot and the ids evicted since;
 ps/sparse/checkpoint.py). Its manifest says which, and names the chain the sparse tables need:
 
-    "sparse": {"kind": "delta", "chain": ["step-...100", "step-...140", "step-...180"]}
+    "sparse": {"kind": "delta", "chain": ["step-...100", "step-...140", "step-...180"], "chain_id": "9f0c..."}
 
-full first, this snapshot last. The manifest, with its checksums and commit marker, is written as
+full first, this snapshot last; ``chain_id`` is drawn at random for each full and repeated by its
+deltas, so a link replaced by a snapshot of the same name from another run or chain is refused. The manifest, with its checksums and commit marker, is written as
 before, so a snapshot exists only when committed; a delta is usable only with every link of its
 chain committed and intact, so the checkpointer's purge keeps every link of the snapshots it keeps.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +76,7 @@ class SparseCapture:
     """The sparse part of one snapshot as captured under the server's lock; built into a payload later."""
 
     kind: Kind
+    chain_id: str
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Payloads ready as they are: deltas, or fulls copied under the lock."""
     closed: dict[str, list[ClosedFull]] = field(default_factory=dict)
@@ -101,6 +104,7 @@ class SparseCheckpoints:
         self.metrics = metrics
         self.chain: list[str] | None = None
         """Snapshot names of the current chain on disk, full first; None: the next one must be a full."""
+        self._chain_id = ""
         self._full_bytes = 0
         self._delta_bytes = 0
         self._prepared: dict[str, list[FullCapture]] | None = None
@@ -147,20 +151,24 @@ class SparseCheckpoints:
         deltas = {name: table.capture_delta() for name, table in self.store.tables.items()}
         if self._prepared is not None:
             prepared, self._prepared = self._prepared, None
-            capture = SparseCapture("full", closed={name: [c.close() for c in cs] for name, cs in prepared.items()})
+            closed = {name: [c.close() for c in cs] for name, cs in prepared.items()}
+            capture = SparseCapture("full", uuid.uuid4().hex, closed=closed)
             self.metrics.sparse_full_snapshots.labels("sliced").inc()
         elif self.chain is None:
             # No chain to continue and no full ready: the first snapshot of this server, or the one
             # after a lost delta. Copied here, so this pause is the tables' size.
-            capture = SparseCapture("full", tables=self.store.capture())
+            capture = SparseCapture("full", uuid.uuid4().hex, tables=self.store.capture())
             self.metrics.sparse_full_snapshots.labels("locked").inc()
         else:
-            capture = SparseCapture("delta", tables={name: [delta] for name, delta in deltas.items()})
+            capture = SparseCapture("delta", self._chain_id, tables={name: [delta] for name, delta in deltas.items()})
         self.metrics.sparse_capture_seconds.observe(time.perf_counter() - started)
         return capture
 
-    def chain_for(self, capture: SparseCapture, name: str) -> list[str]:
-        """The chain a snapshot named ``name`` holding ``capture`` records in its manifest."""
+    def manifest_entry(self, capture: SparseCapture, name: str) -> dict[str, Any]:
+        """What a snapshot named ``name`` holding ``capture`` records in its manifest (MANIFEST_KEY)."""
+        return {"kind": capture.kind, "chain": self._chain_for(capture, name), "chain_id": capture.chain_id}
+
+    def _chain_for(self, capture: SparseCapture, name: str) -> list[str]:
         if capture.kind == "full":
             return [name]
         assert self.chain is not None, "a delta is captured only while a chain is open"
@@ -169,7 +177,8 @@ class SparseCheckpoints:
     def committed(self, capture: SparseCapture, name: str, payload: dict[str, Any]) -> None:
         """``capture`` is committed as snapshot ``name``: the chain continues from it."""
         nbytes = sum(payload_nbytes(p) for parts in payload["tables"].values() for p in parts)
-        self.chain = self.chain_for(capture, name)
+        self.chain = self._chain_for(capture, name)
+        self._chain_id = capture.chain_id
         if capture.kind == "full":
             self._full_bytes, self._delta_bytes = nbytes, 0
         else:
@@ -220,14 +229,15 @@ def read_chain(snapshot: Path, manifest: dict[str, Any], verify: Signer | None =
     names = chain_names(manifest)
     if not names or names[-1] != snapshot.name:
         raise InvalidSnapshot(f"{snapshot}: its sparse chain {names} does not end with the snapshot itself")
+    chain_id = manifest[MANIFEST_KEY].get("chain_id")
     files = []
     for i, name in enumerate(names):
         link = snapshot.parent / name
         try:
             if name != snapshot.name:  # the snapshot's own files were verified by whoever gave us its manifest
-                theirs = chain_names(read_manifest(link, verify))
-                if theirs != names[: i + 1]:
-                    raise InvalidSnapshot(f"it belongs to another chain ({theirs})")
+                theirs = read_manifest(link, verify)
+                if chain_names(theirs) != names[: i + 1] or theirs[MANIFEST_KEY].get("chain_id") != chain_id:
+                    raise InvalidSnapshot(f"it belongs to another chain ({theirs[MANIFEST_KEY]})")
             files.append(_load_sparse_file(link))
         except InvalidSnapshot as e:
             raise BrokenChain(snapshot, link, str(e)) from None

@@ -6,6 +6,7 @@ restore onto a different number of servers."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from ps import checkpointer as checkpointer_module
 from ps.checkpointer import Checkpointer, ResumeRefused, find_resume_point
 from ps.config import CheckpointConfig, SparseConfig
 from ps.snapshot_files import list_snapshots, peek_manifest, write_snapshot
-from ps.sparse_checkpoint import SPARSE_FILE, read_layouts, snapshot_tables
+from ps.sparse_checkpoint import SPARSE_FILE, BrokenChain, read_layouts, snapshot_tables
 from ps.sparse_store import SparseStore
 from rpcps.messages import PushStatus
 from tests.unit.test_sparse_server import TABLES, TinyModel, _Rows, _rows, _server, _step, _train_sharded
@@ -231,3 +232,21 @@ def test_the_first_full_does_not_copy_the_rows_pulled_before_it_under_the_lock(t
     assert _kind(path) == "full" and sum(len(r) for r in _rows(_resume(path)).values()) == 5000
     closing = table.stats().last_delta_bytes
     assert closing < 5000 * 8, f"the closing delta copied {closing} bytes under the lock: the slices had copied those rows already"
+
+
+def test_a_link_replaced_by_a_snapshot_of_another_chain_is_refused(tmp_path: Path) -> None:
+    runs = []
+    for run in ("a", "b"):
+        server = _server()
+        trainer, checkpointer = _Trainer(server), _checkpointer(server, tmp_path / run)
+        (tmp_path / run).mkdir()
+        for _ in range(2):
+            trainer.steps(1)
+            checkpointer.checkpoint_now()
+        runs.append(list_snapshots(tmp_path / run)[::-1])
+    (full_a, delta_a), (full_b, _) = runs
+    assert full_a.name == full_b.name and _kind(delta_a) == "delta"
+    shutil.rmtree(full_a)
+    shutil.copytree(full_b, full_a)  # same name, verifies on its own, but not the full delta_a was taken on
+    with pytest.raises(BrokenChain, match="seq|another chain"):
+        snapshot_tables(delta_a)
