@@ -40,7 +40,7 @@ from bench.sparse_core import Zipf
 from harness.inprocess import InProcessServer, pack
 from ps.checkpointer import Checkpointer
 from ps.config import CheckpointConfig, ServerCoreConfig, SparseConfig
-from ps.snapshot_files import list_snapshots
+from ps.snapshot_files import list_snapshots, peek_manifest
 from ps.sparse_checkpoint import SPARSE_FILE, read_layouts
 from ps.sparse_store import SparseStore
 from rpcps.messages import PushStatus
@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> None:
               "| longest push wait ms | snapshot s (a full: with its copy off the lock) | full MB/s |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         carried = 0.0
+        delta_waits = []
         for i in range(args.deltas + 2):
             if i:
                 pusher.steps(args.steps_per_delta)
@@ -186,10 +187,12 @@ def run(args: argparse.Namespace) -> None:
             # A prepare after this snapshot's commit copies the next full: count it there, not here.
             for_next = sum(prepare_s) if checkpointer.sparse.full_ready else 0.0
             own = seconds - for_next
-            kind = "full" if len(checkpointer.sparse.chain or []) == 1 else "delta"
+            kind = peek_manifest(Path(path))["sparse"]["kind"]
             if kind == "full":
                 own += carried
             carried = for_next
+            if kind == "delta":
+                delta_waits.append(probe.longest)
             size = (Path(path) / SPARSE_FILE).stat().st_size
             ratio = f"{size / (touched * record_bytes + tombstones * 8):.3f}" if kind == "delta" else "-"
             rate = f"{size / own / 1e6:.0f}" if kind == "full" else "-"
@@ -199,7 +202,8 @@ def run(args: argparse.Namespace) -> None:
         began = time.perf_counter()
         server.core.capture_state()  # the whole table under the lock, as before chains
         print(f"old way, the whole table copied under the server's lock: {(time.perf_counter() - began) * 1e3:.0f} ms, "
-              f"longest push wait {probe.longest * 1e3:.0f} ms")
+              f"longest push wait {probe.longest * 1e3:.0f} ms = {probe.longest / max(delta_waits):.1f} x the longest "
+              f"delta's ({max(delta_waits) * 1e3:.1f} ms)")
     finally:
         probe.stop()
         checkpointer.sparse.close()  # the writer thread was never started: snapshots were taken here
@@ -215,7 +219,7 @@ def run(args: argparse.Namespace) -> None:
         restore_s = time.perf_counter() - began
         got = _sorted_rows(stores)
         same = torch.equal(got[0], live[0]) and torch.equal(got[1], live[1])
-        print(f"restore of {newest.name} (chain of {len(checkpointer.sparse.chain or [])}) onto {servers} server(s): "
+        print(f"restore of {newest.name} (a chain of {len(peek_manifest(newest)['sparse']['chain'])}) onto {servers} server(s): "
               f"{restore_s:.1f} s, rows bit-identical to the live table: {same}")
         del chains, stores, got
 
