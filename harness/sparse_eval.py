@@ -1,7 +1,7 @@
 """Builds a model with sparse tables from a server's snapshot, in this process, to evaluate it.
 
-The dense parameters come from the snapshot's chunks, the sparse rows from its tables (restored into
-a ``ps.sparse_store.SparseStore``, as a resuming server would), and the model's
+The dense parameters come from the snapshots' chunks (ps/export.py), the sparse rows from their
+chains (restored into one ``ps.sparse_store.SparseStore``, as a resuming server would), and the model's
 ``SparseEmbeddingBagCollection`` modules read rows from that store directly, with no RPC.
 """
 
@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from ps.config import SparseConfig
-from ps.snapshot_files import list_snapshots, load_snapshot
+from ps.export import read_checkpoint
+from ps.snapshot_files import list_snapshots
+from ps.sparse_checkpoint import read_layouts
 from ps.sparse_store import SparseStore
-from rpcps.signature import ModelSignature
 from rpcps.sparse.spec import SparsePull, declared_tables
 from worker.sparse_embedding import collections_of
 
@@ -34,21 +35,15 @@ class StoreRows:
 def model_from_snapshot(
     checkpoint_dir: Path, factory: Callable[[], torch.nn.Module], config: SparseConfig | None = None
 ) -> torch.nn.Module:
-    """The model ``factory`` builds, loaded from the newest snapshot of a one-server ``checkpoint_dir``
-    (``factory()`` untrained when there is none). ``config``: the run's sparse settings (its
-    ``--sparse-optimizer`` decides the rows' state layout)."""
+    """The model ``factory`` builds, loaded from ``checkpoint_dir``: the newest snapshot of one server,
+    or of each shard below a sharded run's root (``factory()`` untrained when there is none). Every
+    shard's rows land in this one process (a restore onto one server). ``config``: the run's sparse
+    settings (its ``--sparse-optimizer`` decides the rows' state layout)."""
     model = factory()
     store = SparseStore(declared_tables(model), config or SparseConfig(), 0, 1)
-    snapshots = list_snapshots(checkpoint_dir)
-    if snapshots:
-        manifest, state = load_snapshot(snapshots[0])
-        flat = torch.cat([chunk.reshape(-1) for chunk in state["masters"]])
-        specs = ModelSignature.from_wire(manifest["signature"]).params
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for spec, value in zip(specs, flat.split([s.numel for s in specs])):
-                params[spec.name].copy_(value.view(spec.shape))
-        store.restore(state["sparse"])
+    if list_snapshots(checkpoint_dir) or list(checkpoint_dir.glob("shard-*-of-*")):
+        model.load_state_dict(read_checkpoint(checkpoint_dir).state_dict)
+        store.restore(read_layouts(checkpoint_dir))
     for module in collections_of(model):
         module.attach(StoreRows(store))
     return model

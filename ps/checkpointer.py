@@ -5,6 +5,11 @@ Taking a snapshot copies the state in memory under the server's lock (fast), the
 own thread writes it without holding that lock, so training goes on while the disk works. One write
 at a time: a periodic trigger that fires during a write is folded into the next one.
 
+Sparse tables are not copied whole under the lock: each snapshot holds a delta of them (the rows
+touched since the previous snapshot) chained to an earlier full, and a full is copied by this
+module's thread between snapshots, off the request path (ps/sparse_checkpoint.py). The purge keeps
+every snapshot a kept snapshot's chain needs.
+
 A failed write (full disk, read-only or vanished directory) is logged and counted, leaves the
 previous snapshots untouched, and is retried at the next trigger.
 """
@@ -17,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,9 +37,21 @@ from ps.snapshot_files import (
     leftover_tmp_dirs,
     list_snapshots,
     load_snapshot,
+    peek_manifest,
+    snapshot_name,
     write_json_durably,
     write_snapshot,
 )
+from ps.sparse_checkpoint import (
+    MANIFEST_KEY,
+    SPARSE_FILE,
+    BrokenChain,
+    SparseCapture,
+    SparseCheckpoints,
+    chain_names,
+    read_chain,
+)
+from ps.sparse_store import SparseStore
 from rpcps import failpoints
 from rpcps.errors import NotPrimary
 from rpcps.signature import ModelSignature
@@ -57,10 +74,19 @@ class Snapshottable(Protocol):
     deposed: bool
     """A replaced primary: it writes nothing more."""
     not_primary_reason: str
+    lock: threading.Lock
+    sparse: SparseStore | None
 
-    def capture_state(self) -> tuple[int, dict[str, Any]]: ...
+    def capture_state_locked(self, include_sparse: bool = True) -> tuple[int, dict[str, Any]]: ...
 
-    def capture_state_locked(self) -> tuple[int, dict[str, Any]]: ...
+
+@dataclass
+class _Captured:
+    """One snapshot's state as copied under the server's lock, not written yet."""
+
+    version: int
+    state: dict[str, Any]
+    sparse: SparseCapture | None
 
 
 class CheckpointUnavailable(RuntimeError):
@@ -97,13 +123,15 @@ class Checkpointer:
         self._handoff = threading.Lock()
         """Guards the three fields below between the apply path and the writer (never held across I/O)."""
         self._capture_wanted = False
-        self._captured: tuple[int, dict[str, Any]] | None = None
+        self._captured: _Captured | None = None
         self._writing = False
         self._newest: SnapshotInfo | None = None
         self.durable_progress: dict[int, int] = {}
         """Per worker slot, its first step the newest committed snapshot does not hold."""
         self._finished_lock = threading.Lock()
         self._finished = _read_finished(self.directory / FINISHED_FILE)
+        self.sparse = SparseCheckpoints(server.sparse, metrics) if server.sparse is not None else None
+        """The chain of the sparse tables' deltas (None for a model without sparse tables)."""
         self._thread = threading.Thread(target=self._loop, name="checkpointer", daemon=True)
 
     # ---- public API ----------------------------------------------------------------------------
@@ -129,7 +157,7 @@ class Checkpointer:
                 return
             self._capture_wanted = False
             self._armed_from = event.version
-            self._captured = self.server.capture_state_locked()
+            self._captured = self._capture_locked()
         if self.ledger is not None:
             self.ledger.captured(event.version)
         self._due.set()
@@ -186,6 +214,9 @@ class Checkpointer:
                 logger.info("final snapshot at version %d: %s", version, path)
             except OSError as e:
                 logger.error("final snapshot failed: %s", e)
+        if self.sparse is not None:
+            with self._write_lock:
+                self.sparse.close()
 
     def adopt(self, info: SnapshotInfo, state: dict[str, Any]) -> None:
         """Records the snapshot the server resumed from (and its captured ``state``) as the newest."""
@@ -198,6 +229,8 @@ class Checkpointer:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            with self._write_lock:
+                self._prepare_sparse()
             self._due.wait(timeout=self.config.every_seconds)
             self._due.clear()
             if self._stop.is_set():
@@ -207,18 +240,47 @@ class Checkpointer:
             except OSError:
                 pass  # logged and counted in _write; the next trigger retries
 
-    def _take_capture(self, force: bool, at_least: int | None) -> tuple[int, dict[str, Any]] | None:
+    def _capture_locked(self) -> _Captured:
+        """Under the server's lock: the dense state, and the sparse tables' part of the chain."""
+        if self.sparse is None:
+            return _Captured(*self.server.capture_state_locked(), sparse=None)
+        version, state = self.server.capture_state_locked(include_sparse=False)
+        return _Captured(version, state, self.sparse.capture_locked())
+
+    def _prepare_sparse(self) -> None:
+        """Under the write lock: copies a due sparse full off the request path (see
+        ps/sparse_checkpoint.py); the apply path takes no capture meanwhile, so the next one closes it."""
+        if self.sparse is None or not self.sparse.full_due():
+            return
+        with self._handoff:
+            if self._captured is not None:
+                return  # a capture waits to be written; the full is prepared after it
+            writing, self._writing = self._writing, True
+        try:
+            self.sparse.prepare()
+        except Exception:  # the next capture copies the full under the lock instead
+            self.metrics.checkpoint_failures.inc()
+            logger.exception("preparing a full copy of the sparse tables failed; the next snapshot copies it under the lock")
+        finally:
+            with self._handoff:
+                self._writing = writing
+
+    def _take_capture(self, force: bool, at_least: int | None) -> _Captured | None:
         """What to write now: the copy the apply path took, or a fresh one; None when nothing is new."""
         with self._handoff:
             captured, self._captured = self._captured, None
             self._writing = True
-        if captured is not None and (at_least is None or captured[0] >= at_least):
+        if captured is not None and (at_least is None or captured.version >= at_least):
             return captured
+        if captured is not None and self.sparse is not None:
+            self.sparse.broken(f"the capture of version {captured.version} was replaced by a newer one before it was written")
         if not force and self.server.version == self._last_version:
             return None  # nothing new since the last snapshot (a timed trigger on an idle server)
-        captured = self.server.capture_state()
+        self._prepare_sparse()
+        with self.server.lock:
+            captured = self._capture_locked()
         if self.ledger is not None:
-            self.ledger.captured(captured[0])
+            self.ledger.captured(captured.version)
         return captured
 
     def _write(self, force: bool, at_least: int | None = None) -> SnapshotInfo | None:
@@ -238,7 +300,18 @@ class Checkpointer:
         captured = self._take_capture(force, at_least)
         if captured is None:
             return None
-        version, state = captured
+        version, state = captured.version, captured.state
+        meta, files = self.meta, {}
+        if captured.sparse is not None and self.sparse is not None:
+            try:
+                sparse = captured.sparse.payload()  # builds a prepared full's rows: outside the lock, before the I/O
+            except Exception as e:  # out of memory, most likely: this capture is lost, the next trigger retries
+                self.sparse.broken(f"building the sparse part of version {version} failed")
+                self.metrics.checkpoint_failures.inc()
+                logger.exception("snapshot of version %d failed before its write; training goes on, the next trigger retries", version)
+                raise OSError(f"snapshot of version {version}: building its sparse tables' payload failed: {e}") from e
+            meta = {**self.meta, MANIFEST_KEY: self.sparse.manifest_entry(captured.sparse, snapshot_name(version))}
+            files = {SPARSE_FILE: sparse}
 
         def before_commit() -> None:
             # The ledger hears of the snapshot before the rename that commits it: a crash in
@@ -248,8 +321,12 @@ class Checkpointer:
             failpoints.hit("snapshot.before_commit")
 
         try:
-            info = write_snapshot(self.directory, version, state, self.meta, before_commit=before_commit, sign=self.sign)
+            info = write_snapshot(
+                self.directory, version, state, meta, before_commit=before_commit, sign=self.sign, extra_files=files
+            )
         except OSError as e:
+            if self.sparse is not None:
+                self.sparse.broken(f"the snapshot of version {version} failed")
             self.metrics.checkpoint_failures.inc()
             logger.error(
                 "snapshot of version %d in %s failed: %s; training goes on, previous snapshots are intact, "
@@ -258,6 +335,9 @@ class Checkpointer:
             raise
         if self.ledger is not None:
             self.ledger.committed(version)
+        if captured.sparse is not None and self.sparse is not None:
+            self.sparse.committed(captured.sparse, info.path.name, files[SPARSE_FILE])
+            self._prepare_sparse()
         with self._handoff:  # committed: the apply path may take the next copy now, not after the purge below
             self._writing = False
         failpoints.hit("snapshot.after_commit")
@@ -292,9 +372,14 @@ class Checkpointer:
         self.metrics.checkpoint_version.set(info.version)
 
     def _purge(self, newest: SnapshotInfo) -> None:
-        """Deletes all but the newest ``keep`` snapshots; never the one just written; never raises."""
+        """Deletes all but the newest ``keep`` snapshots and the links of their sparse chains; never
+        the one just written; never raises."""
         others = [p for p in list_snapshots(self.directory) if p != newest.path]
+        kept = [newest.path, *others[: self.config.keep - 1]]
+        needed = {name for path in kept for name in _chain_of(path)}
         for path in others[self.config.keep - 1 :]:
+            if path.name in needed:
+                continue
             try:
                 shutil.rmtree(path)
             except OSError as e:
@@ -306,6 +391,14 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             except OSError as e:
                 logger.warning("could not delete leftover %s: %s", tmp, e)
+
+
+def _chain_of(path: Path) -> list[str]:
+    """The snapshots (names) whose sparse files ``path`` needs; none when its manifest is unreadable."""
+    try:
+        return chain_names(peek_manifest(path))
+    except InvalidSnapshot:
+        return []
 
 
 def _read_finished(path: Path) -> dict[int, int]:
@@ -410,6 +503,7 @@ def find_resume_point(
         if not candidates[0].is_dir():
             raise ResumeRefused(f"--resume {config.resume}: no such snapshot directory")
     for path in candidates:
+        checks = verify
         try:
             manifest, state = load_snapshot(path, verify)
         except UnsignedSnapshot:
@@ -420,6 +514,7 @@ def find_resume_point(
                 ) from None
             logger.warning("resuming from the unsigned snapshot %s because --resume names it", path)
             manifest, state = load_snapshot(path)
+            checks = None
         except InvalidSnapshot as e:
             if config.resume != "auto":
                 raise ResumeRefused(f"--resume {path}: {e}") from None
@@ -432,11 +527,29 @@ def find_resume_point(
                 f"snapshot {path} belongs to a different partition of the model (other --shards); resume with the "
                 "same --shards or start a fresh --checkpoint-dir"
             )
+        if MANIFEST_KEY in manifest:  # read last: it may be hundreds of MB
+            state["sparse"] = _read_sparse_chain(path, manifest, checks)
         info = SnapshotInfo(path, int(manifest["version"]), float(manifest["created_unix"]),
                             sum(f["size"] for f in manifest["files"].values()))
         return info, state
     logger.warning("no valid snapshot left in %s; starting fresh", config.directory)
     return None
+
+
+def _read_sparse_chain(path: Path, manifest: dict[str, Any], verify: Signer | None) -> dict[str, Any]:
+    """The sparse tables' chains of a verified snapshot; ResumeRefused, naming the unusable file and
+    what to do, when a link is broken (nothing is moved aside: the other snapshots are intact)."""
+    try:
+        return read_chain(path, manifest, verify)
+    except BrokenChain as e:
+        older = [p for p in list_snapshots(path.parent) if p.name < e.link.name]
+        instead = (
+            f"resume the newest snapshot before it with --resume {older[0]} (workers recompute the steps after it)"
+            if older else "no older snapshot is left to resume instead; start a fresh --checkpoint-dir"
+        )
+        raise ResumeRefused(f"{e}. Restore that file from a backup, or {instead}") from None
+    except InvalidSnapshot as e:
+        raise ResumeRefused(f"snapshot {path}: {e}") from None
 
 
 def _check_compatible(path: Path, manifest: dict[str, Any], signature: ModelSignature, optimizer: str) -> None:

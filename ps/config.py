@@ -87,6 +87,11 @@ class SparseConfig:
         metavar="N",
     )
     evict_every_s: float = setting(1.0, flag="--sparse-evict-every-s", help="seconds between eviction slices (off the request path)")
+    full_every_deltas: int = setting(
+        8, flag="--sparse-full-every-deltas", help="snapshots hold a delta of the sparse tables (rows changed since the previous "
+        "one); every this many, or once the deltas outweigh the full, a full copy taken off the request path starts a new chain",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
         if self.optimizer not in SPARSE_OPTIMIZERS:
@@ -103,6 +108,8 @@ class SparseConfig:
             raise ValueError(f"sparse max_rows must be >= 1, got {self.max_rows}")
         if not self.evict_every_s > 0:
             raise ValueError(f"sparse evict_every_s must be > 0, got {self.evict_every_s}")
+        if not 1 <= self.full_every_deltas <= 1000:
+            raise ValueError(f"sparse full_every_deltas must be in [1, 1000], got {self.full_every_deltas}")
 
 
 @dataclass(kw_only=True, frozen=True)

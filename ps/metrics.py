@@ -127,8 +127,23 @@ class ServerMetrics:
         )
         self.sparse_capture_seconds = Histogram(
             "rpcps_sparse_checkpoint_pause_seconds",
-            "Time a snapshot held the server's lock to copy the sparse tables (updates wait that long).",
+            "Time a snapshot held the server's lock to copy the sparse tables (updates wait that long): the touched rows "
+            "of a delta, or the close of a full prepared off the request path.",
             buckets=_LATENCY_BUCKETS + (30.0, 60.0),
+            registry=r,
+        )
+        self.sparse_full_snapshots = Counter(
+            "rpcps_sparse_full_snapshots",
+            "Snapshots holding a full copy of the sparse tables, by how it was copied: sliced (off the request path) or "
+            "locked (under the server's lock: the first snapshot, or the one after a lost delta).",
+            ["capture"],
+            registry=r,
+        )
+        for capture in ("sliced", "locked"):
+            self.sparse_full_snapshots.labels(capture)
+        self.sparse_chain_deltas = Gauge(
+            "rpcps_sparse_checkpoint_chain_deltas",
+            "Deltas on top of the full in the newest snapshot's sparse chain (a restore reads them all).",
             registry=r,
         )
         self._sparse_stats: Callable[[], dict[str, TableStats]] = dict
@@ -233,6 +248,7 @@ _SPARSE_COUNTERS = (
     ("evicted_total", "evicted_rows", "Rows evicted (TTL or row cap), each recorded as a tombstone."),
     ("pulled_rows_total", "pulled_rows", "Rows sent to workers by pulls."),
     ("pushed_rows_total", "pushed_rows", "Rows updated by pushes."),
+    ("delta_bytes_total", "delta_bytes", "Bytes of the checkpoint deltas captured (touched rows with their state, and tombstones)."),
 )
 
 

@@ -342,8 +342,12 @@ class ParameterServer:
         with self.lock:
             return self.capture_state_locked()
 
-    def capture_state_locked(self) -> tuple[int, dict[str, Any]]:
-        """``capture_state`` for a caller that holds the lock already (an ``on_applied`` listener)."""
+    def capture_state_locked(self, include_sparse: bool = True) -> tuple[int, dict[str, Any]]:
+        """``capture_state`` for a caller that holds the lock already (an ``on_applied`` listener).
+
+        ``include_sparse=False`` leaves the sparse tables out, for a caller that captures them its own
+        way under the same lock hold (the checkpointer's deltas, ps/sparse_checkpoint.py).
+        """
         state = {
             "masters": [m.detach().clone() for m in self._masters],
             "optimizer": _clone_tensors(self.optimizer.state_dict()),
@@ -352,7 +356,7 @@ class ParameterServer:
             "epoch": self.epoch,
             "workers": {str(slot): r.tracker.state() for slot, r in self.workers.records.items()},
         }
-        if self.sparse is not None:
+        if self.sparse is not None and include_sparse:
             # Under the lock, like the rest: the rows match the dense state and the workers' progress.
             started = time.perf_counter()
             state["sparse"] = self.sparse.capture()

@@ -110,12 +110,14 @@ def write_snapshot(
     meta: dict[str, Any],
     before_commit: Callable[[], None] | None = None,
     sign: Signer | None = None,
+    extra_files: dict[str, Any] | None = None,
 ) -> SnapshotInfo:
     """Writes and commits one snapshot; returns where it landed. Raises OSError on any I/O failure
     (the temporary directory is removed, committed snapshots are never touched).
 
     ``before_commit`` runs once everything is durable under the temporary name, just before the
-    rename that commits it. ``sign`` adds the manifest's HMAC (field ``hmac``).
+    rename that commits it. ``sign`` adds the manifest's HMAC (field ``hmac``). ``extra_files``:
+    more files (plain name -> object, ``torch.save``d) listed and checksummed like ``state.pt``.
     """
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist (was it removed or unmounted?)")
@@ -123,19 +125,13 @@ def write_snapshot(
     tmp = directory / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
     try:
         tmp.mkdir()
-        state_path = tmp / STATE_FILE
-        with open(state_path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        files = {}
+        for name, obj in {STATE_FILE: state, **(extra_files or {})}.items():
+            if not is_plain_name(name):
+                raise ValueError(f"snapshot file name {name!r} is not a plain file name")
+            files[name] = _save(tmp / name, obj)
         created = time.time()
-        manifest = {
-            "format": FORMAT,
-            "version": version,
-            "created_unix": created,
-            "files": {STATE_FILE: {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}},
-            **meta,
-        }
+        manifest = {"format": FORMAT, "version": version, "created_unix": created, "files": files, **meta}
         if sign is not None:
             manifest["hmac"] = sign(manifest)
         with open(tmp / MANIFEST_FILE, "w") as f:
@@ -152,7 +148,32 @@ def write_snapshot(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SnapshotInfo(final, version, created, manifest["files"][STATE_FILE]["size"])
+    return SnapshotInfo(final, version, created, sum(f["size"] for f in files.values()))
+
+
+def _save(path: Path, obj: Any) -> dict[str, Any]:
+    """Writes ``obj`` durably to ``path``; returns its manifest entry (size and SHA-256)."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        torch.save(obj, _Hashing(f, h))
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+class _Hashing:
+    """A write-only file that hashes what passes through it: the checksum costs no second read of
+    the file (for a sparse full of hundreds of MB, that re-read was a third of the write's time)."""
+
+    def __init__(self, f: IO[bytes], h: Any) -> None:
+        self._f, self._h = f, h
+
+    def write(self, data: bytes) -> int:
+        self._h.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def write_json_durably(path: Path, data: Any) -> None:
@@ -170,12 +191,9 @@ def write_json_durably(path: Path, data: Any) -> None:
         raise
 
 
-def read_manifest(path: Path, verify: Signer | None = None) -> dict[str, Any]:
-    """Returns the manifest after checking every file against it; raises InvalidSnapshot.
-
-    With ``verify``, the manifest must carry the HMAC ``verify`` computes: UnsignedSnapshot when it
-    has none, InvalidSnapshot when it does not match.
-    """
+def peek_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of snapshot ``path`` without checking its files (cheap; for bookkeeping such as
+    which snapshots a chain needs, never for loading). Raises InvalidSnapshot."""
     manifest_path = path / MANIFEST_FILE
     try:
         with open_regular(manifest_path) as f:
@@ -194,6 +212,17 @@ def read_manifest(path: Path, verify: Signer | None = None) -> dict[str, Any]:
         raise InvalidSnapshot(f"{manifest_path} is unreadable: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files", {}), dict):
         raise InvalidSnapshot(f"{manifest_path} is not an {FORMAT} manifest")
+    return manifest
+
+
+def read_manifest(path: Path, verify: Signer | None = None) -> dict[str, Any]:
+    """Returns the manifest after checking every file against it; raises InvalidSnapshot.
+
+    With ``verify``, the manifest must carry the HMAC ``verify`` computes: UnsignedSnapshot when it
+    has none, InvalidSnapshot when it does not match.
+    """
+    manifest = peek_manifest(path)
+    manifest_path = path / MANIFEST_FILE
     if verify is not None:
         if "hmac" not in manifest:
             raise UnsignedSnapshot(f"{manifest_path} is not signed")
@@ -217,14 +246,19 @@ def load_snapshot(path: Path, verify: Signer | None = None) -> tuple[dict[str, A
     manifest = read_manifest(path, verify)
     if STATE_FILE not in manifest.get("files", {}):
         raise InvalidSnapshot(f"{path / MANIFEST_FILE} does not list {STATE_FILE}")
+    return manifest, load_file(path / STATE_FILE)
+
+
+def load_file(path: Path) -> Any:
+    """One file of a snapshot, loaded with ``weights_only=True`` (no code runs); raises InvalidSnapshot.
+    Check it against its manifest first (``read_manifest``)."""
     try:
-        with open_regular(path / STATE_FILE) as f:
-            state = torch.load(f, map_location="cpu", weights_only=True)
+        with open_regular(path) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except InvalidSnapshot:
         raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
-        raise InvalidSnapshot(f"{path / STATE_FILE} cannot be loaded: {e}") from None
-    return manifest, state
+        raise InvalidSnapshot(f"{path} cannot be loaded: {e}") from None
 
 
 def list_snapshots(directory: Path) -> list[Path]:

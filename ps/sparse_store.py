@@ -126,12 +126,18 @@ class SparseStore:
         so they match the dense state and the workers' progress of the same snapshot)."""
         return {name: [table.capture_full(lo, hi) for lo, hi in self.ranges] for name, table in self.tables.items()}
 
-    def restore(self, saved: dict[str, list[dict[str, Any]]]) -> None:
-        """Loads what ``capture`` saved into these (empty) tables; raises ValueError on a mismatch."""
+    def restore(self, saved: dict[str, list[Any]]) -> None:
+        """Loads saved tables into these (empty) ones, keeping the rows of this server's buckets.
+
+        ``saved``: per table, (full, deltas) chains (ps/sparse_checkpoint.py; from any number of old
+        servers: their buckets are placed by this server's manifest), or bare fulls (what ``capture``
+        gives). Raises ValueError on a mismatch (ps.sparse.InvalidPayload is one).
+        """
         if set(saved) != set(self.tables):
             raise ValueError(f"the snapshot holds sparse tables {sorted(saved)}, this model declares {sorted(self.tables)}")
-        for name, fulls in saved.items():
-            self.tables[name].restore([(full, []) for full in fulls], self.ranges)
+        for name, entries in saved.items():
+            chains = [entry if isinstance(entry, tuple) else (entry, []) for entry in entries]
+            self.tables[name].restore(chains, self.ranges)
             logger.info("sparse table %s: restored %d rows", name, len(self.tables[name]))
 
     # ---- background ----------------------------------------------------------------------------

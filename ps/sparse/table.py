@@ -327,6 +327,14 @@ class SparseTable:
             self._counters.delta_bytes += self._counters.last_delta_bytes
         return payload
 
+    def drop_changes(self) -> None:
+        """Forgets which rows changed since the previous delta, without copying them: the next delta
+        will not hold those changes. For a caller about to take a full before any further delta: the
+        full's slices copy those rows anyway, and its closing step then copies only the rows changed
+        while it ran (not, say, every row pulled into a fresh table). Tombstones stay pending."""
+        with self._lock:
+            self._slab.take_dirty()
+
     def begin_full(self, bucket_lo: int = 0, bucket_hi: int | None = None) -> FullCapture:
         """Starts a full capture of buckets [bucket_lo, bucket_hi); drive it with step() or finish()."""
         bucket_hi = self.config.num_buckets if bucket_hi is None else bucket_hi
@@ -547,15 +555,38 @@ class FullCapture:
         Raises:
             RuntimeError: the capture was aborted or has finished already.
         """
+        self.copy_slices()
+        return self.close().payload()
+
+    def copy_slices(self) -> None:
+        """Copies every slice not copied yet, letting other table calls in between slices.
+
+        Raises:
+            RuntimeError: the capture was aborted or has finished already.
+        """
         if not self._open:
             raise RuntimeError("this full capture was aborted or has finished already")
+        while not self.step():
+            time.sleep(0)  # lets a request thread waiting on the lock in before the next slice
+
+    def close(self) -> ClosedFull:
+        """The closing step, once every slice is copied: the capture's state is the table's now.
+
+        Its pause is a copy of the rows dirty since the last delta and of the rows created since the
+        start (none and few right after a capture_delta); a caller holding a lock of its own around
+        this call and a capture_delta gets the full and the delta of one instant. Building the
+        payload (``ClosedFull.payload``) happens later, outside every lock.
+
+        Raises:
+            RuntimeError: the capture was aborted or has finished already, or slices are left.
+        """
+        if not self._open:
+            raise RuntimeError("this full capture was aborted or has finished already")
+        if self._next < self.image.end:
+            raise RuntimeError("close() needs every slice copied first (call copy_slices())")
         table = self._table
         try:
-            while not self.step():
-                time.sleep(0)  # lets a request thread waiting on the lock in before the next slice
             with table._lock:
-                # The pause of the close: a copy of the rows dirty since the last delta and of the
-                # rows created since the start; everything else happens after the lock is released.
                 dirty = table._slab.dirty_rows()
                 self.queue(dirty, table._records(dirty))
                 created = table._records(table._slab.live_rows(self.image.end, table._slab.high_water))
@@ -566,9 +597,7 @@ class FullCapture:
                 events, self._events = self._events, []
         finally:
             self.abort()
-        self._apply(events)
-        records = table._keep(self.image.records(created), self._ranges)
-        return {"meta": meta, "records": records.to_dict(), "admission": admission}
+        return ClosedFull(self, events, created, meta, admission)
 
     def abort(self) -> None:
         """Stops following the table; the capture can no longer finish."""
@@ -584,6 +613,32 @@ class FullCapture:
                 self.image.release(rows)
             else:
                 self.image.patch(rows, records)
+
+
+class ClosedFull:
+    """A full capture closed at one instant whose payload is not built yet (see FullCapture.close)."""
+
+    def __init__(
+        self,
+        capture: FullCapture,
+        events: list[tuple[torch.Tensor, RowRecords | None]],
+        created: RowRecords,
+        meta: dict[str, Any],
+        admission: dict[str, torch.Tensor],
+    ) -> None:
+        self._capture = capture
+        self._events = events
+        self._created = created
+        self.meta = meta
+        self._admission = admission
+
+    def payload(self) -> dict[str, Any]:
+        """The full payload (once: it releases the capture's image)."""
+        capture = self._capture
+        capture._apply(self._events)
+        records = capture._table._keep(capture.image.records(self._created), capture._ranges)
+        del capture.image
+        return {"meta": self.meta, "records": records.to_dict(), "admission": self._admission}
 
 
 def _shift_last_seen(records: RowRecords, shift: int) -> RowRecords:

@@ -16,7 +16,11 @@ import torch
 from harness.faults import ChaosPlan, Kill, run_chaos
 from harness.procs import ProcessGroup
 from harness.sparse_eval import model_from_snapshot
-from ps.snapshot_files import list_snapshots, load_snapshot
+from ps.config import SparseConfig
+from ps.snapshot_files import list_snapshots
+from ps.sparse_checkpoint import snapshot_tables
+from ps.sparse_store import SparseStore
+from rpcps.sparse.spec import declared_tables
 from tests.integration.conftest import read_json
 from worker import ctr
 
@@ -27,8 +31,10 @@ STEPS = 120
 
 
 def _rows(checkpoint_dir: Path) -> int:
-    _, state = load_snapshot(list_snapshots(checkpoint_dir)[0])
-    return sum(int(full["records"]["ids"].numel()) for fulls in state["sparse"].values() for full in fulls)
+    """Rows in the newest snapshot of a one-server ``checkpoint_dir`` (its full and deltas restored)."""
+    store = SparseStore(declared_tables(ctr.dlrm_model()), SparseConfig(), 0, 1)
+    store.restore(snapshot_tables(list_snapshots(checkpoint_dir)[0]))
+    return sum(len(table) for table in store.tables.values())
 
 
 def _distinct_ids(workers: int, steps: int) -> int:

@@ -4,6 +4,8 @@ module's gradients equal nn.EmbeddingBag's, and snapshots that restore every row
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -260,8 +262,11 @@ class _Shard:
         return Done()
 
 
-def _train_sharded(shards: int, steps: int) -> list[InProcessServer]:
-    """One worker, ``steps`` steps, each pushed to every shard and applied before the next pull."""
+def _train_sharded(
+    shards: int, steps: int, after_step: Callable[[list[InProcessServer], int], object] = lambda servers, seq: None
+) -> list[InProcessServer]:
+    """One worker, ``steps`` steps, each pushed to every shard and applied before the next pull;
+    ``after_step(servers, seq)`` runs after each."""
     servers = [
         InProcessServer(TinyModel(), ServerCoreConfig(optimizer=OptimizerConfig(name="sgd", kwargs={"lr": 0.1}),
                                                       sparse=SparseConfig(lr=0.5), shard_index=k, shard_count=shards))
@@ -286,6 +291,7 @@ def _train_sharded(shards: int, steps: int) -> list[InProcessServer]:
             grads = [params[slot.spec.name].grad for slot in server.layout.slots]
             reply = server.push(0, incarnation, seq, server.version, pack(server.layout, grads), 1.0, part)
             assert reply.status == PushStatus.APPLIED
+        after_step(servers, seq)
     return servers
 
 
