@@ -40,6 +40,7 @@ from ps.dedup import SequenceTracker
 from ps.export import named_state
 from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer, load_state
+from ps.pull_copies import PullCopies
 from ps.replication.log import ReplicationLog, Sequenced
 from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
@@ -158,10 +159,9 @@ class ParameterServer:
         self.workers = WorkerTable(config.max_workers)
         self.started = time.monotonic()
         self._listeners: list[Callable[[UpdateApplied], None]] = []
-        self._pull_copy: list[torch.Tensor] = []
         self.pull_bytes = sum(self.layout.chunk_numels) * self.wire.itemsize
         """Parameter bytes a full pull sends (buffers aside)."""
-        self._pull_copy_version = -1
+        self._pull_copies = PullCopies(self.wire)
         self._running = threading.Event()
         self._running.set()
         self.stopping = False
@@ -325,11 +325,8 @@ class ParameterServer:
 
     def params_for_pull_locked(self) -> list[torch.Tensor]:
         """Under the lock: the parameters in the wire dtype, one copy per version shared by every
-        worker that pulls it (the RPC layer sends it after the lock is released)."""
-        if self._pull_copy_version != self.version:
-            self._pull_copy = [m.detach().to(self.wire, copy=True) for m in self._masters]
-            self._pull_copy_version = self.version
-        return self._pull_copy
+        worker that pulls it (the RPC layer sends it after the lock is released; ``ps.pull_copies``)."""
+        return self._pull_copies.for_version(self.version, self._masters)
 
     # ---- snapshots -------------------------------------------------------------------------------
 
@@ -400,7 +397,7 @@ class ParameterServer:
             self.log.restart_at(int(state.get("log_index", 0)), self.version)
             if self.buffers and "buffers" in state:  # a snapshot from before buffers were kept has none
                 self.buffers.restore_locked(state["buffers"])
-            self._pull_copy_version = -1
+            self._pull_copies.invalidate()
         self.metrics.version.set(self.version)
 
     def model_state(self) -> tuple[int, dict[str, torch.Tensor]]:

@@ -6,9 +6,12 @@ per core), a freed block can only be reused by its own arena, and after the firs
 mmap threshold rises so that large blocks live in those arenas too: a server held 4 GB for 290 MB of
 parameters and Adam state (docs/BENCHMARKS.md). Returning every large block to the kernel instead
 (a low fixed mmap threshold) bounds memory but makes every message page-fault a fresh buffer, which
-costs more CPU than the copy itself on small machines. So: few arenas (freed blocks are reused by
-whichever thread allocates next) and the dynamic threshold kept (large blocks are reused, not
-re-faulted).
+costs more CPU than the copy itself on small machines: with a fixed 1 MiB threshold (and torch's
+transparent huge pages) the 25M MLP's RSS fell to within issue 12's budgets on the workers, but the
+run made 7.0 updates/s against 10.5 with the dynamic threshold, back to back (docs/BENCHMARKS.md).
+So: few arenas (freed blocks are reused by whichever thread allocates next) and the dynamic
+threshold kept (large blocks are reused, not re-faulted); the server and the worker reuse their own
+large buffers instead of allocating them per message (``ps.pull_copies``, ``GradientStager.bind``).
 
 A setting whose ``MALLOC_*_`` environment variable is set is left to glibc (which read it at
 start-up): an operator's choice wins. Other allocators (musl, jemalloc via LD_PRELOAD) are left alone.

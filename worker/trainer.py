@@ -350,16 +350,27 @@ class Trainer:
         inputs, targets = batch
         for p in self.params:
             p.grad = None
+        comm = 0.0
+        bound: dict[int, list[torch.Tensor]] = {}
+        for link in shards:
+            if link.stager.direct:
+                # The window slot is taken before the forward pass, and backward writes into it. With
+                # prefetched parameters this waits for nothing: the refresh that started the step
+                # already waited for the reply that frees it.
+                comm += self._wait_for_free_slot(link)
+                bound[link.index] = link.free.pop()
+                link.stager.bind(bound[link.index])
         loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
         loss_value = float(loss.detach())
         sparse = self._sparse_parts()
-        comm = 0.0
         for link in shards:
-            comm += self._wait_for_free_slot(link)
-            buffers = link.free.pop()
-            link.stager.stage(buffers)
-            link.stager.wait()
+            buffers = bound.get(link.index)
+            if buffers is None:
+                comm += self._wait_for_free_slot(link)
+                buffers = link.free.pop()
+                link.stager.stage(buffers)
+                link.stager.wait()
             payload = link.topk.compress(buffers) if link.topk is not None else buffers
             if link.index == 0 and self.model_buffers:  # shard 0 holds the model's buffers
                 payload = [*payload, *self.model_buffers.for_push()]

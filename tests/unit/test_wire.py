@@ -86,6 +86,35 @@ def test_parameter_sink_loads_parameter_by_parameter_when_the_wire_is_narrower()
     assert all(torch.equal(p, torch.ones_like(p)) for p in model.parameters())
 
 
+def test_bound_buffers_receive_the_same_gradients_backward_would_make() -> None:
+    torch.manual_seed(0)
+    model = teacher_student_model()
+    inputs = torch.randn(8, next(model.parameters()).shape[1])
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=64 * 1024)
+    params = list(model.parameters())
+    stager = GradientStager(layout, params, torch.device("cpu"))
+    assert stager.direct
+    model(inputs).square().sum().backward()
+    expected = stager.new_buffers()
+    stager.stage(expected)
+    bound = stager.new_buffers()
+    for b in bound:
+        b.fill_(7.0)  # whatever a previous step left: bind must start from zero
+    for p in params:
+        p.grad = None
+    stager.bind(bound)
+    model(inputs).square().sum().backward()
+    for got, want in zip(bound, expected):
+        assert torch.equal(got, want)
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(params, layout.views(bound)))  # written in place
+
+
+def test_a_stager_for_another_dtype_stages_instead_of_binding() -> None:
+    model = teacher_student_model()
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=64 * 1024)
+    assert not GradientStager(layout, list(model.parameters()), torch.device("cpu"), torch.bfloat16).direct
+
+
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_low_precision_wire_keeps_fp32_masters(wire: str) -> None:
     server = InProcessServer(teacher_student_model(), ServerCoreConfig(optimizer=SGD, wire_dtype=wire))
