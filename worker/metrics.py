@@ -44,6 +44,12 @@ class WorkerMetrics:
         self.pushes_resent = Counter(
             "rpcps_worker_pushes_resent", "Unacknowledged pushes sent again to a shard's new primary after a failover.", registry=r
         )
+        self.pushes_lost = Counter(
+            "rpcps_worker_pushes_lost",
+            "Acknowledged pushes a failover lost (asynchronous replication: the new primary's version is below theirs); "
+            "each is recomputed and sent again.",
+            registry=r,
+        )
         self.model_version = Gauge("rpcps_worker_model_version", "Model version the worker computes on.", registry=r)
         self.device_memory = Gauge("rpcps_worker_device_memory_bytes", "GPU memory allocated now (0 on CPU).", registry=r)
         self.device_memory_peak = Gauge("rpcps_worker_device_memory_peak_bytes", "Peak GPU memory allocated (0 on CPU).", registry=r)
