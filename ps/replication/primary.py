@@ -41,8 +41,8 @@ from ps.config import ReplicationConfig
 from ps.replication.auth import ReplicaGate, new_attach_id
 from ps.replication.log import ReplicationLog, Sequenced
 from ps.replication.metrics import ReplicationMetrics
-from ps.server import ParameterServer
-from rpcps import replica_endpoints, transport
+from ps.server import ParameterServer, UpdateApplied
+from rpcps import failpoints, replica_endpoints, transport
 from rpcps.errors import RpcpsError
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
@@ -132,6 +132,7 @@ class Primary:
         server.epoch = record.view.epoch
         server.lease = self.lease
         self.log.max_lag = config.allowed_lag
+        server.on_applied(self._at_max_lag)
 
     def start(self) -> None:
         replica_endpoints.publish_replica(self)
@@ -174,6 +175,13 @@ class Primary:
         if follower is None or not follower.ready:
             return 0.0, 0.0
         return float(max(self.log.last_index - follower.acked, 0)), self.log.oldest_unacked_age(follower.acked, time.monotonic())
+
+    def _at_max_lag(self, event: UpdateApplied) -> None:
+        """An ``on_applied`` listener: where a fault run kills an asynchronous primary at its worst
+        moment, applying the entry that puts it ``max_lag`` ahead of its standby."""
+        del event
+        if 0 < self.log.max_lag <= self.log.unreplicated + 1:
+            failpoints.hit("replication.at_max_lag")
 
     # ---- the lease ------------------------------------------------------------------------------
 
