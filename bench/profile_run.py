@@ -3,10 +3,11 @@
 
     python -m bench.profile_run                                    # mlp_5m, 2 workers
     python -m bench.profile_run --model mlp_25m --steps 40 --seconds 8
+    python -m bench.profile_run --replicas 2                       # a primary and its synchronous standby
 
 Runs ``local`` (bench.common.run_local) and, once its processes are up, records ``--seconds`` of
-py-spy samples (``pip install py-spy``; active threads only, native frames off) of shard 0 and of
-worker0, then prints each one's hottest functions by own time. Also reads utime+stime of every
+py-spy samples (``pip install py-spy``; active threads only, native frames off) of shard 0 (both of its
+replicas with ``--replicas 2``) and of worker0, then prints each one's hottest functions by own time. Also reads utime+stime of every
 child from /proc/<pid>/stat just before the run ends and prints CPU-seconds per update: on a
 machine with C cores, updates/s can not exceed C / (sum of CPU-seconds per update).
 """
@@ -53,7 +54,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--seconds", type=float, default=8.0, help="py-spy recording length")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--replicas", type=int, default=1, choices=[1, 2])
+    p.add_argument("--replication", default="sync", choices=["sync", "async"], help="with --replicas 2")
     args = p.parse_args()
+    profiled = ["ps", "ps_b", "worker0"] if args.replicas == 2 else ["ps", "worker0"]
+    extra = ["--replicas", str(args.replicas)] + (["--replication", args.replication] if args.replicas == 2 else [])
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-prof-"))
     run_dir = root / "run"
     cpu: dict[str, float] = {}
@@ -65,7 +70,7 @@ def main() -> int:
         while time.monotonic() < deadline and not done.is_set():
             try:
                 info = json.loads(children.read_text())
-                if all(info.get(k, {}).get("pid") for k in ("ps", "worker0")):
+                if all(info.get(k, {}).get("pid") for k in profiled):
                     break
             except (OSError, ValueError):
                 pass
@@ -75,7 +80,7 @@ def main() -> int:
         time.sleep(4)  # past start-up and registration
         spies = [subprocess.Popen(["py-spy", "record", "--pid", str(info[k]["pid"]), "--duration", str(int(args.seconds)),
                                    "--rate", "200", "--format", "raw", "--nonblocking", "-o", str(root / f"{k}.txt")],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in ("ps", "worker0")]
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in profiled]
         for s in spies:
             s.wait()
         while not done.is_set():  # keep the newest CPU totals until the processes exit
@@ -88,7 +93,7 @@ def main() -> int:
     t = threading.Thread(target=profile, daemon=True)
     t.start()
     model = f"rpcps.tasks:{args.model}"
-    r = run_local(local_argv(run_dir, model=model, data=f"{model}_data", workers=args.workers, steps=args.steps), run_dir)
+    r = run_local(local_argv(run_dir, model=model, data=f"{model}_data", workers=args.workers, steps=args.steps, extra=extra), run_dir)
     done.set()
     t.join()
     updates = r.summary["updates_applied"]
@@ -97,7 +102,7 @@ def main() -> int:
     per_update = {k: 1000 * v / updates for k, v in sorted(cpu.items())}
     print("CPU ms per update (whole run incl. start-up): " + ", ".join(f"{k} {v:.1f}" for k, v in per_update.items())
           + f"; sum {sum(per_update.values()):.1f} -> at most {2000 / sum(per_update.values()):.1f} updates/s on 2 cores")
-    for k in ("ps", "worker0"):
+    for k in profiled:
         raw = root / f"{k}.txt"
         if raw.exists():
             print(f"\n{k}: hottest functions by own time (py-spy, active threads)")
