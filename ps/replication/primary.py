@@ -132,9 +132,9 @@ class Primary:
         server.epoch = record.view.epoch
         server.lease = self.lease
         self.log.max_lag = config.allowed_lag
-        server.on_applied(self._at_max_lag)
 
     def start(self) -> None:
+        self.server.on_applied(self._at_max_lag)
         replica_endpoints.publish_replica(self)
         for thread in self._threads:
             thread.start()
