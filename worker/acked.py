@@ -9,10 +9,12 @@ is not in the new primary's history. Those steps are recomputed from their batch
 with the same step number: the new primary deduplicates by (slot, step), so a step it does hold
 (a version it reached by applying other pushes) is answered 'duplicate' and nothing is applied twice.
 
-Only the newest ``keep`` acknowledged pushes per shard are remembered (their batches, not their
-gradients). A lost step older than that, or one hidden because the new primary's version passed it
-before this worker asked, leaves a gap in the steps the shard holds for this slot: the worker's
-final ``finish`` sees it (``ServerBehind``) and the worker rejoins to recompute from there.
+Per shard, the newest pushes are remembered (their batches, not their gradients): the shard's lag
+bound plus the window of pushes in flight, so nothing is kept with synchronous replication. A lost
+step the worker cannot see this way (its shard's lag bound was unknown, or the new primary's
+version passed it before this worker asked) leaves a gap in the steps the shard holds for this
+slot: the worker's final ``finish`` sees it (``ServerBehind``) and the worker rejoins to recompute
+from there.
 """
 
 from __future__ import annotations
@@ -22,11 +24,6 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 Batch = TypeVar("Batch")
-
-DEFAULT_KEEP = 64
-"""Acknowledged pushes remembered per shard: above the default --max-replica-lag (16), so a failover
-that loses a worker's share of that lag is repaired without a rejoin."""
-
 
 @dataclass(frozen=True)
 class Acked(Generic[Batch]):
@@ -39,14 +36,17 @@ class Acked(Generic[Batch]):
 class AckedPushes(Generic[Batch]):
     """Per shard, the newest acknowledged pushes (see the module docstring). Used by one thread."""
 
-    def __init__(self, shards: int, keep: int = DEFAULT_KEEP) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        self._by_shard: list[deque[Acked[Batch]]] = [deque(maxlen=keep) for _ in range(shards)]
+    def __init__(self, keep: list[int]) -> None:
+        """``keep``: per shard, how many to remember (0: none, the shard replicates synchronously)."""
+        if any(k < 0 for k in keep):
+            raise ValueError(f"keep must be >= 0 per shard, got {keep}")
+        self._by_shard: list[deque[Acked[Batch]]] = [deque(maxlen=k) for k in keep]
 
     def note(self, shard: int, seq: int, version: int, batch: Batch) -> None:
         """A push to ``shard`` was answered 'applied' as ``version``."""
-        self._by_shard[shard].append(Acked(seq, version, batch))
+        kept = self._by_shard[shard]
+        if kept.maxlen:
+            kept.append(Acked(seq, version, batch))
 
     def lost(self, shard: int, version: int) -> list[Acked[Batch]]:
         """The remembered pushes to ``shard`` whose versions are above ``version`` (the shard's new

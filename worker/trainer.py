@@ -23,8 +23,8 @@ the shard's next view (the standby promotes itself), switch to the new primary a
 every push of that shard still in the window, in step order. Its buffers are still owned by the
 window, and the new primary deduplicates by (slot, step), so a push the old primary committed is
 answered 'duplicate' and nothing is applied twice. With asynchronous replication the new primary
-may lack the newest acknowledged updates: the worker recomputes its own among them
-(``worker.acked``) and reloads the parameters. Registrations are replicated, so the slot keeps
+may lack up to ``--max-replica-lag`` of the newest acknowledged updates: the worker recomputes its
+own among them (``worker.acked``) and reloads the parameters. Registrations are replicated, so the slot keeps
 its incarnation. Without a standby the worker restarts itself to rejoin, as before. A primary that
 is frozen rather than dead never answers; the new primary announces itself (``view_changed``), and a
 worker waiting on the old one gives up on it then.
@@ -232,7 +232,11 @@ class Trainer:
         self.stats = stats or WorkerStats()
         self._in_flight: deque[_InFlight] = deque()
         self._redo: deque[_InFlight] = deque()
-        self._acked: AckedPushes[tuple[torch.Tensor, torch.Tensor]] = AckedPushes(len(self.shards))
+        # A shard that may lose acknowledged updates on a failover (asynchronous replication) can
+        # lose at most its lag bound of them: keep that many batches (plus the window) to recompute.
+        self._acked: AckedPushes[tuple[torch.Tensor, torch.Tensor]] = AckedPushes(
+            [link.client.max_lag + window if link.client.max_lag else 0 for link in self.shards]
+        )
         self._rejects_in_a_row = 0
         self._stop = threading.Event()
         self._moved: set[int] = set()

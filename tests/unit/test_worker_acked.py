@@ -9,7 +9,7 @@ from worker.acked import AckedPushes
 
 
 def test_pushes_above_the_new_primarys_version_are_lost_in_step_order() -> None:
-    acked: AckedPushes[str] = AckedPushes(shards=2, keep=8)
+    acked: AckedPushes[str] = AckedPushes([8, 8])
     for seq, version in ((10, 101), (12, 105), (11, 103), (13, 106)):
         acked.note(0, seq, version, f"batch{seq}")
     acked.note(1, 13, 200, "other shard")
@@ -20,10 +20,12 @@ def test_pushes_above_the_new_primarys_version_are_lost_in_step_order() -> None:
     assert [a.seq for a in acked.lost(1, 199)] == [13]
 
 
-def test_only_the_newest_are_kept() -> None:
-    acked: AckedPushes[None] = AckedPushes(shards=1, keep=2)
+def test_only_the_newest_are_kept_and_nothing_for_a_synchronous_shard() -> None:
+    acked: AckedPushes[None] = AckedPushes([2, 0])
     for seq in range(5):
         acked.note(0, seq, seq + 1, None)
+        acked.note(1, seq, seq + 1, None)
     assert [a.seq for a in acked.lost(0, 0)] == [3, 4]
-    with pytest.raises(ValueError, match="keep must be >= 1"):
-        AckedPushes(shards=1, keep=0)
+    assert acked.lost(1, 0) == []  # a synchronous shard loses nothing acknowledged: no batch is held for it
+    with pytest.raises(ValueError, match="keep must be >= 0"):
+        AckedPushes([-1])
