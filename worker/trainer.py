@@ -559,6 +559,8 @@ class Trainer:
         """After a failover: steps of this worker acknowledged by the old primary that the new one
         lacks (asynchronous replication, ``worker.acked``) are recomputed, and the parameters, which
         may hold them, are pulled again."""
+        if not link.client.max_lag:
+            return  # synchronous: the new primary holds every update this worker saw acknowledged, or pulled
         try:
             version = link.client.heartbeat(self.slot, link.registration.incarnation)
         except Exception as e:  # noqa: BLE001 - a gap left here is found by finish() and recomputed after a rejoin
