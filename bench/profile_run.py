@@ -4,10 +4,11 @@
     python -m bench.profile_run                                    # mlp_5m, 2 workers
     python -m bench.profile_run --model mlp_25m --steps 40 --seconds 8
     python -m bench.profile_run --model tiny --steps 3000 --optimizer sgd   # bench.vs_example's tiny preset
+    python -m bench.profile_run --replicas 2                       # a primary and its synchronous standby
 
 Runs ``local`` (bench.common.run_local) and, once its processes are up, records ``--seconds`` of
-py-spy samples (``pip install py-spy``; active threads only, native frames off) of shard 0 and of
-worker0, then prints each one's hottest functions by own time. Also reads utime+stime of every
+py-spy samples (``pip install py-spy``; active threads only, native frames off) of shard 0 (both of its
+replicas with ``--replicas 2``) and of worker0, then prints each one's hottest functions by own time. Also reads utime+stime of every
 child from /proc/<pid>/stat just before the run ends and prints CPU-seconds per update: on a
 machine with C cores, updates/s can not exceed C / (sum of CPU-seconds per update).
 """
@@ -63,7 +64,11 @@ def main() -> int:
     p.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil): where "
                    "Python time goes, without threads py-spy wrongly counts as active (seen under gVisor)")
     p.add_argument("--delay", type=float, default=4.0, help="seconds after the processes are up before recording")
+    p.add_argument("--replicas", type=int, default=1, choices=[1, 2])
+    p.add_argument("--replication", default="sync", choices=["sync", "async"], help="with --replicas 2")
     args = p.parse_args()
+    profiled = ["ps", "ps_b", "worker0"] if args.replicas == 2 else ["ps", "worker0"]
+    extra = ["--replicas", str(args.replicas)] + (["--replication", args.replication] if args.replicas == 2 else [])
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-prof-"))
     run_dir = root / "run"
     cpu: dict[str, float] = {}
@@ -75,7 +80,7 @@ def main() -> int:
         while time.monotonic() < deadline and not done.is_set():
             try:
                 info = json.loads(children.read_text())
-                if all(info.get(k, {}).get("pid") for k in ("ps", "worker0")):
+                if all(info.get(k, {}).get("pid") for k in profiled):
                     break
             except (OSError, ValueError):
                 pass
@@ -86,7 +91,7 @@ def main() -> int:
         spies = [subprocess.Popen([_PY_SPY, "record", "--pid", str(info[k]["pid"]), "--duration", str(int(args.seconds)),
                                    "--rate", "200", "--format", "raw", "--nonblocking", *(["--gil"] if args.gil else []),
                                    "-o", str(root / f"{k}.txt")],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in ("ps", "worker0")]
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in profiled]
         for s in spies:
             s.wait()
         while not done.is_set():  # keep the newest CPU totals until the processes exit
@@ -104,7 +109,8 @@ def main() -> int:
     else:
         model = f"rpcps.tasks:{args.model}"
         data, loss = f"{model}_data", "mse"
-    extra = ["--optimizer", args.optimizer, *(["--lr", str(SGD_LR)] if args.optimizer == "sgd" else [])] if args.optimizer else []
+    if args.optimizer:
+        extra += ["--optimizer", args.optimizer, *(["--lr", str(SGD_LR)] if args.optimizer == "sgd" else [])]
     argv = local_argv(run_dir, model=model, data=data, loss=loss, workers=args.workers, steps=args.steps, extra=extra)
     r = run_local(argv, run_dir)
     done.set()
@@ -115,7 +121,7 @@ def main() -> int:
     per_update = {k: 1000 * v / updates for k, v in sorted(cpu.items())}
     print("CPU ms per update (whole run incl. start-up): " + ", ".join(f"{k} {v:.1f}" for k, v in per_update.items())
           + f"; sum {sum(per_update.values()):.1f} -> at most {2000 / sum(per_update.values()):.1f} updates/s on 2 cores")
-    for k in ("ps", "worker0"):
+    for k in profiled:
         raw = root / f"{k}.txt"
         if raw.exists():
             print(f"\n{k}: hottest functions by own time (py-spy, active threads)")

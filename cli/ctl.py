@@ -150,7 +150,14 @@ def _replica_dict(r: Any) -> dict[str, Any]:
     return {
         "role": r.role, "epoch": r.epoch, "primary": r.primary, "standby": r.standby or None, "lag_updates": r.lag_updates,
         "lag_seconds": r.lag_seconds, "failovers": r.failovers, "configured": r.configured,
+        "replication": r.replication or "sync", "max_lag": r.max_lag, "unreplicated": r.unreplicated,
     }
+
+
+def _replication_line(replica: dict[str, Any]) -> str:
+    if replica["replication"] != "async":
+        return "sync (a push is acknowledged once the standby holds it)"
+    return f"async, at most {replica['max_lag']} updates behind; {replica['unreplicated']:.0f} acknowledged and not on the standby"
 
 
 def format_result(action: str, d: dict[str, Any]) -> str:
@@ -207,6 +214,7 @@ def format_status(d: dict[str, Any]) -> str:
             f"  primary     {replica['primary']}",
             f"  standby     {standby}",
             f"  lag         {replica['lag_updates']:.0f} updates / {replica['lag_seconds']:.3f}s",
+            f"  replication {_replication_line(replica)}",
         ]
     for w in d["workers"]:
         age = w["last_push_age_seconds"]

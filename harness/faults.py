@@ -34,7 +34,7 @@ from typing import Any
 from harness.ledger import LedgerReport, check_ledger, recovery_after
 from harness.procs import pid_alive
 from harness.snapshots import verify_all
-from rpcps.failpoints import POINTS
+from rpcps.failpoints import POINTS, REPLICATED_POINTS
 from rpcps.scrape import try_scrape
 
 POLL_S = 0.02
@@ -84,6 +84,8 @@ class ChaosPlan:
     replicas: int = 1
     extra_args: tuple[str, ...] = ()
     timeout_s: float = 240.0
+    max_replica_lag: int | None = None
+    """With replicas: ``--replication async --max-replica-lag`` this (None: synchronous replication)."""
 
     @classmethod
     def random(cls, n: int, seed: int, workers: int = 2, steps: int = 600, **kw: Any) -> ChaosPlan:
@@ -93,7 +95,7 @@ class ChaosPlan:
         total = workers * steps
         every = kw.get("checkpoint_every_updates", cls.checkpoint_every_updates)
         targets = ["primary" if kw.get("replicas", 1) > 1 else "ps"] + [f"worker{i}" for i in range(workers)]
-        points = list(POINTS)
+        points = [p for p in POINTS if p not in REPLICATED_POINTS]  # random plans draw fail points without replicas only
         finishers = [f"worker{i}" for i in range(workers)]
         kills: list[Fault] = []
         for _ in range(n):
@@ -132,6 +134,8 @@ class ChaosResult:
     the killed process is known: its standby, or its successor)."""
     notes: list[str] = field(default_factory=list)
     """What the run did besides the plan (a retargeted kill)."""
+    worst_unreplicated: float = 0.0
+    """The most entries shard 0's primary reported applied and not on its standby (sampled each poll)."""
 
     def problems(self, plan: ChaosPlan) -> list[str]:
         found = []
@@ -160,6 +164,8 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
         "--max-restarts", str(len(plan.kills) + 3), "--summary-json", str(run_dir / "summary.json"),
         "--progress-s", "5", "--replicas", str(plan.replicas), *plan.extra_args,
     ]
+    if plan.max_replica_lag is not None:
+        argv += ["--replication", "async", "--max-replica-lag", str(plan.max_replica_lag)]
     fail_points = [k for k in plan.kills if isinstance(k, FailPoint)]
     env = {**os.environ, "RPCPS_FAILPOINTS": ";".join(f"{k.name}=kill@{k.hit}:{_marker(run_dir, k)}" for k in fail_points)}
     driver = _Driver(plan, run_dir, [_replica_names(k, plan.replicas) for k in range(plan.shards)])
@@ -185,7 +191,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
         if marker.exists():
             driver.fired.append((point, marker.stat().st_mtime))
     shards = [Path(f"{ledger}.shard{k}") for k in range(plan.shards)] if plan.shards > 1 else [ledger]
-    reports = [check_ledger(path, plan.checkpoint_every_updates, plan.in_flight) for path in shards]
+    reports = [check_ledger(path, plan.checkpoint_every_updates, plan.in_flight, plan.max_replica_lag or 0) for path in shards]
     report = reports[0]
     # With a standby, recovery is the first update applied by another process; without, the restarted
     # server may take the killed one's name again (shard 0 hosting the store is always rank 0), so it
@@ -199,7 +205,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     roots = [run_dir / "checkpoints"] + sorted((run_dir / "checkpoints").glob("shard-*"))
     invalid = {str(p): why for root in roots for p, why in verify_all(root).items() if why is not None}
     return ChaosResult(local.returncode, summary, report, invalid, reports if plan.shards > 1 else [], driver.fired, recovery,
-                       driver.notes)
+                       driver.notes, driver.worst_unreplicated)
 
 
 def _marker(run_dir: Path, point: FailPoint) -> Path:
@@ -243,9 +249,11 @@ class _Driver:
         self.finished_at: dict[str, float] = {}
         self.fired: list[tuple[Fault, float]] = []
         self.notes: list[str] = []
+        self.worst_unreplicated = 0.0
 
     def step(self) -> None:
         children = _children(self.run_dir)
+        self.worst_unreplicated = max(self.worst_unreplicated, _shard0_max(children, self.shard0, "rpcps_replication_unreplicated_updates"))
         if self.by_version and _server_version(children, self.shard0) >= self.by_version[0].at_version:
             kill = self.by_version.pop(0)
             primary = kill.target.startswith("primary")
@@ -316,5 +324,10 @@ def _pid(children: dict[str, Any], name: str) -> int | None:
 
 def _server_version(children: dict[str, Any], shard0: list[str]) -> float:
     """Shard 0's model version: the highest any of its replicas reports (the primary's)."""
+    return _shard0_max(children, shard0, "rpcps_server_model_version")
+
+
+def _shard0_max(children: dict[str, Any], shard0: list[str], metric: str) -> float:
+    """The highest value of ``metric`` any of shard 0's replicas reports (-1: none answered)."""
     ports = [children.get(name, {}).get("metrics_port") for name in shard0]
-    return max((try_scrape(port).get("rpcps_server_model_version", -1) for port in ports if port is not None), default=-1)
+    return max((try_scrape(port).get(metric, -1) for port in ports if port is not None), default=-1)

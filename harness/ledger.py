@@ -3,7 +3,9 @@ checks the promises of docs/FAULT_TOLERANCE.md:
 
 - the primaries' history is one line: each update V follows V-1 (across a failover too: a promoted
   standby continues from the version it holds, which it applied as ``mirror`` lines), except back to
-  a snapshot at a resume (both replicas lost);
+  a snapshot at a resume (both replicas lost), and, with asynchronous replication (``max_lag``),
+  back by at most ``max_lag`` versions at a promotion: those updates were acknowledged and are lost
+  (``LedgerReport.failover_losses``); their steps may be applied again in the new history;
 - every version has one content, whoever applied it (``apply`` or ``mirror``): no replica ever
   applied something else under that version, and no (slot, step) is in two versions of the
   history that survived;
@@ -60,6 +62,8 @@ class LedgerReport:
     stepdowns: list[tuple[float, int, str]] = field(default_factory=list)
     mirrored: int = 0
     """Mirror lines (updates a standby applied)."""
+    failover_losses: list[int] = field(default_factory=list)
+    """Per promotion behind the old primary (asynchronous replication): the versions it lost."""
     digests_compared: int = 0
     """Versions whose digest two or more replicas wrote (and that were compared)."""
     problems: list[str] = field(default_factory=list)
@@ -83,8 +87,9 @@ class _Line:
 
 
 class _Replay:
-    def __init__(self, report: LedgerReport, every_updates: int | None, slack: int) -> None:
+    def __init__(self, report: LedgerReport, every_updates: int | None, slack: int, max_lag: int = 0) -> None:
         self.report = report
+        self.max_lag = max_lag
         self.every_updates = every_updates
         self.slack = slack
         self.version = 0
@@ -132,12 +137,17 @@ class _Replay:
         """Rolls the surviving history back to ``target`` after a crash."""
         self._check_resume(number, target)
         self.report.crashes.append(Crash(self.version, target, self.prepared[-1]))
+        self._forget_after(target)
+        self.last_capture, self.last_write_updates = target, 0  # the resumed server counts its interval from here
+
+    def _forget_after(self, target: int) -> None:
+        """Drops every version above ``target`` from the history: the one that survives goes on from there."""
         for v in range(target + 1, self.version + 1):
             for key in self.history.pop(v, frozenset()):
                 self.where.pop(key, None)
         self.mirrored = {v: c for v, c in self.mirrored.items() if v <= target}
+        self.digests = {v: d for v, d in self.digests.items() if v <= target}
         self.version = target
-        self.last_capture, self.last_write_updates = target, 0  # the resumed server counts its interval from here
 
     def _apply(self, line: _Line) -> None:
         v, slot, seq = (int(a) for a in line.args[:3])
@@ -198,7 +208,13 @@ class _Replay:
         if epoch <= self.epoch:
             problems.append(f"line {line.number}: {writer} promoted to epoch {epoch}, not above the current {self.epoch}")
         if v < self.version:
-            problems.append(f"line {line.number}: {writer} promoted at version {v}, behind the {self.version} the old primary applied")
+            if self.version - v > self.max_lag:
+                problems.append(
+                    f"line {line.number}: {writer} promoted at version {v}, {self.version - v} behind the {self.version} the old "
+                    f"primary applied (at most {self.max_lag} allowed)"
+                )
+            self.report.failover_losses.append(self.version - v)
+            self._forget_after(v)
         for held in range(self.version + 1, v + 1):  # what the standby held beyond the old primary becomes history
             content = self.mirrored.get(held)
             if content is None:
@@ -268,17 +284,18 @@ class _Replay:
             )
 
 
-def check_ledger(path: str | Path, every_updates: int | None = None, slack: int = 0) -> LedgerReport:
+def check_ledger(path: str | Path, every_updates: int | None = None, slack: int = 0, max_lag: int = 0) -> LedgerReport:
     """Replays the ledger at ``path``. With ``every_updates`` (the run's --checkpoint-every-updates),
     also checks that snapshots were captured on time, allowing ``slack`` updates for pushes in flight
-    between a trigger and its capture."""
+    between a trigger and its capture. ``max_lag``: the run's --max-replica-lag (asynchronous
+    replication), how far a promoted standby may be behind the primary it replaces."""
     lines = []
     for n, text in enumerate(Path(path).read_text().splitlines(), 1):
         kind, *args, stamp = text.split()
         lines.append(_Line(n, kind, args, float(stamp)))
     lines.sort(key=lambda line: (line.stamp, line.number))
     report = LedgerReport()
-    replay = _Replay(report, every_updates, slack)
+    replay = _Replay(report, every_updates, slack, max_lag)
     for line in lines:
         replay.line(line)
     report.final_version = replay.version

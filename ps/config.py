@@ -238,12 +238,21 @@ class ControlConfig:
             raise ValueError("control addr must not be empty (use 0.0.0.0 for all interfaces)")
 
 
+REPLICATION_MODES = ("sync", "async")
+DEFAULT_MAX_REPLICA_LAG = 16
+MAX_REPLICA_LAG_LIMIT = 4096
+"""Each entry the standby lacks is kept in the primary's memory (a gradient of the shard's size)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ReplicationConfig:
     """Replicas (a hot standby per shard; docs/FAULT_TOLERANCE.md).
 
-    Replication is synchronous: a push is acknowledged only once the standby holds it. An
-    asynchronous mode with a bounded lag is designed (the proposal in issue 14) but not built.
+    ``sync`` (the default): a push is acknowledged only once the standby holds it, so a failover
+    loses no acknowledged update. ``async``: a push is acknowledged once applied here, and the
+    standby follows at most ``max_replica_lag`` updates behind (pushes wait while it is that far
+    behind), so a failover loses at most that many acknowledged updates, which their workers
+    recompute (docs/FAULT_TOLERANCE.md).
     """
 
     replicas: int = setting(
@@ -266,10 +275,33 @@ class ReplicationConfig:
     digest_every: int | None = setting(
         None, help="write a digest of the state to the audit ledger every N versions (replicas compare them)", metavar="N"
     )
+    replication: str = setting(
+        "sync",
+        help="sync: a push is acknowledged once the standby holds it (a failover loses nothing acknowledged); async: once "
+        "applied here, with the standby at most --max-replica-lag updates behind (faster; a failover loses at most that many, "
+        "which the workers recompute)",
+        choices=lambda: list(REPLICATION_MODES),
+    )
+    max_replica_lag: int | None = setting(
+        None,
+        help=f"with --replication async: pushes wait while the standby is this many updates behind "
+        f"(default {DEFAULT_MAX_REPLICA_LAG}; at most {MAX_REPLICA_LAG_LIMIT})",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 2:
             raise ValueError(f"replicas must be 1 or 2, got {self.replicas}")
+        if self.replication not in REPLICATION_MODES:
+            raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
+        if self.max_replica_lag is not None:
+            if self.replication != "async":
+                raise ValueError(
+                    f"max_replica_lag ({self.max_replica_lag}) bounds the standby's lag in asynchronous replication only: "
+                    "add --replication async, or drop --max-replica-lag (a synchronous standby never lags an acknowledged update)"
+                )
+            if not 1 <= self.max_replica_lag <= MAX_REPLICA_LAG_LIMIT:
+                raise ValueError(f"max_replica_lag must be in [1, {MAX_REPLICA_LAG_LIMIT}] updates, got {self.max_replica_lag}")
         if not 0 < self.replica_heartbeat_s <= 1.0:
             raise ValueError(f"replica_heartbeat_s must be in (0, 1], got {self.replica_heartbeat_s}")
         if not self.replica_lease_s >= 3 * self.replica_heartbeat_s:
@@ -286,6 +318,13 @@ class ReplicationConfig:
             raise ValueError(f"store_lease_s must be >= 2, got {self.store_lease_s}")
         if self.digest_every is not None and self.digest_every < 1:
             raise ValueError(f"digest_every must be >= 1, got {self.digest_every}")
+
+    @property
+    def allowed_lag(self) -> int:
+        """Entries applied and acknowledged here that the standby may not hold yet: 0 when synchronous."""
+        if self.replication == "sync":
+            return 0
+        return DEFAULT_MAX_REPLICA_LAG if self.max_replica_lag is None else self.max_replica_lag
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -474,6 +474,7 @@ def _replica_record(config: ServerRunConfig, metrics_port: int, control_port: in
     return {
         "shard": config.core.shard_index, "pid": os.getpid(), "host": socket.gethostname(),
         "control": f"{config.control.addr}:{control_port}", "metrics": f"{config.process.metrics_addr}:{metrics_port}",
+        "max_lag": config.replication.allowed_lag,  # workers keep that many acknowledged batches to recompute (worker.acked)
     }
 
 

@@ -27,7 +27,11 @@ POINTS = {
     "snapshot.before_commit": "a snapshot is durable under its temporary name and in the ledger, not yet renamed into place",
     "snapshot.after_commit": "a snapshot was just committed",
     "finish.after_snapshot": "a finishing worker's steps were just made durable; its reply is not sent yet",
+    "replication.at_max_lag": "an asynchronous primary is applying the update that puts it --max-replica-lag entries ahead "
+    "of its standby (the ones before it were answered: a crash now loses them unless they are still on the wire)",
 }
+REPLICATED_POINTS = frozenset({"replication.at_max_lag"})
+"""Points only a primary with a standby reaches (a run without replicas never hits them)."""
 
 
 @dataclass

@@ -36,6 +36,10 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=1, help="2: a hot standby; random kills then hit the serving primary")
     p.add_argument("--pace-s", type=float, default=None, help="at most one batch per worker per this many seconds "
                    "(the paced test data), so a run lasts long enough for its kills")
+    p.add_argument("--max-replica-lag", type=int, default=None, metavar="N",
+                   help="with --replicas 2: asynchronous replication with this lag bound (default: synchronous)")
+    p.add_argument("--model", default=None, help="a model other than the built-in task (e.g. rpcps.tasks:mlp_5m)")
+    p.add_argument("--data", default=None, help="its data (e.g. rpcps.tasks:mlp_5m_data); --pace-s paces the built-in task only")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--run-dir", type=Path, default=None)
     args = p.parse_args()
@@ -43,8 +47,11 @@ def main() -> int:
     if args.pace_s is not None:
         os.environ["RPCPS_TEST_BATCH_INTERVAL_S"] = str(args.pace_s)
         extra = ("--data", "tests.integration.paced_data:paced_data")
+    if args.model is not None:
+        extra = ("--model", args.model, "--loss", "mse", *(("--data", args.data) if args.data else ()))
     common = {"workers": args.workers, "steps": args.steps, "checkpoint_every_updates": args.checkpoint_every_updates,
-              "replicas": args.replicas, "extra_args": extra, "timeout_s": max(240.0, 4.0 * args.steps * (args.pace_s or 0.0))}
+              "replicas": args.replicas, "extra_args": extra, "timeout_s": max(240.0, 4.0 * args.steps * (args.pace_s or 0.0)),
+              "max_replica_lag": args.max_replica_lag}
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="rpcps-chaos-"))
     baseline_loss = None
     if not args.no_baseline:
@@ -81,6 +88,9 @@ def _report(seed: int, result: ChaosResult, problems: list[str]) -> None:
     if recovery:
         print(f"seed {seed}: recovery median {statistics.median(recovery):.3f}s, worst {max(recovery):.3f}s over {len(recovery)} crashes; "
               f"failovers (promotions) {len(ledger.promotions)}, digests compared {ledger.digests_compared}")
+    if ledger.failover_losses or result.worst_unreplicated > 0:
+        print(f"seed {seed}: asynchronous replication: versions lost per failover {ledger.failover_losses}, most entries the "
+              f"primary was seen ahead of its standby {result.worst_unreplicated:.0f}")
     for note in result.notes:
         print(f"seed {seed}: note: {note}")
     for problem in problems:

@@ -44,6 +44,16 @@ def shard_view(shard: int) -> View | None:
     return record.view if record is not None else None
 
 
+def _max_lag(primary: str) -> int:
+    """``--max-replica-lag`` of ``primary`` as its record in the store says (0 when it cannot be read:
+    the worker then finds lost steps only at its end, ``worker.acked``)."""
+    try:
+        record = transport.group_registry().replica(primary)
+    except transport.StoreUnavailable:
+        return 0
+    return int(record.get("max_lag", 0)) if record else 0
+
+
 class ServerClient:
     """Calls on the process serving one shard (its view's primary, as read when this client was made)."""
 
@@ -74,6 +84,9 @@ class ServerClient:
                 time.sleep(0.05 if newer_than >= 0 else 0.2)
         self.view = view
         """The view this client was made from (its primary is the process it calls)."""
+        self.max_lag = _max_lag(view.primary)
+        """Acknowledged updates the primary may apply before its standby holds them (asynchronous
+        replication; 0 when synchronous, without a standby, or unknown)."""
         self._owner = view.primary  # the reference is a token, not an RRef: it names no owner of its own
 
     def _call(self, fn: Any, *args: Any, timeout: float | None = None) -> transport.Pending:

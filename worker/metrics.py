@@ -52,6 +52,12 @@ class WorkerMetrics:
             "Distinct ids those lookups pulled (deduplicated per table and step); unique / looked up is the unique-id ratio.",
             registry=r,
         )
+        self.pushes_lost = Counter(
+            "rpcps_worker_pushes_lost",
+            "Acknowledged pushes a failover lost (asynchronous replication: the new primary's version is below theirs); "
+            "each is recomputed and sent again.",
+            registry=r,
+        )
         self.model_version = Gauge("rpcps_worker_model_version", "Model version the worker computes on.", registry=r)
         self.device_memory = Gauge("rpcps_worker_device_memory_bytes", "GPU memory allocated now (0 on CPU).", registry=r)
         self.device_memory_peak = Gauge("rpcps_worker_device_memory_peak_bytes", "Peak GPU memory allocated (0 on CPU).", registry=r)

@@ -79,7 +79,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, model_version: _Optional[int] = ..., mode: _Optional[str] = ..., optimizer: _Optional[str] = ..., paused: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., newest_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., checkpointing_enabled: _Optional[bool] = ..., shutting_down: _Optional[bool] = ..., server_id: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotProgress, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., intra_op_threads: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("role", "epoch", "primary", "standby", "lag_updates", "lag_seconds", "failovers", "configured")
+    __slots__ = ("role", "epoch", "primary", "standby", "lag_updates", "lag_seconds", "failovers", "configured", "replication", "max_lag", "unreplicated")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,9 @@ class ReplicaStatus(_message.Message):
     LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAG_FIELD_NUMBER: _ClassVar[int]
+    UNREPLICATED_FIELD_NUMBER: _ClassVar[int]
     role: str
     epoch: int
     primary: str
@@ -96,7 +99,10 @@ class ReplicaStatus(_message.Message):
     lag_seconds: float
     failovers: int
     configured: int
-    def __init__(self, role: _Optional[str] = ..., epoch: _Optional[int] = ..., primary: _Optional[str] = ..., standby: _Optional[str] = ..., lag_updates: _Optional[float] = ..., lag_seconds: _Optional[float] = ..., failovers: _Optional[int] = ..., configured: _Optional[int] = ...) -> None: ...
+    replication: str
+    max_lag: int
+    unreplicated: float
+    def __init__(self, role: _Optional[str] = ..., epoch: _Optional[int] = ..., primary: _Optional[str] = ..., standby: _Optional[str] = ..., lag_updates: _Optional[float] = ..., lag_seconds: _Optional[float] = ..., failovers: _Optional[int] = ..., configured: _Optional[int] = ..., replication: _Optional[str] = ..., max_lag: _Optional[int] = ..., unreplicated: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

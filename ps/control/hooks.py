@@ -25,6 +25,12 @@ class ReplicaState:
     """Times this process promoted itself."""
     configured: int
     """--replicas."""
+    replication: str = "sync"
+    """--replication: 'sync' or 'async'."""
+    max_lag: int = 0
+    """Entries a primary may apply before its standby holds them (0 when synchronous)."""
+    unreplicated: float = 0.0
+    """On a primary: entries applied (acknowledged) that the standby lacks; what a failover now would lose."""
 
 
 class CheckpointHook(Protocol):

@@ -214,7 +214,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 control_pb2.ReplicaStatus(
                     role=replica.role, epoch=replica.epoch, primary=replica.primary, standby=replica.standby or "",
                     lag_updates=replica.lag_updates, lag_seconds=replica.lag_seconds, failovers=replica.failovers,
-                    configured=replica.configured,
+                    configured=replica.configured, replication=replica.replication, max_lag=replica.max_lag,
+                    unreplicated=replica.unreplicated,
                 )
             )
         return reply

@@ -2,7 +2,10 @@
 
 The primary *sequences* an entry under the server's lock (it gets the next index and, for an update,
 the next version), *commits* it once the standby holds it (or at once without a standby in the
-view), and *applies* it in index order; a push is answered only after that. The standby receives
+view), and *applies* it in index order; a push is answered only after that. In asynchronous
+replication an entry commits once the standby holds the one ``max_lag`` entries before it: the
+primary runs ahead of its standby by at most that many entries, and a push that would take it
+further waits (it is sequenced, not applied) until the standby catches up. The standby receives
 entries in any order (TensorPipe runs handlers concurrently), puts them back in order
 (``ReorderBuffer``) and applies everything it holds, with the same code. Entries are kept until
 they are applied here and no follower still needs them.
@@ -67,6 +70,8 @@ class ReplicationLog:
         self.applied_index = applied_index
         self.acked_index: int | None = None
         """Highest index the in-sync standby holds; None while no standby's acknowledgement is needed to commit."""
+        self.max_lag = 0
+        """Committed entries the in-sync standby may lack: 0 in synchronous replication (``ReplicationConfig.allowed_lag``)."""
         self.retain_from: int | None = None
         """A follower still needs entries from this index on (it has not acknowledged them yet)."""
         self.pending: dict[tuple[int, int], Sequenced] = {}
@@ -102,7 +107,13 @@ class ReplicationLog:
 
     @property
     def commit_index(self) -> int:
-        return self.last_index if self.acked_index is None else min(self.acked_index, self.last_index)
+        return self.last_index if self.acked_index is None else min(self.acked_index + self.max_lag, self.last_index)
+
+    @property
+    def unreplicated(self) -> int:
+        """Entries applied here (their pushes answered) that the in-sync standby does not hold yet:
+        what a failover would lose. Never above ``max_lag``."""
+        return 0 if self.acked_index is None else max(self.applied_index - self.acked_index, 0)
 
     def next_to_apply(self) -> Sequenced | None:
         """The next entry in index order, if it is committed."""

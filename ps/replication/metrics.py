@@ -32,6 +32,23 @@ class ReplicationMetrics:
         self.lag_seconds = Gauge(
             "rpcps_replication_lag_seconds", "Age of the oldest entry counted in rpcps_replication_lag_updates.", registry=r
         )
+        self.asynchronous = Gauge(
+            "rpcps_replication_async",
+            "1 when this process replicates asynchronously (--replication async: a push is acknowledged before the standby "
+            "holds it), 0 when synchronously.",
+            registry=r,
+        )
+        self.max_lag = Gauge(
+            "rpcps_replication_max_lag_updates",
+            "Updates a primary may apply and acknowledge before its standby holds them (--max-replica-lag; 0 when synchronous).",
+            registry=r,
+        )
+        self.unreplicated = Gauge(
+            "rpcps_replication_unreplicated_updates",
+            "On a primary: entries applied and acknowledged here that the standby does not hold yet (what a failover now would "
+            "lose); at most rpcps_replication_max_lag_updates, always 0 when synchronous.",
+            registry=r,
+        )
         self.failovers = Counter("rpcps_replica_failovers", "Times this process promoted itself to primary.", registry=r)
         self.stepdowns = Counter("rpcps_replica_stepdowns", "Times this process stopped serving because a newer epoch exists.", registry=r)
         self.standby_drops = Counter(
@@ -57,7 +74,8 @@ class ReplicationMetrics:
         for reason in REFUSALS:
             self.refused.labels(reason)  # every series from the start, at 0 (rate() sees the first refusal)
 
-    def watch_lag(self, updates: Callable[[], float], seconds: Callable[[], float]) -> None:
+    def watch_lag(self, updates: Callable[[], float], seconds: Callable[[], float], unreplicated: Callable[[], float]) -> None:
         """Computes the lag at scrape time from the current role's view of the log."""
         self.lag_updates.set_function(updates)
         self.lag_seconds.set_function(seconds)
+        self.unreplicated.set_function(unreplicated)

@@ -10,7 +10,9 @@
 - **Hand-over**: once a catching-up standby is within a couple of entries, the primary holds its
   lock (no push is sequenced or applied), waits for the standby to acknowledge the last entry
   (tens of ms), and adds it to the view: ``{e, P, -} -> {e, P, S}``. From then on an entry commits
-  only once the standby holds it.
+  only once the standby holds it; in asynchronous replication, once the standby holds the entry
+  ``max_replica_lag`` before it (``ReplicationLog.commit_index``): pushes are answered before the
+  standby has them, and wait only while it is that far behind.
 - **Drop**: a standby whose connection fails, or that leaves waiting entries unacknowledged for
   ``standby_timeout_s``, is removed from the view (``{e, P, S} -> {e, P, -}``); entries then commit
   at once again. If that compare-and-set fails, the standby promoted itself: this primary steps down.
@@ -39,8 +41,8 @@ from ps.config import ReplicationConfig
 from ps.replication.auth import ReplicaGate, new_attach_id
 from ps.replication.log import ReplicationLog, Sequenced
 from ps.replication.metrics import ReplicationMetrics
-from ps.server import ParameterServer
-from rpcps import replica_endpoints, transport
+from ps.server import ParameterServer, UpdateApplied
+from rpcps import failpoints, replica_endpoints, transport
 from rpcps.errors import RpcpsError
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
@@ -129,10 +131,12 @@ class Primary:
         ]
         server.epoch = record.view.epoch
         server.lease = self.lease
+        self.log.max_lag = config.allowed_lag
 
     def start(self) -> None:
         with self.log.cond:
             self.log.unwatched = self._follower is None
+        self.server.on_applied(self._at_max_lag)
         replica_endpoints.publish_replica(self)
         for thread in self._threads:
             thread.start()
@@ -143,6 +147,7 @@ class Primary:
     def stop(self) -> None:
         """A graceful stop (the server stopped taking pushes): applies nothing more, and tells a
         following standby, which takes over (a planned failover: it holds every committed entry)."""
+        self._flush()
         self.server.deposed = True
         self._stopped.set()
         with self.log.cond:
@@ -154,12 +159,31 @@ class Primary:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=5)
 
+    def _flush(self) -> None:
+        """Waits (at most ``standby_timeout_s``) until the in-sync standby holds every entry applied
+        here: in asynchronous replication some may still be on their way, and a planned hand-over
+        must not lose them."""
+        follower, log = self._follower, self.log
+        if follower is None or not follower.in_sync:
+            return
+        deadline = time.monotonic() + self.config.standby_timeout_s
+        with log.cond:
+            while follower.acked < log.applied_index and follower.failed is None and time.monotonic() < deadline:
+                log.cond.wait(0.01)
+
     def lag(self) -> tuple[float, float]:
         """(entries sequenced and not acknowledged by the standby, age of the oldest of them in seconds)."""
         follower = self._follower
         if follower is None or not follower.ready:
             return 0.0, 0.0
         return float(max(self.log.last_index - follower.acked, 0)), self.log.oldest_unacked_age(follower.acked, time.monotonic())
+
+    def _at_max_lag(self, event: UpdateApplied) -> None:
+        """An ``on_applied`` listener: where a fault run kills an asynchronous primary at its worst
+        moment, applying the entry that puts it ``max_lag`` ahead of its standby."""
+        del event
+        if 0 < self.log.max_lag <= self.log.unreplicated + 1:
+            failpoints.hit("replication.at_max_lag")
 
     # ---- the lease ------------------------------------------------------------------------------
 

@@ -47,6 +47,8 @@ def compatibility(server: ParameterServer, config: ServerRunConfig) -> dict[str,
         "torch": str(torch.__version__),  # a TorchVersion, which the allow-list (rightly) does not let through
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "threads": str(torch.get_num_threads()),
+        # A promoted standby serves with its own settings: both must promise the same.
+        "replication": f"{config.replication.replication} lag {config.replication.allowed_lag}",
     }
 
 
@@ -82,7 +84,9 @@ class ShardReplica:
         self.standby: Standby | None = None
         self.failovers = 0
         self._lock = threading.Lock()
-        metrics.watch_lag(lambda: self.lag()[0], lambda: self.lag()[1])
+        metrics.asynchronous.set(1 if self.replication.replication == "async" else 0)
+        metrics.max_lag.set(self.replication.allowed_lag)
+        metrics.watch_lag(lambda: self.lag()[0], lambda: self.lag()[1], self.unreplicated)
 
     def serve(self, record: ViewRecord) -> None:
         """Serves the shard as its primary under ``record`` (bootstrapped, taken over, or promoted to)."""
@@ -129,7 +133,8 @@ class ShardReplica:
             return None
         lag_updates, lag_seconds = self.lag()
         return ReplicaState(
-            role, view.epoch, view.primary, view.standby, lag_updates, lag_seconds, self.failovers, self.replication.replicas
+            role, view.epoch, view.primary, view.standby, lag_updates, lag_seconds, self.failovers, self.replication.replicas,
+            self.replication.replication, self.replication.allowed_lag, self.unreplicated(),
         )
 
     def lag(self) -> tuple[float, float]:
@@ -139,6 +144,10 @@ class ShardReplica:
         if standby is not None:
             return standby.lag()
         return 0.0, 0.0
+
+    def unreplicated(self) -> float:
+        """On a primary: entries applied here that its standby lacks (``ReplicationLog.unreplicated``)."""
+        return float(self.server.log.unreplicated) if self.primary is not None else 0.0
 
     def _promoted(self, record: ViewRecord, took: float) -> None:
         del took

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.faults import ChaosPlan, Kill, run_chaos
+from harness.faults import ChaosPlan, FailPoint, Kill, run_chaos
 from harness.ledger import check_ledger, recovery_after
 from harness.procs import ENTRY, REPO, ProcessGroup, child_env, try_scrape, wait_until
 from tests.integration.paced_data import INTERVAL_ENV
@@ -218,3 +218,30 @@ def test_two_shards_each_with_a_standby_survive_a_kill_of_each_primary(tmp_path:
     assert len(result.recovery_s) == 2 and max(result.recovery_s) <= 2.0, result.recovery_s
     for shard in result.shard_ledgers:
         assert [epoch for _, epoch, _, _ in shard.promotions] == [2], shard.promotions
+
+
+@pytest.mark.timeout(240)
+def test_async_replication_keeps_the_standby_within_its_lag_and_a_failover_recomputes_what_it_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``local --replicas 2 --replication async --max-replica-lag 2``; the primary is killed -9 twice:
+    once the moment it has answered pushes while its standby lacks 2 of its applied entries (a fail
+    point: the worst moment this mode allows), once at version 400. The primary never reports more
+    than 2 applied entries its standby lacks (sampled each poll); the ledger allows a promotion at
+    most 2 versions behind the dead primary and checks that no step is twice in the history that
+    survived and that digests agree; every acknowledged step a failover lost is recomputed by its
+    worker (and every unacknowledged one resent), so the final version is still workers x steps."""
+    monkeypatch.setenv(INTERVAL_ENV, "0.02")
+    lag = 2
+    plan = ChaosPlan(workers=2, steps=300, replicas=2, kills=(FailPoint("replication.at_max_lag", 1), Kill("primary", 400)),
+                     extra_args=(*PACED, "--digest-every", "10"), timeout_s=200, max_replica_lag=lag)
+    result = run_chaos(plan, tmp_path / "run")
+    assert result.problems(plan) == [], (result.problems(plan)[:5], result.notes)
+    ledger = result.ledger
+    assert 0 <= result.worst_unreplicated <= lag
+    assert len(ledger.promotions) == 2 and all(0 <= lost <= lag for lost in ledger.failover_losses), ledger.failover_losses
+    assert ledger.mirrored > 0 and ledger.digests_compared > 0
+    recomputed = sum(log.read_text().count("lost with the old primary") for log in (tmp_path / "run").glob("worker*.log"))
+    print(f"async, lag <= {lag}: worst unreplicated seen {result.worst_unreplicated:.0f}, versions lost per failover "
+          f"{ledger.failover_losses}, workers' log lines on recomputing lost steps {recomputed}, "
+          f"recovery {[round(r, 3) for r in result.recovery_s]}")

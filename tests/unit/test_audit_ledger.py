@@ -88,3 +88,31 @@ def test_a_late_capture_is_caught_and_a_long_write_excuses_it(tmp_path: Path) ->
             "capture 24", *applies[24:]]
     report = check_ledger(ledger(tmp_path, slow), every_updates=10)
     assert report.problems == [] and report.write_updates == [14]
+
+
+def _async_failover(behind: int) -> list[str]:
+    """Primary P applies versions 1..4; standby S mirrored 1..(4 - behind) when P died and promotes
+    there; S applies the lost steps again (recomputed by their workers) and goes on."""
+    held = 4 - behind
+    lines = ["start 1 P", "start 2 S"]
+    for v in range(1, 5):
+        lines.append(f"apply {v} 0 {v - 1} 1 P")
+        if v <= held:
+            lines += [f"mirror {v} 0 {v - 1} 1 S", f"digest {v} d{v} S"]
+        lines.append(f"digest {v} {'d' if v <= held else 'lost'}{v} P")
+    lines.append(f"promote 2 {held} S")
+    lines += [f"apply {v} 0 {v - 1} 2 S" for v in range(held + 1, 6)]
+    return lines + ["digest 4 new4 S"]
+
+
+def test_an_async_promotion_may_lose_up_to_max_lag_acknowledged_versions(tmp_path: Path) -> None:
+    report = check_ledger(ledger(tmp_path, _async_failover(behind=2)), max_lag=2)
+    assert report.problems == []  # the lost steps applied again, and the new history's digests, are not conflicts
+    assert report.failover_losses == [2] and report.final_version == 5
+
+
+def test_an_async_promotion_further_behind_than_max_lag_is_caught(tmp_path: Path) -> None:
+    report = check_ledger(ledger(tmp_path, _async_failover(behind=2)), max_lag=1)
+    assert any("2 behind the 4 the old primary applied (at most 1 allowed)" in p for p in report.problems)
+    sync = check_ledger(ledger(tmp_path, _async_failover(behind=1)))  # synchronous: no acknowledged update may go
+    assert any("at most 0 allowed" in p for p in sync.problems)

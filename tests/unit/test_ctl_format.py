@@ -105,14 +105,23 @@ def test_status_shows_the_replica_set_and_warns_when_a_shard_runs_without_its_st
                               failovers=1, configured=2)
     d = status_dict(_status(replica=paired))
     assert d["replica"] == {"role": "primary", "epoch": 3, "primary": "ps0_r7", "standby": "ps0_r9", "lag_updates": 1.0,
-                            "lag_seconds": pytest.approx(0.012), "failovers": 1, "configured": 2}
+                            "lag_seconds": pytest.approx(0.012), "failovers": 1, "configured": 2, "replication": "sync",
+                            "max_lag": 0, "unreplicated": 0.0}
     text = format_status(d)
     assert "replica       primary, epoch 3, 1 failover(s) by this process" in text
     assert "  standby     ps0_r9\n" in text
     assert "  lag         1 updates / 0.012s" in text
+    assert "  replication sync (a push is acknowledged once the standby holds it)" in text
     alone = format_status(status_dict(_status(replica=pb.ReplicaStatus(role="primary", epoch=4, primary="ps0_r9", configured=2))))
     assert "standby     none (WARNING: started with --replicas 2" in alone
     assert status_dict(_status())["replica"] is None and "replica" not in format_status(status_dict(_status()))
+
+
+def test_status_says_what_an_asynchronous_standby_may_lack() -> None:
+    ahead = pb.ReplicaStatus(role="primary", epoch=2, primary="ps0_r1", standby="ps0_r2", configured=2, replication="async",
+                             max_lag=8, unreplicated=3)
+    text = format_status(status_dict(_status(replica=ahead)))
+    assert "  replication async, at most 8 updates behind; 3 acknowledged and not on the standby" in text
 
 
 def test_status_says_how_many_threads_the_server_computes_with() -> None:

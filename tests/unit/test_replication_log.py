@@ -176,3 +176,27 @@ def test_a_sync_round_ships_its_mean_and_the_standby_steps_with_it() -> None:
         assert [f.wait().status for f in futures] == ["applied", "applied"]
         pair.ship()
     assert pair.compared == 5 and p.version == 5
+
+
+def test_async_replication_commits_up_to_max_lag_entries_ahead_of_the_standby() -> None:
+    """The lag bound: the primary applies (and answers) at most ``max_lag`` entries the standby lacks;
+    the next push waits, sequenced but not committed, until the standby acknowledges more."""
+    log = ReplicationLog()
+    log.acked_index, log.max_lag = 0, 3  # an in-sync standby that holds nothing yet
+    for i in range(1, 6):
+        log.append(_update(i, i, seq=i))
+    assert log.commit_index == 3  # entries 4 and 5 wait for the standby
+    while (nxt := log.next_to_apply()) is not None:
+        log.applied(nxt)
+    assert log.applied_index == 3 and log.unreplicated == 3  # what a failover now would lose: never above max_lag
+    log.acknowledged(2, retain=True)
+    assert log.commit_index == 5 and log.unreplicated == 1
+    log.acked_index = None  # the standby was dropped: nothing waits for it
+    assert log.commit_index == 5 and log.unreplicated == 0
+
+
+def test_sync_replication_has_no_unreplicated_entries() -> None:
+    log = ReplicationLog()
+    log.acked_index = 0
+    log.append(_update(1, 1))
+    assert log.next_to_apply() is None and log.unreplicated == 0
