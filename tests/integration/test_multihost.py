@@ -1,5 +1,6 @@
 """A server and two workers on three "hosts" (network namespaces on a private bridge), or a job with
-a hot standby on five (the coordinator, two replicas, two workers), started with the per-node launcher people use (deploy/bare-metal/rpcps-node.sh), then links cut and restored.
+a hot standby on five (the coordinator, two replicas, two workers), started with the per-node
+launcher people use (deploy/bare-metal/rpcps-node.sh), then links cut and restored.
 
 What it holds the system to (docs/FAULT_TOLERANCE.md, docs/DEPLOY.md):
 - training works across hosts when TensorPipe is told which interface to advertise (--ifname), and
