@@ -1,5 +1,6 @@
-"""A server and two workers on three "hosts" (network namespaces on a private bridge), started with
-the per-node launcher people use (deploy/bare-metal/rpcps-node.sh), then links cut and restored.
+"""A server and two workers on three "hosts" (network namespaces on a private bridge), or a job with
+a hot standby on five (the coordinator, two replicas, two workers), started with the per-node
+launcher people use (deploy/bare-metal/rpcps-node.sh), then links cut and restored.
 
 What it holds the system to (docs/FAULT_TOLERANCE.md, docs/DEPLOY.md):
 - training works across hosts when TensorPipe is told which interface to advertise (--ifname), and
@@ -10,7 +11,10 @@ What it holds the system to (docs/FAULT_TOLERANCE.md, docs/DEPLOY.md):
   themselves, rejoin when it is back, and nothing is applied twice or lost;
 - a server that crashes is restarted by the node launcher and resumes from its snapshot, losing at
   most one checkpoint interval;
-- in the end the model has exactly one update per worker step (the audit ledger proves it).
+- in the end the model has exactly one update per worker step (the audit ledger proves it);
+- with a hot standby (the coordinator, a primary and its standby each on a host of its own), the
+  primary's host cut off: the standby promotes itself after its lease, training goes on there, and
+  the old primary, back on the network, applies nothing more, steps down and returns as standby.
 
 Needs root and `ip netns` (iproute2); skipped with the reason otherwise. Everything lives in
 namespaces the test makes (10.213.7.0/24 on a bridge in its own namespace) and is deleted after.
@@ -21,12 +25,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness.ledger import check_ledger
+from harness.ledger import check_ledger, first_apply_after
 from harness.procs import REPO, ProcessGroup, child_env, descendants, try_scrape, wait_until
 from rpcps.secret_files import create_secret_file
 from tests.netns import TestNetwork, unavailable_reason
@@ -34,15 +39,22 @@ from tests.netns import TestNetwork, unavailable_reason
 pytestmark = pytest.mark.integration
 
 NODE = REPO / "deploy" / "bare-metal" / "rpcps-node.sh"
-RPC_PORT, SERVER_METRICS, WORKER_METRICS = 29500, 9400, 9410
+RPC_PORT, SERVER_METRICS, WORKER_METRICS, STORE_METRICS = 29500, 9400, 9410, 9390
 STEPS = 2500  # per worker; paced to <= 100 steps/s, so training outlasts every fault below
 CHECKPOINT_EVERY = 100
 RPC_TIMEOUT_S, LEASE_S, MAX_RETRIES = 2, 3, 3
 PACED_DATA = "tests.integration.paced_data:paced_data"
 
 
+SINGLE_SERVER = ("ps", "w0", "w1")
+STANDBY_PAIR = ("store", "psa", "psb", "w0", "w1")
+"""Hosts of a job with a hot standby: the coordinator, the shard's two replicas, two workers."""
+
+
 @pytest.fixture
-def net() -> Iterator[TestNetwork]:
+def net(request: pytest.FixtureRequest) -> Iterator[TestNetwork]:
+    """The test network; its hosts are SINGLE_SERVER unless a test parametrizes ``net`` indirectly."""
+    hosts: tuple[str, ...] = getattr(request, "param", SINGLE_SERVER)
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"multi-host test: {reason}")
@@ -52,7 +64,7 @@ def net() -> Iterator[TestNetwork]:
         pytest.skip(f"multi-host test: cannot build the test network here: {e}")
     try:
         try:
-            for host in ("ps", "w0", "w1"):
+            for host in hosts:
                 network.add_host(host)
         except RuntimeError as e:  # e.g. a kernel without veth: the machine's limit, not rpcps's
             pytest.skip(f"multi-host test: cannot build the test network here: {e}")
@@ -64,14 +76,15 @@ def net() -> Iterator[TestNetwork]:
 
 
 class Cluster:
-    """The test's view of the three hosts: start node launchers, read metrics inside namespaces."""
+    """The test's view of the hosts: start node launchers, read metrics inside namespaces."""
 
     def __init__(self, net: TestNetwork, procs: ProcessGroup, run_dir: Path) -> None:
         self.net = net
         self.procs = procs
         self.run_dir = run_dir
         self.ledger = run_dir / "audit.log"
-        self.ps_address = f"{net.hosts['ps'].address}:{RPC_PORT}"
+        # Workers dial the coordinator when the job has one (it knows which replica serves).
+        self.ps_address = self.address("store" if "store" in net.hosts else "ps")
         # The RPC ports leave loopback here, so the job needs its secret and the acknowledgement that
         # this network admits only the job (docs/SECURITY.md); both through the environment, as
         # deploy/bare-metal/rpcps.env.example sets them.
@@ -86,9 +99,23 @@ class Cluster:
         env = child_env(RPCPS_JOB_SECRET_FILE=str(self.secret), RPCPS_TRUST_NETWORK="on")
         self.procs.start(host, [], program=self.net.argv(host, launcher), env=env)
 
+    def address(self, host: str) -> str:
+        return f"{self.net.hosts[host].address}:{RPC_PORT}"
+
     def server(self, *args: str, ifname: bool = True) -> None:
+        self._server("ps", (), args, ifname=ifname)
+
+    def coordinator(self) -> None:
+        self.node("store", "store", "--listen", self.address("store"), "--", "--lease-s", str(LEASE_S))
+
+    def replica(self, host: str) -> None:
+        """One of shard 0's two replicas, on ``host`` with a disk of its own; both write one ledger."""
+        self._server(host, ("--store", self.address("store"), "--replicas", "2"), ("--digest-every", "25"))
+
+    def _server(self, host: str, launcher_args: tuple[str, ...], args: tuple[str, ...], ifname: bool = True) -> None:
         self.node(
-            "ps", "server", "--listen", self.ps_address, "--checkpoint-dir", str(self.run_dir / "ckpt"), "--",
+            host, "server", "--listen", self.address(host), "--checkpoint-dir", str(self.run_dir / f"ckpt-{host}"),
+            *launcher_args, "--",
             "--audit-log", str(self.ledger), "--rpc-timeout-s", str(RPC_TIMEOUT_S), "--lease-s", str(LEASE_S),
             "--checkpoint-every-updates", str(CHECKPOINT_EVERY), "--progress-s", "2", *args, ifname=ifname,
         )
@@ -102,11 +129,18 @@ class Cluster:
         )
 
     def metrics(self, host: str) -> dict[str, float]:
-        port = SERVER_METRICS if host == "ps" else WORKER_METRICS
+        port = STORE_METRICS if host == "store" else SERVER_METRICS if host.startswith("ps") else WORKER_METRICS
         return self.net.call_in(host, lambda: try_scrape(port))
 
-    def server_value(self, name: str) -> float:
-        return self.metrics("ps").get(name, -1.0)
+    def server_value(self, name: str, host: str = "ps") -> float:
+        return self.metrics(host).get(name, -1.0)
+
+    def serving_pid(self, host: str) -> int:
+        """The serving process on ``host`` (under the launcher and the server's own supervisor)."""
+        entry = str(REPO / "trainer_entry.py")
+        pids = [pid for pid in descendants(self.procs[host].pid) if _cmdline(pid).split()[1:2] == [entry]]
+        assert len(pids) == 1, pids
+        return pids[0]
 
     def log(self, name: str) -> str:
         path = self.run_dir / "logs" / name
@@ -170,10 +204,7 @@ def test_training_across_hosts_survives_cut_links_and_a_server_crash(cluster: Cl
 
     # 4. The serving process crashes. Its supervisor (rpcps ps supervises itself, inside the node
     #    launcher) restarts it, it resumes from its newest snapshot, and the workers find it again.
-    entry = str(REPO / "trainer_entry.py")
-    server_pids = [pid for pid in descendants(c.procs["ps"].pid) if _cmdline(pid).split()[1:2] == [entry]]
-    assert len(server_pids) == 1, server_pids
-    os.kill(server_pids[0], signal.SIGKILL)
+    os.kill(c.serving_pid("ps"), signal.SIGKILL)
     wait_until(lambda: c.metrics("ps").get("rpcps_server_resumes_total", 0) >= 1, 60, "the restarted server to resume")
     wait_until(lambda: c.server_value(LIVE) == 2, 60, "both workers to rejoin the restarted server")
 
@@ -191,6 +222,76 @@ def test_training_across_hosts_survives_cut_links_and_a_server_crash(cluster: Cl
     ps_log = c.log("ps/ps.log")
     assert "the serving process killed by SIGKILL (after serving); restarting it from its newest snapshot" in ps_log
     assert "resumed from" in ps_log
+
+
+ROLE, IN_SYNC, EPOCH = "rpcps_replica_role", "rpcps_replica_standby_in_sync", "rpcps_replica_epoch"
+PRIMARY, STANDBY = 2, 1  # rpcps_replica_role's values (docs/METRICS.md)
+FAILOVER_BOUND_S = 5.0
+"""Cut -> the standby serving: its lease (1.5 s of silence) plus the promotion and the workers' resend."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("net", [STANDBY_PAIR], indirect=True, ids=["standby"])
+def test_a_standby_on_another_host_takes_over_when_the_primarys_host_is_cut_off(cluster: Cluster) -> None:
+    """docs/FAULT_TOLERANCE.md "Hot standby": the coordinator, primary psa and standby psb on hosts of
+    their own, started by the node launcher with --store and --replicas 2; the workers join through
+    the coordinator. psa's cable is pulled: psb hears nothing for --replica-lease-s, promotes itself
+    and serves, psa (alive, cut off) applies nothing. Back on the network, psa learns of the newer
+    epoch, steps down, restarts itself and follows psb. The ledger shows one history."""
+    c = cluster
+    c.coordinator()
+    c.replica("psa")
+    wait_until(lambda: c.server_value(ROLE, "psa") == PRIMARY, 90, "psa to serve as primary")
+    c.replica("psb")
+    wait_until(lambda: c.server_value(IN_SYNC, "psa") == 1 and c.server_value(ROLE, "psb") == STANDBY, 90, "psb to be psa's in-sync standby")
+    c.worker(0)
+    c.worker(1)
+    wait_until(lambda: c.server_value(LIVE, "psa") == 2 and c.server_value(VERSION, "psa") >= 100, 90, "2 live workers and 100 updates")
+
+    # psa's cable is pulled. psb promotes itself once psa has been silent for its lease; psa, cut off
+    # from its standby and the coordinator, has no lease and applies nothing.
+    cut_at, cut_clock = time.time(), time.monotonic()
+    c.net.cut("psa")
+    try:
+        wait_until(lambda: c.server_value(ROLE, "psb") == PRIMARY, 30, "psb to promote itself")
+        promoted_in = time.monotonic() - cut_clock
+        assert c.server_value(EPOCH, "psb") == 2
+        at_promotion = c.server_value(VERSION, "psb")
+        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 200, 30, "training to go on at psb")
+        stuck_at = c.server_value(VERSION, "psa")
+        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 400, 30, "more training at psb")
+        assert c.server_value(VERSION, "psa") == stuck_at, "the cut-off primary applied an update"
+    finally:
+        c.net.restore("psa")
+
+    # Back on the network: psa steps down, its supervisor restarts it, and it follows psb.
+    wait_until(lambda: c.server_value(ROLE, "psa") == STANDBY and c.server_value(IN_SYNC, "psb") == 1, 120,
+               "psa to come back as psb's in-sync standby")
+    for w in ("w0", "w1"):
+        assert c.procs[w].wait(150) == 0, c.log(f"{w}/worker{w[1]}.log")[-3000:]
+    assert c.server_value(VERSION, "psb") == 2 * STEPS
+    for host in ("psa", "psb", "store"):  # the standby first: stopping the primary first would hand over
+        c.procs[host].send(signal.SIGTERM)
+        assert c.procs[host].wait(60) == 0, c.log(f"{host}/{'store' if host == 'store' else 'ps'}.log")[-3000:]
+
+    report = check_ledger(c.ledger)
+    assert report.problems == [], report.problems[:10]
+    assert report.final_version == 2 * STEPS, "one update per worker step: nothing lost, nothing applied twice"
+    assert [epoch for _, epoch, _, _ in report.promotions][:1] == [2], report.promotions
+    assert [epoch for _, epoch, _ in report.stepdowns] == [1], report.stepdowns
+    assert report.restarts == 3, "psa and psb started, and psa restarted itself (in place) once after stepping down"
+    assert report.digests_compared > 0
+    assert "stepping down as shard 0's primary (epoch 1)" in c.log("psa/ps.log")
+    # psa restarted in place (same pid, a fresh RPC name): its name at the cut wrote the last apply before it.
+    old_name = [w for (t, _), w in zip(report.applies, report.apply_writers) if t <= cut_at][-1]
+    late = [t - cut_at for (t, _), w in zip(report.applies, report.apply_writers) if w == old_name and t > cut_at]
+    assert all(t < 1.5 for t in late), f"the cut-off primary applied updates {late} s after the cut, past its lease"
+    resumed = first_apply_after(report, cut_at, other_than=old_name)
+    assert resumed is not None
+    print(f"cut of the primary's host -> psb promoted (seen) {promoted_in:.2f}s, first update applied by psb "
+          f"{resumed - cut_at:.2f}s; psa applied {len(late)} in flight after the cut, the last {max(late, default=0):.3f}s after")
+    assert promoted_in <= FAILOVER_BOUND_S and resumed - cut_at <= FAILOVER_BOUND_S
 
 
 @pytest.mark.timeout(120)
