@@ -22,7 +22,7 @@ from rpcps.sparse.spec import declared_tables
 from tests.integration.test_sparse_ctr import CTR, _distinct_ids
 from worker import ctr
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # one ~30 s CTR training shared by both: the slow pass
 
 STEPS = 30
 Rows = dict[str, tuple[torch.Tensor, torch.Tensor]]

@@ -90,6 +90,7 @@ def test_kill_9_of_the_primary_loses_nothing_and_applies_nothing_twice(procs: Pr
     print(f"kill -> next applied update: {recovery:.3f}s")
 
 
+@pytest.mark.slow  # a fault run of 20-25 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(240)
 def test_a_frozen_primary_never_applies_again_and_comes_back_as_standby(procs: ProcessGroup, tmp_path: Path) -> None:
     """SIGSTOP of the primary for 5 s: the standby promotes after its lease (1.5 s of silence). On
@@ -220,6 +221,7 @@ def test_two_shards_each_with_a_standby_survive_a_kill_of_each_primary(tmp_path:
         assert [epoch for _, epoch, _, _ in shard.promotions] == [2], shard.promotions
 
 
+@pytest.mark.slow  # a fault run of 20-25 s on 2 cores: CI runs it in its slow pass
 @pytest.mark.timeout(240)
 def test_async_replication_keeps_the_standby_within_its_lag_and_a_failover_recomputes_what_it_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
