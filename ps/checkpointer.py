@@ -207,7 +207,8 @@ class Checkpointer:
         """Stops the periodic thread; with ``final``, writes one last snapshot (failure is logged)."""
         self._stop.set()
         self._due.set()
-        self._thread.join(timeout=120)
+        if self._thread.ident is not None:  # a standby's checkpointer starts only on promotion
+            self._thread.join(timeout=120)
         if final:
             try:
                 path, version = self.checkpoint_now()

@@ -264,3 +264,13 @@ def test_signed_manifests_refuse_foreign_and_unsigned_snapshots(tmp_path: Path) 
     assert unsigned.exists()
     point = find_resume_point(CheckpointConfig(directory=str(tmp_path), resume=str(unsigned)), server.signature, "adam", verify=ours)
     assert point is not None and point[0].version == 1
+
+
+def test_a_checkpointer_that_never_started_stops_and_still_writes_its_final_snapshot(tmp_path: Path) -> None:
+    # A standby's checkpointer starts only on promotion; a standby told to restart (its coordinator
+    # lost) stops it before writing the snapshot it restarts from.
+    server = make_server()
+    train(server, 2)
+    never_started = checkpointer(server, tmp_path)
+    never_started.stop(final=True)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step-")] == ["step-000000000002"]
