@@ -218,7 +218,9 @@ class IdIndex:
             going[winners] = False
             next_pos = torch.where(has_free, chosen + 1, pos + width) % cap
             rows, pos = rows[going], next_pos[going]
-            width = _next_width(width, cap)
+            # Fixed, not growing like _find's: ids that see the same first free slot contend for it
+            # and only one wins per round, so a wider window means more contenders, not fewer rounds.
+            width = min(_WINDOW, cap)
 
     def _reserve(self, n: int) -> None:
         """Rehashes before an insert of n ids would push the load above max_load."""
