@@ -168,15 +168,18 @@ class IdIndex:
 
     def _find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, slot position) of each id; (-1, -1) where absent."""
-        n = ids.numel()
-        rows = torch.full((n,), -1, dtype=torch.int64)
-        found_at = torch.full((n,), -1, dtype=torch.int64)
         cap = self.capacity
         pos = reduce_range(keyed_hash(ids, self._key), cap)
-        active = torch.arange(n)
-        keys = ids
-        width = 1
-        # Each round looks at `width` slots per unresolved id and resolves every id whose first
+        # The first round looks at the home slot only, with 1-D ops on the whole batch: most ids
+        # resolve there, and this round handles the most ids, so it is written out without windows.
+        slot = self._slots[pos].to(torch.int64)
+        hit = (slot >= 0) & (self._keys[slot.clamp(min=0)] == ids)
+        rows = torch.where(hit, slot, -1)
+        found_at = torch.where(hit, pos, -1)
+        active = (~hit & (slot != EMPTY)).nonzero().squeeze(1)
+        keys, pos = ids[active], (pos[active] + 1) % cap
+        width = min(_WINDOW, cap)
+        # Each later round looks at `width` slots per unresolved id and resolves every id whose first
         # EMPTY slot (absent) or own row (found) lies among them. An EMPTY slot always exists
         # (load <= 0.95), so the loop ends; `cap` rounds is only a backstop.
         for _ in range(cap):
@@ -186,10 +189,10 @@ class IdIndex:
             slot = self._slots[window].to(torch.int64)
             hit = (slot >= 0) & (self._keys[slot.clamp(min=0)] == keys.unsqueeze(1))
             first, done = _first(hit | (slot == EMPTY))
-            found = done & hit.gather(1, first).squeeze(1)
+            found = (done & hit.gather(1, first).squeeze(1)).nonzero().squeeze(1)
             rows[active[found]] = slot.gather(1, first).squeeze(1)[found]
             found_at[active[found]] = window.gather(1, first).squeeze(1)[found]
-            going = ~done
+            going = (~done).nonzero().squeeze(1)
             active, keys, pos = active[going], keys[going], (pos[going] + width) % cap
             width = _next_width(width, cap)
         return rows, found_at
