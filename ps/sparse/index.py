@@ -10,9 +10,9 @@ growing (0.53..0.8 with the defaults: 13..15.5 bytes per row).
 
 Ids are any int64 value (negative too): no value is reserved as a marker, because markers live in
 the slots, not in the keys. Every operation works on a whole batch with tensor ops: each round of the
-probe loop gathers the home slot (first round) or the next 16 slots (later rounds) of every
-still-unresolved id, so a batch costs about (longest probe sequence / 16) rounds of a few vectorised
-ops, and there is no Python object per id.
+probe loop gathers the home slot (first round), then the next 16, 64, 256, ... slots (later rounds)
+of every still-unresolved id, so a batch costs about log4(longest probe sequence / 4) rounds of a few
+dozen vectorised ops, and there is no Python object per id.
 
 Linear probing; deletion leaves a tombstone (a backward shift cannot be done for a whole batch at once
 without conflicts). Tombstones count toward the load, and a rehash at the same capacity clears them
@@ -34,8 +34,12 @@ from rpcps.sparse.hashing import derive_key, keyed_hash, reduce_range
 EMPTY = -1
 TOMBSTONE = -2
 _WINDOW = 16
-"""Slots examined per id in each probe round after the first (which looks at the home slot only):
-most ids resolve at home, and the few in long runs resolve in a few rounds instead of dozens."""
+"""Slots examined per id in the second probe round (the first looks at the home slot only)."""
+_WINDOW_GROWTH = 4
+"""Factor by which each later round widens the window: most ids resolve at home or in the second
+round, and the few left in long runs (a batch's longest probe sequence at load 0.8 is 100-200 slots)
+resolve in two or three more rounds instead of a dozen. Each round is a few dozen tensor ops whatever
+its width, so rounds, not slots inspected, are what a lookup costs."""
 _SLOT_SALT = 0x51_07
 
 
@@ -164,15 +168,18 @@ class IdIndex:
 
     def _find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, slot position) of each id; (-1, -1) where absent."""
-        n = ids.numel()
-        rows = torch.full((n,), -1, dtype=torch.int64)
-        found_at = torch.full((n,), -1, dtype=torch.int64)
         cap = self.capacity
         pos = reduce_range(keyed_hash(ids, self._key), cap)
-        active = torch.arange(n)
-        keys = ids
-        width = 1
-        # Each round looks at `width` slots per unresolved id and resolves every id whose first
+        # The first round looks at the home slot only, with 1-D ops on the whole batch: most ids
+        # resolve there, and this round handles the most ids, so it is written out without windows.
+        slot = self._slots[pos].to(torch.int64)
+        hit = (slot >= 0) & (self._keys[slot.clamp(min=0)] == ids)
+        rows = torch.where(hit, slot, -1)
+        found_at = torch.where(hit, pos, -1)
+        active = (~hit & (slot != EMPTY)).nonzero().squeeze(1)
+        keys, pos = ids[active], (pos[active] + 1) % cap
+        width = min(_WINDOW, cap)
+        # Each later round looks at `width` slots per unresolved id and resolves every id whose first
         # EMPTY slot (absent) or own row (found) lies among them. An EMPTY slot always exists
         # (load <= 0.95), so the loop ends; `cap` rounds is only a backstop.
         for _ in range(cap):
@@ -182,12 +189,12 @@ class IdIndex:
             slot = self._slots[window].to(torch.int64)
             hit = (slot >= 0) & (self._keys[slot.clamp(min=0)] == keys.unsqueeze(1))
             first, done = _first(hit | (slot == EMPTY))
-            found = done & hit.gather(1, first).squeeze(1)
+            found = (done & hit.gather(1, first).squeeze(1)).nonzero().squeeze(1)
             rows[active[found]] = slot.gather(1, first).squeeze(1)[found]
             found_at[active[found]] = window.gather(1, first).squeeze(1)[found]
-            going = ~done
+            going = (~done).nonzero().squeeze(1)
             active, keys, pos = active[going], keys[going], (pos[going] + width) % cap
-            width = min(_WINDOW, cap)
+            width = _next_width(width, cap)
         return rows, found_at
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -214,6 +221,8 @@ class IdIndex:
             going[winners] = False
             next_pos = torch.where(has_free, chosen + 1, pos + width) % cap
             rows, pos = rows[going], next_pos[going]
+            # Fixed, not growing like _find's: ids that see the same first free slot contend for it
+            # and only one wins per round, so a wider window means more contenders, not fewer rounds.
             width = min(_WINDOW, cap)
 
     def _reserve(self, n: int) -> None:
@@ -240,6 +249,10 @@ class IdIndex:
             self._keys = grown
         self._keys[rows] = ids
         self._keys_high_water = max(self._keys_high_water, needed)
+
+
+def _next_width(width: int, cap: int) -> int:
+    return min(_WINDOW if width == 1 else width * _WINDOW_GROWTH, cap)
 
 
 def _window(pos: torch.Tensor, width: int, cap: int) -> torch.Tensor:

@@ -17,9 +17,11 @@ from typing import Any, Literal
 
 import torch
 
-from rpcps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream_at, uniform01
+from rpcps.sparse.hashing import derive_key, keyed_hash, mix64, standard_normal, stream_offsets, uniform01
 
 _INIT_SALT = 0x1217
+_CHUNK_ROWS = 8192
+"""Rows hashed per block: 1 MiB per int64 temporary at dim 16."""
 
 InitKind = Literal["uniform", "normal", "zeros"]
 
@@ -52,8 +54,13 @@ def initial_rows(config: RowInitConfig, table_id: int, ids: torch.Tensor, dim: i
     row_keys = keyed_hash(ids, derive_key(_INIT_SALT, config.seed, table_id))
     to_float = uniform01 if config.kind == "uniform" else standard_normal
     out = torch.empty(ids.numel(), dim, dtype=torch.float32)
-    for j in range(dim):  # column by column: temporaries of one column, not of the whole block
-        out[:, j] = to_float(stream_at(row_keys, j))
+    # Element j is stream_at(row_key, j); computed for a block of rows and every j at once, because a
+    # pull that creates rows in many tables pays per tensor op (a column at a time was 16 hashes per
+    # table and creation's largest cost), while blocks of _CHUNK_ROWS bound the int64 temporaries.
+    offsets = stream_offsets(dim)
+    for lo in range(0, ids.numel(), _CHUNK_ROWS):
+        block = row_keys[lo : lo + _CHUNK_ROWS].unsqueeze(1) + offsets
+        out[lo : lo + _CHUNK_ROWS] = to_float(mix64(block))
     if config.kind == "uniform":
         return out.mul_(2 * config.scale).sub_(config.scale)
     return out.mul_(config.scale)

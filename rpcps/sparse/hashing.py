@@ -95,9 +95,15 @@ def reduce_range(h: torch.Tensor, n: int) -> torch.Tensor:
 def stream_at(row_keys: torch.Tensor, position: int) -> torch.Tensor:
     """Output ``position`` (0-based) of the splitmix64 generator seeded by each row key: int64 [n].
 
-    One position at a time, so callers building [n, dim] values need temporaries of n, not n * dim.
+    The definition of a stream; ``stream_offsets`` computes many positions at once with the same bits.
     """
     return mix64(row_keys + to_int64((position + 1) * GOLDEN))
+
+
+def stream_offsets(width: int) -> torch.Tensor:
+    """int64 [width]: what ``stream_at`` adds to a row key for positions 0..width-1, so that
+    ``mix64(row_keys.unsqueeze(1) + stream_offsets(width))`` is every position's output at once."""
+    return torch.tensor([to_int64((position + 1) * GOLDEN) for position in range(width)], dtype=torch.int64)
 
 
 def uniform01(h: torch.Tensor) -> torch.Tensor:

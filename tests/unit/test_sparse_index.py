@@ -121,6 +121,27 @@ def test_ids_of_one_bucket_still_spread_over_the_index() -> None:
     assert index.probe_lengths(torch.tensor([-5])).tolist() == [-1]
 
 
+def test_long_probe_sequences_resolve_in_the_widened_rounds() -> None:
+    # At load 0.95 linear probing builds runs of hundreds of slots, so lookups reach the rounds of
+    # 64 and 256 slots (and wrap around the end of the slots); each must still find its own row, and
+    # an absent id must stop at the first EMPTY slot, not at a later one that a wide window also sees.
+    index = IdIndex(IndexConfig(initial_slots=8192, max_load=0.95))
+    ids = torch.randint(-(2**63), 2**63 - 1, (7700,), generator=torch.Generator().manual_seed(3)).unique()
+    index.insert(ids, _rows(ids.numel()))
+    assert index.capacity == 8192
+    assert int(index.probe_lengths(ids).max()) > 16 + 64
+    assert torch.equal(index.lookup(ids.flip(0)), _rows(ids.numel()).flip(0))
+    absent = torch.randint(-(2**63), 2**63 - 1, (5000,), generator=torch.Generator().manual_seed(4))
+    absent = absent[~torch.isin(absent, ids)]
+    assert bool((index.lookup(absent) == -1).all())
+    removed = ids[::3]
+    index.remove(removed)
+    assert bool((index.lookup(removed) == -1).all())
+    kept = torch.ones(ids.numel(), dtype=torch.bool)
+    kept[::3] = False
+    assert torch.equal(index.lookup(ids[kept]), _rows(ids.numel())[kept])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

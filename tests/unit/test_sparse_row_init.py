@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.sparse.row_init import RowInitConfig, initial_rows
+from ps.sparse.row_init import _CHUNK_ROWS, _INIT_SALT, RowInitConfig, initial_rows
 from ps.sparse.row_optim import SGD
 from ps.sparse.table import SparseTable, TableConfig
+from rpcps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream_at, uniform01
 
 _IDS = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 987654321987, 42], dtype=torch.int64)
 
@@ -51,6 +52,21 @@ def test_distributions_have_the_configured_range_and_scale() -> None:
     normal = initial_rows(RowInitConfig(kind="normal", scale=0.1), 0, ids, 16)
     assert abs(float(normal.std()) - 0.1) < 0.002 and abs(float(normal.mean())) < 0.002
     assert torch.equal(initial_rows(RowInitConfig(kind="zeros"), 0, ids, 4), torch.zeros(20_000, 4))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "normal"])
+@pytest.mark.parametrize("dim", [5, 16])
+def test_block_hashing_gives_the_bits_of_the_stream_definition(kind: str, dim: int) -> None:
+    # Element j of a row is defined as stream_at(row key, j), one column at a time (the old code);
+    # initial_rows hashes blocks of rows for every j at once. Rows past one block are included.
+    cfg = RowInitConfig(kind=kind, scale=0.05, seed=7)  # type: ignore[arg-type]
+    ids = torch.cat([_IDS, torch.randint(-(2**63), 2**63 - 1, (_CHUNK_ROWS + 3,), generator=torch.Generator().manual_seed(1))])
+    keys = keyed_hash(ids, derive_key(_INIT_SALT, cfg.seed, 9))
+    to_float = uniform01 if kind == "uniform" else standard_normal
+    expected = torch.stack([to_float(stream_at(keys, j)) for j in range(dim)], dim=1).mul_(cfg.scale * (2 if kind == "uniform" else 1))
+    if kind == "uniform":
+        expected.sub_(cfg.scale)
+    assert torch.equal(initial_rows(cfg, 9, ids, dim), expected)
 
 
 @pytest.mark.parametrize(
