@@ -150,6 +150,13 @@ class _Prepared:
 def _prepare(old_dirs: list[Path], shards: int, verify: Signer | None) -> _Prepared:
     """Reads every old shard's newest valid snapshot and redistributes them; raises ReshardRefused."""
     loaded = [_newest_valid(d, verify) for d in old_dirs]
+    signed = [str(path) for manifest, _, path in loaded if "hmac" in manifest]
+    if signed and verify is None:
+        # Unchecked, and the new snapshots would be unsigned: a server with --sign-checkpoints refuses those.
+        raise ReshardRefused(
+            f"{signed[0]} is signed (the job runs with --sign-checkpoints): run rpcps reshard with --sign-checkpoints "
+            "--job-secret-file F, the job's secret, to check the old snapshots and sign the new ones"
+        )
     first = loaded[0][0]
     if len(old_dirs) > 1 and "model_signature" not in first:
         raise ReshardRefused(f"{loaded[0][2]} does not record the whole model's signature (written by an older rpcps)")

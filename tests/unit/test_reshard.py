@@ -20,6 +20,7 @@ from ps.config import CheckpointConfig, OptimizerConfig, ServerCoreConfig
 from ps.reshard import OldShard, ReshardRefused, reshard
 from ps.reshard_files import JOURNAL, reshard_directory
 from ps.snapshot_files import FINISHED_FILE, list_snapshots
+from rpcps.jobsecret import JobSecret
 from rpcps.messages import PushStatus
 from tests.unit.test_sparse_server import TinyModel, _rows, _train_sharded
 
@@ -139,11 +140,11 @@ def _meta(server: InProcessServer) -> dict[str, Any]:
     }
 
 
-def _checkpoint(servers: list[InProcessServer], root: Path) -> None:
+def _checkpoint(servers: list[InProcessServer], root: Path, sign: Any = None) -> None:
     for k, server in enumerate(servers):
         config = shard_checkpoint_config(CheckpointConfig(directory=str(root), every_seconds=None), k, len(servers))
         Path(config.directory).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
-        Checkpointer(server.core, config, _meta(server), server.core.metrics).checkpoint_now()  # type: ignore[arg-type]
+        Checkpointer(server.core, config, _meta(server), server.core.metrics, sign=sign).checkpoint_now()  # type: ignore[arg-type]
 
 
 def _resume(root: Path, fresh: list[InProcessServer]) -> list[InProcessServer]:
@@ -227,3 +228,18 @@ def test_sparse_rows_follow_their_buckets_onto_the_new_shards(tmp_path: Path, ol
     for table, rows in merged_old.items():
         assert rows.keys() == merged_new[table].keys() and all(torch.equal(r, merged_new[table][i]) for i, r in rows.items())
     assert all(torch.equal(a, _params(new)[name]) for name, a in _params(old).items())
+
+
+def test_signed_snapshots_need_the_secret_and_the_new_ones_are_signed_with_it(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 40)
+    sign = JobSecret.from_file(str(secret)).manifest_signature
+    root = tmp_path / "ckpt"
+    old = _shards(2)
+    _train(old, range(2))
+    _checkpoint(old, root, sign=sign)
+    with pytest.raises(ReshardRefused, match="is signed .*--sign-checkpoints --job-secret-file"):
+        reshard_directory(root, 1)
+    reshard_directory(root, 1, verify=sign, sign=sign)
+    point = find_resume_point(CheckpointConfig(directory=str(root)), old[0].model_signature, "adam", verify=sign)
+    assert point is not None and point[0].version == 4
