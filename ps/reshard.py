@@ -26,6 +26,7 @@ What must not live here: reading and writing snapshot directories (ps/reshard_fi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +143,8 @@ def _settings(optimizer: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in groups[0].items() if k != "params"}
 
 
-def _common(old: list[OldShard], get: Any, what: str) -> Any:
+def _common(old: list[OldShard], get: Callable[[OldShard], Any], what: str) -> Any:
+    """``get`` of every old shard, which must be equal on all of them."""
     values = [get(s) for s in old]
     for shard, value in zip(old[1:], values[1:]):
         if not _same(value, values[0]):
