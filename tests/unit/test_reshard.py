@@ -79,19 +79,44 @@ def _restored(states: list[dict[str, Any]], optimizer: OptimizerConfig = ADAM) -
 
 
 @pytest.mark.parametrize("new_count", [1, 3])
-def test_parameters_and_adam_state_move_bit_for_bit_and_training_continues_as_before(new_count: int) -> None:
-    old = _shards(2)
+@pytest.mark.parametrize("optimizer", [ADAM, SGD, OptimizerConfig(name="sgd"), OptimizerConfig(name="adagrad"),
+                                       OptimizerConfig(name="rmsprop", kwargs={"momentum": 0.5, "centered": True})],
+                         ids=["adam", "sgd-momentum", "sgd", "adagrad", "rmsprop"])
+def test_parameters_and_optimizer_state_move_bit_for_bit_and_training_continues_as_before(
+    new_count: int, optimizer: OptimizerConfig
+) -> None:
+    old = _shards(2, optimizer)
     _train(old, range(4))
     states = reshard(old[0].model_signature, _old(old), new_count, SMALL_CHUNK_BYTES)
-    new = _restored(states)
+    new = _restored(states, optimizer)
     assert all(torch.equal(a, _params(new)[name]) for name, a in _params(old).items())
+    before, after = _optimizer_state(old), _optimizer_state(new)
+    assert before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
     assert [s.version for s in new] == [8] * new_count
     # A retried push of a step the old shards processed is still a duplicate on every new shard.
     assert set(_push(new, 0, 3)) == {PushStatus.DUPLICATE}
     _train(old, range(4, 7))
     _train(new, range(4, 7))
-    # Adam's moments and step counts moved with their parameters: the same steps give the same bits.
-    assert all(torch.equal(a, _params(new)[name]) for name, a in _params(old).items())
+    if optimizer is SGD:
+        # torch's fused SGD with momentum rounds an element differently by its place in the tensor
+        # (vectorised body or tail; tried on plain tensors), and a reshard moves parameters within their chunks.
+        for name, a in _params(old).items():
+            torch.testing.assert_close(_params(new)[name], a, rtol=0, atol=1e-6)
+    else:  # the same steps from the moved state give the same bits
+        assert all(torch.equal(a, _params(new)[name]) for name, a in _params(old).items())
+
+
+def _optimizer_state(servers: list[InProcessServer]) -> dict[tuple[str, str], torch.Tensor]:
+    """(parameter, key) -> that parameter's slice of its chunk's optimizer state (a per-chunk value as is)."""
+    out = {}
+    for server in servers:
+        state = server.optimizer.state_dict()["state"]
+        for slot in server.layout.slots:
+            for key, value in state.get(slot.chunk, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                    value = value[slot.offset : slot.offset + slot.spec.numel]
+                out[(slot.spec.name, key)] = value
+    return out
 
 
 def test_a_step_one_old_shard_applied_and_another_did_not_is_refused_naming_the_slot() -> None:
