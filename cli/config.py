@@ -1,4 +1,4 @@
-"""Settings of the command-line-only roles: ``local``, ``ctl`` and ``export``."""
+"""Settings of the command-line-only roles: ``local``, ``ctl``, ``export`` and ``reshard``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,30 @@ class ExportConfig:
             raise ValueError("out is required: --out PATH")
         if self.file_format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}, got {self.file_format!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ReshardConfig:
+    """Reshard (a stopped job's checkpoint directory rewritten for another number of server shards)."""
+
+    checkpoint_dir: str | None = setting(
+        None, flag="--checkpoint-dir", help="the job's --checkpoint-dir (every server of the job stopped)", metavar="DIR"
+    )
+    shards: int | None = setting(None, help="the number of server shards the job resumes with", metavar="N")
+    job_secret_file: str | None = setting(
+        None, help="with --sign-checkpoints: the job's secret file, to verify the old snapshots and sign the new ones",
+        metavar="PATH",
+    )
+    sign: bool = setting(False, flag="--sign-checkpoints", help="the job signs its snapshots (its servers run with --sign-checkpoints)")
+    process: ProcessOptions = field(default_factory=ProcessOptions)
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_dir:
+            raise ValueError("checkpoint_dir is required: --checkpoint-dir DIR")
+        if self.shards is None or self.shards < 1:
+            raise ValueError(f"shards is required and must be >= 1: --shards N (got {self.shards})")
+        if self.sign and self.job_secret_file is None:
+            raise ValueError("--sign-checkpoints needs --job-secret-file (the secret the job signs its snapshots with)")
 
 
 DEFAULT_STORE_METRICS_PORT = 9390

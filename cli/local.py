@@ -29,6 +29,7 @@ import torch
 from cli import ctl
 from cli.config import LocalConfig, StoreConfig
 from evaluator.config import EvaluatorRunConfig
+from ps.checkpointer import shard_checkpoint_config
 from ps.config import ServerRunConfig
 from rpcps import threads
 from rpcps.address import Address
@@ -443,6 +444,9 @@ def _fmt(x: float | None) -> str:
 
 
 def run_local(config: LocalConfig) -> int:
+    # A directory of another --shards would be refused by every server, each restarted until local
+    # gives up: say it once, before starting anything (ResumeRefused names what to do).
+    shard_checkpoint_config(config.server.checkpoint, 0, config.server.core.shard_count)
     supervisor = Supervisor(config)
 
     def on_signal(*_: object) -> None:

@@ -3,7 +3,8 @@
 Roles: ``ps`` (a parameter server), ``worker`` (one training worker), ``store`` (the group's
 coordinator: its store and janitor, for jobs whose servers have standbys), ``local`` (servers plus
 N workers on this machine, supervised), ``ctl`` (a client of a running server's control plane),
-``evaluate`` (the sidecar evaluator), ``export`` (a checkpoint to the model's own state_dict file).
+``evaluate`` (the sidecar evaluator), ``export`` (a checkpoint to the model's own state_dict file),
+``reshard`` (a stopped job's checkpoint directory rewritten for another ``--shards``).
 Every option is generated from the settings the config classes declare (``rpcps.settings``).
 Nothing but ``trainer_entry.py`` calls ``main``.
 """
@@ -73,6 +74,11 @@ ROLES: dict[str, Role] = {
         "write the model a checkpoint holds as a plain PyTorch state_dict (or safetensors) file",
         "cli.config:ExportConfig",
         "cli.export:run_export",
+    ),
+    "reshard": Role(
+        "rewrite a stopped job's checkpoint directory for another --shards (parameters, optimizer state, progress, sparse rows)",
+        "cli.config:ReshardConfig",
+        "cli.reshard:run_reshard",
     ),
 }
 

@@ -29,7 +29,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ps.audit import AuditLog
 from ps.config import CheckpointConfig
 from ps.metrics import ServerMetrics
+from ps.reshard import ReshardRefused
+from ps.reshard_files import JOURNAL, journal_of, layout_dir, layouts
 from ps.snapshot_files import (
+    FINISHED_FILE,
     InvalidSnapshot,
     Signer,
     SnapshotInfo,
@@ -60,10 +63,6 @@ if TYPE_CHECKING:
     from ps.server import UpdateApplied
 
 logger = logging.getLogger(__name__)
-
-FINISHED_FILE = "finished.json"
-"""Beside the snapshots: the worker slots that finished and their step counts (outlives any one snapshot)."""
-
 
 class Snapshottable(Protocol):
     """What the checkpointer needs of the server (``ps.server.ParameterServer``)."""
@@ -447,25 +446,36 @@ def shard_checkpoint_config(config: CheckpointConfig, shard_index: int, shard_co
     """Where shard ``shard_index`` of ``shard_count`` keeps its snapshots.
 
     One server writes into --checkpoint-dir itself; shards write into ``shard-K-of-S`` below it.
-    A directory laid out for another shard count is refused: resuming S shards from snapshots of a
-    different partition would silently start from scratch or mix parameters.
+    A directory holding snapshots of another shard count is refused, whatever --resume says:
+    resuming from it would mix parameters or partitions, and starting fresh beside it (``never``)
+    would leave two layouts no later resume can choose between. ``rpcps reshard`` converts it
+    (ps/reshard_files.py); while a conversion is unfinished, the directory is refused too.
     """
     if config.directory is None:
         return config
     root = Path(config.directory)
-    layouts = {p.name for p in root.glob("shard-*-of-*") if p.is_dir() and list_snapshots(p)}
-    if list_snapshots(root):
-        layouts.add("unsharded")
-    mine = "unsharded" if shard_count == 1 else f"shard-{shard_index}-of-{shard_count}"
-    others = sorted(name for name in layouts if not (name == mine or name.endswith(f"-of-{shard_count}")))
-    if others and config.resume != "never":
+    mine = layout_dir(root, shard_index, shard_count)
+    name = "unsharded" if shard_count == 1 else mine.name
+    try:
+        journal = journal_of(root)
+    except ReshardRefused as e:
+        raise ResumeRefused(str(e)) from None
+    if journal is not None:
         raise ResumeRefused(
-            f"{root} holds snapshots of a different number of shards ({', '.join(others)}), but this server is {mine}; "
-            "resume with the same --shards, or point --checkpoint-dir at an empty directory"
+            f"{root} holds an unfinished rpcps reshard from {journal['from']} to {journal['to']} shard(s) ({JOURNAL}); "
+            f"finish it: rpcps reshard --checkpoint-dir {root} --shards {journal['to']}"
+        )
+    others = sorted(count for count in layouts(root) if count != shard_count)
+    if others:
+        found = ", ".join(f"{count} shard(s)" for count in others)
+        raise ResumeRefused(
+            f"{root} holds snapshots of {found}, but this server is {name} (--shards {shard_count}); resume with "
+            f"--shards {others[0]}, or convert the directory first with the job stopped: rpcps reshard --checkpoint-dir {root} "
+            f"--shards {shard_count} (docs/FAULT_TOLERANCE.md, Resharding), or point --checkpoint-dir at an empty directory"
         )
     if shard_count == 1:
         return config
-    return replace(config, directory=str(root / mine))
+    return replace(config, directory=str(mine))
 
 
 def find_resume_point(

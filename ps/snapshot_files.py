@@ -40,6 +40,8 @@ import torch
 FORMAT = "rpcps-snapshot-v1"
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
+FINISHED_FILE = "finished.json"
+"""Beside the snapshots: the worker slots that finished and their step counts (outlives any one snapshot)."""
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -138,13 +140,13 @@ def write_snapshot(
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if before_commit is not None:
             before_commit()
         if final.exists():  # same version written again (e.g. on-demand right after periodic)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -185,7 +187,7 @@ def write_json_durably(path: Path, data: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -288,7 +290,7 @@ def _sha256(source: Path | IO[bytes]) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -261,12 +261,18 @@ def read_layouts(root: Path, verify: Signer | None = None) -> TableChains:
 
 def snapshot_tables(path: Path, verify: Signer | None = None) -> TableChains:
     """The sparse tables of snapshot ``path`` (verified), as chains: its chain, or, for a snapshot from
-    before chains, the full copies inside its state.pt. Raises InvalidSnapshot (BrokenChain among them)."""
+    before chains or written by ``rpcps reshard``, the tables inside its state.pt. Raises InvalidSnapshot (BrokenChain among them)."""
     manifest = read_manifest(path, verify)
     if chain_names(manifest):
         return read_chain(path, manifest, verify)
     state = load_file(path / STATE_FILE)
-    return {name: [(full, []) for full in fulls] for name, fulls in state.get("sparse", {}).items()}
+    return as_chains(state.get("sparse", {}))
+
+
+def as_chains(saved: dict[str, list[Any]]) -> TableChains:
+    """Tables kept inside a state.pt as chains: bare fulls (``SparseStore.capture``, snapshots from
+    before chains) or (full, deltas) chains (``rpcps reshard`` writes those)."""
+    return {name: [entry if isinstance(entry, tuple) else (entry, []) for entry in entries] for name, entries in saved.items()}
 
 
 def _newest_chains(directory: Path, verify: Signer | None) -> TableChains:
