@@ -1,4 +1,4 @@
-"""Settings of the command-line-only roles: ``local``, ``ctl``, ``export`` and ``reshard``."""
+"""Settings of the command-line-only roles ``local``, ``export`` and ``reshard`` (``ctl``'s are in ``cli.ctl_config``)."""
 
 from __future__ import annotations
 
@@ -41,30 +41,6 @@ class LocalConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-
-
-@dataclass(kw_only=True, frozen=True)
-class CtlConfig:
-    """Control-plane client."""
-
-    addr: Address = setting(
-        Address("127.0.0.1", 9500), help="HOST:PORT of the server's control plane (its --control-addr/--control-port)",
-        metavar="HOST:PORT",
-    )
-    token_file: str | None = setting(None, help="file holding the token the server requires (its --control-token-file)", metavar="PATH")
-    tls_ca: str | None = setting(None, help="PEM certificate that signed the server's --tls-cert; turns TLS on", metavar="PATH")
-    timeout_s: float = setting(30.0, help="deadline of the call")
-    out: str | None = setting(None, help="with export: the file to write the trained model's state_dict to", metavar="PATH")
-    file_format: str = setting(
-        "auto", flag="--format", help="with export: torch, safetensors, or auto (safetensors for a .safetensors --out)",
-        choices=lambda: FORMATS,
-    )
-
-    def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.file_format not in FORMATS:
-            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.file_format!r}")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -23,7 +23,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cli.config import CtlConfig
+from cli.ctl_config import CtlConfig
 from ps.control import control_pb2 as pb
 from ps.control.auth import bearer_metadata, read_token
 from ps.control.control_pb2_grpc import ControlStub

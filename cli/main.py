@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from cli.options import add_settings, resolve
-from rpcps import transport
 from rpcps.settings import Declared, build, declared
 
 
@@ -62,7 +61,7 @@ ROLES: dict[str, Role] = {
     ),
     "ctl": Role(
         "talk to a running server's control plane: status, checkpoint, pause, resume, shutdown",
-        "cli.config:CtlConfig",
+        "cli.ctl_config:CtlConfig",
         "cli.ctl:run",
     ),
     "evaluate": Role(
@@ -133,13 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = _load(ROLES[args.role].run)
     if args.role == "ctl":
         return run(args.action, config, as_json=args.json)
+    # By name, like the roles: a module-level import would load torch into ctl, a gRPC client that
+    # has no use for its 2-3 s of start-up.
+    transport_error = _load("rpcps.transport:TransportError")
     _configure_logging(args.role, config)
     try:
         return run(config)
     except ValueError as e:  # bad settings caught late (a plug-in spec, a refused resume)
         print(f"rpcps {args.role}: error: {e}", file=sys.stderr)
         return 2
-    except (transport.TransportError, OSError) as e:
+    except (transport_error, OSError) as e:
         print(f"rpcps {args.role}: error: {e}", file=sys.stderr)
         return 1
     except RuntimeError:

@@ -19,8 +19,10 @@ import io
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = ("auto", "torch", "safetensors")
 
@@ -38,6 +40,8 @@ def to_bytes(state: dict[str, torch.Tensor], fmt: str) -> bytes:
     """The file's content for ``state`` in ``fmt`` (``torch`` or ``safetensors``)."""
     # Tensors of a state_dict may be views into a larger storage; torch.save would write all of it,
     # safetensors refuses shared storage. Contiguous CPU copies hold exactly what the model holds.
+    import torch  # here, not at the top: ``rpcps ctl`` writes files it got as bytes and never loads torch
+
     state = {name: t.detach().to("cpu").contiguous().clone() for name, t in state.items()}
     if fmt == "safetensors":
         return _safetensors().save(state, metadata={"format": "pt"})
@@ -80,6 +84,8 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         head = f.read(4)
     if head.startswith(b"PK"):  # torch.save writes a zip archive
+        import torch
+
         return torch.load(path, map_location="cpu", weights_only=True)
     return _safetensors().load_file(str(path))
 

@@ -25,6 +25,11 @@ def run_ctl(address: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def imported_modules(stderr: str) -> set[str]:
+    """Modules a process imported, from ``python -X importtime``'s lines ("import time: us | us | name")."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:") and "|" in line}
+
+
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.inprocess import InProcessServer
+from harness.procs import ENTRY, REPO, child_env
 from ps.config import ControlConfig, ServerCoreConfig
 from ps.control import control_pb2 as pb
 from ps.control.auth import bearer_metadata
@@ -28,7 +31,7 @@ from ps.control.hooks import CheckpointHook
 from ps.control.service import CONTROL_SERVICE, ControlServer, start_control_server
 from rpcps.tasks import teacher_student_model
 from tests.integration.certs import self_signed
-from tests.integration.conftest import run_ctl
+from tests.integration.conftest import imported_modules, run_ctl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -345,6 +348,20 @@ def test_ctl_cli_against_a_live_server(
 
     done = run_ctl(handle.address, "shutdown", *auth)
     assert done.returncode == 0 and done.stdout.startswith("shutdown requested") and shutdown.is_set()
+
+
+def test_ctl_cli_imports_no_torch(start: Callable[..., Any]) -> None:
+    """``rpcps ctl`` is a gRPC client: torch would add 2-3 s of start-up to every call and do nothing."""
+    handle, _ = start()
+    handle.set_serving(True)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(ENTRY), "ctl", "status", "--addr", handle.address, "--timeout-s", "20"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules = imported_modules(done.stderr)
+    assert "cli.ctl_config" in modules  # the importtime lines were read at all
+    assert sorted(m for m in modules if m == "torch" or m.startswith("torch.")) == []
 
 
 def test_ctl_cli_unreachable_server_is_one_line(start: Callable[..., Any]) -> None:

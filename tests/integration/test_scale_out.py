@@ -49,7 +49,9 @@ def test_sync_round_does_not_hang_when_a_worker_dies_mid_round(procs: ProcessGro
 @pytest.mark.timeout(180)
 def test_a_worker_joining_mid_run_is_counted_and_contributes(procs: ProcessGroup, tmp_path: Path) -> None:
     _ps, port, mport = procs.ps("ps")
-    procs.worker("w0", port, 0, 2, "--steps", "1500")
+    # w0 trains until teardown: with a fixed 1500 steps it once finished (~300 updates/s) before the
+    # late worker's interpreter had started, so "two live workers" never came and the wait ran its 60 s.
+    procs.worker("w0", port, 0, 2, "--steps", "1000000")
     wait_until(lambda: version(mport) >= 50, 90, "training with one worker")
     assert try_scrape(mport).get("rpcps_server_live_workers") == 1
     late, _ = procs.worker("w1", port, 1, 2, "--steps", "100", "--summary-json", str(tmp_path / "w1.json"))

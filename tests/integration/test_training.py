@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.procs import ENTRY, ProcessGroup, free_port, scrape_metrics, wait_until
-from tests.integration.conftest import assert_learned, read_json, wait_for_updates
+from tests.integration.conftest import assert_learned, imported_modules, read_json, wait_for_updates
 
 pytestmark = pytest.mark.integration
 
@@ -87,11 +87,6 @@ def test_worker_started_before_its_server_waits_and_trains(procs: ProcessGroup, 
     assert ps.alive()
 
 
-def _imported_modules(stderr: str) -> set[str]:
-    """Modules a process imported, from ``python -X importtime``'s lines ("import time: us | us | name")."""
-    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:") and "|" in line}
-
-
 @pytest.mark.timeout(180)
 def test_hand_started_workers_share_a_host_and_load_no_server_module(procs: ProcessGroup) -> None:
     """Two workers started by hand on one host without --metrics-port or LOCAL_RANK both run (the
@@ -112,7 +107,7 @@ def test_hand_started_workers_share_a_host_and_load_no_server_module(procs: Proc
     ports = [re.findall(r"metrics on http://127.0.0.1:(\d+)/metrics", w.stderr()) for w in workers]
     assert all(len(p) == 1 for p in ports) and ports[0] != ports[1], ports
     for w in workers:
-        modules = _imported_modules(w.stderr())
+        modules = imported_modules(w.stderr())
         assert "worker.trainer" in modules  # the importtime lines were read at all
         server_side = sorted(m for m in modules if m == "ps" or m.startswith("ps."))
         assert not server_side, f"{w.name} imported server modules: {server_side}"
