@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from prometheus_client.registry import Collector
 from cli.config import StoreConfig
 from ps.exposure import TP_IFNAME, Exposed
 from ps.store_guard import StoreGuard
-from rpcps import rpc_policy, transport
+from rpcps import rpc_policy, signals, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.transport import membership
@@ -131,8 +130,7 @@ def run_store(config: StoreConfig) -> int:
     check_exposure(config, os.environ)
     secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signals.on_signals(lambda _signum: stop.set())
     metrics = CoordinatorMetrics.create(str(config.listen))
     http, _ = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     # The coordinator serves no worker API, but peers may still name it: the same allow-list applies.

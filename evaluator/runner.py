@@ -24,7 +24,7 @@ from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
 from evaluator.scoring import Batch, Scorer, checked, load_batches, load_scorer
-from rpcps import plugins, rpc_policy, transport
+from rpcps import plugins, rpc_policy, signals, transport
 from rpcps.errors import SignatureMismatch
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
@@ -153,8 +153,7 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
             for k in range(1, first.shard_count())
         ]
         observer = Observer(evaluation.model, clients)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        signals.on_signals(lambda _signum: stop.set())
         _loop(config.evaluator, observer, evaluation, stop)
         return EXIT_OK
     except (transport.PeerUnreachable, transport.PeerTimeout) as e:

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -32,7 +31,7 @@ from ps.replication.standby import CatchUpFailed
 from ps.server import ParameterServer
 from ps.service import WorkerService
 from ps.store_guard import StoreGuard
-from rpcps import endpoints, memory, plugins, replica_endpoints, rpc_policy, threads, transport
+from rpcps import endpoints, memory, plugins, replica_endpoints, rpc_policy, signals, threads, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.listen_sockets import ListenerWatch
 from rpcps.metrics_http import build_info, serve_metrics
@@ -64,12 +63,11 @@ def run_server(config: ServerRunConfig) -> int:
     asked_to_stop = threading.Event()
     """A signal or the control plane asked this process to end: it must not restart itself."""
 
-    def on_signal(*_: object) -> None:
+    def on_signal(_signum: int) -> None:
         asked_to_stop.set()
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    signals.on_signals(on_signal)
     metrics = ServerMetrics()
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
     metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads)))

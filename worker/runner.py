@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 
-from rpcps import memory, plugins, replica_endpoints, rpc_policy, threads, transport
+from rpcps import memory, plugins, replica_endpoints, rpc_policy, signals, threads, transport
 from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
@@ -50,7 +50,7 @@ def run_worker(config: WorkerRunConfig) -> int:
     trainer: Trainer | None = None
     stopping = False
 
-    def on_signal(*_: object) -> None:
+    def on_signal(_signum: int) -> None:
         nonlocal stopping
         stopping = True
         if trainer is not None:
@@ -84,8 +84,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         trainer = Trainer(config.worker, clients, name, metrics, stats)
         replica_endpoints.publish_listener(trainer)  # a shard's new primary announces itself here
         transport.set_max_message_bytes(rpc_policy.message_limit(trainer.signature.numel, options.max_message_mb))
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
+        signals.on_signals(on_signal)
         summary = trainer.run()
         summary["reconnects"] = reconnects
         # Done means durable: a worker reports success only once a committed checkpoint holds every
