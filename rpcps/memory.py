@@ -19,8 +19,8 @@ start-up): an operator's choice wins. Other allocators (musl, jemalloc via LD_PR
 
 Even with two arenas and no per-message allocation rpcps controls, TensorPipe's receive buffers (a
 server's pushes, a worker's replies) are allocated and freed per message, and glibc keeps what they
-leave free: measured, a worker whose blocks in use were 90-280 MB held 850-1100 MB of free arena
-pages resident, a server 500-860 MB. ``malloc_trim(0)`` gives every free page back (``madvise``),
+leave free: measured, a worker whose blocks in use were 90-280 MB held 690-1050 MB of free arena
+pages resident, a server 580-860 MB. ``malloc_trim(0)`` gives every free page back (``madvise``),
 so a ``Trimmer`` calls it every ``interval_s`` on a background thread, off the request path: the
 pages a later message reuses are faulted in again, which is why it runs every few seconds rather
 than after every message (a trim per second cost a quarter of the throughput; docs/BENCHMARKS.md).
