@@ -10,8 +10,8 @@ from rpcps.settings import setting
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MIN_TRIM_S, MAX_TRIM_S = 0.5, 3600.0
-"""A trim walks every arena under its lock and the pages it frees are faulted in again: more often
-than twice a second costs throughput (docs/BENCHMARKS.md, "Memory on defaults")."""
+"""A trim walks every arena under its lock and the pages it frees are faulted in again: one a second
+already cost a quarter of the throughput (docs/BENCHMARKS.md, "Memory on defaults")."""
 
 
 @dataclass(kw_only=True, frozen=True)
