@@ -12,22 +12,34 @@ VmHWM are read from /proc/<pid>/status every 0.5 s (bench.common). Printed again
 * server peak RSS <= 2 x (parameters + optimizer state) + 600 MB;
 * worker peak RSS <= model + 2 x gradients + 500 MB;
 
-and the server's RSS at each quarter of the run with its growth over the second half (MB/min).
+and the server's RSS at each quarter of the run with its growth over the second half (MB/min). The
+floor the fixed parts of the budgets are meant for is measured first, in the same run: the peak RSS
+of a process that imports torch and rpcps's server and worker and starts an RPC agent (a group of one).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import local_argv, print_table, run_local
+from bench.common import child_env, local_argv, print_table, run_local
 from rpcps import plugins
+from rpcps.ports import free_port
 
 MB = 1024 * 1024
 SERVER_FIXED_MB, WORKER_FIXED_MB = 600, 500
+_FLOOR = """
+import sys, torch, torch.distributed.rpc as rpc
+import ps.runner, worker.runner
+rpc.init_rpc("floor", rank=0, world_size=1,
+             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{sys.argv[1]}"))
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")))
+rpc.shutdown()
+"""
 
 
 def main() -> int:
@@ -42,6 +54,8 @@ def main() -> int:
     for item in args.malloc:
         name, _, value = item.partition("=")
         os.environ[name] = value  # children inherit it (bench.common.child_env)
+    floor_mb = int(subprocess.run([sys.executable, "-c", _FLOOR, str(free_port())], env=child_env(), check=True,
+                                  capture_output=True, text=True, timeout=120).stdout.split()[0]) / 1024
     run_dir = Path(tempfile.mkdtemp(prefix="rpcps-bench-mem-")) / "run"
     run = run_local(local_argv(run_dir, model=args.model, data=args.data, workers=args.workers, steps=1_000_000), run_dir,
                     interval_s=0.5, stop_after_s=60 * args.minutes)
@@ -62,6 +76,7 @@ def main() -> int:
     print_table(
         ["quantity", "MB"],
         [
+            ["floor: import torch + rpcps, RPC agent started (peak RSS)", f"{floor_mb:.0f}"],
             ["parameters (fp32)", f"{params_mb:.0f}"],
             ["optimizer state (Adam, 2 x fp32)", f"{opt_mb:.0f}"],
             ["server budget 2 x (params + optimizer) + 600", f"{server_budget:.0f}"],

@@ -161,6 +161,7 @@ def run_server(config: ServerRunConfig) -> int:
         _leave_and_restart(control, janitor, store_guard, http)
     reaper = MembershipReaper(service, config.lease_s, store_host=transport.store_host(), secret=secret)
     reaper.start()
+    trimmer = memory.start_trimming(config.process.malloc_trim_s)  # after start-up, which leaves the most behind
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
     recovery = ListenerRecovery(time.monotonic(), transport.membership.ranks_handed_out)
     control.set_serving(True)
@@ -206,6 +207,8 @@ def run_server(config: ServerRunConfig) -> int:
     finally:
         control.stop(grace_s=5)
         reaper.stop()
+        if trimmer is not None:
+            trimmer.stop()
         if janitor is not None:
             janitor.stop()
         if store_guard is not None:

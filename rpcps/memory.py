@@ -1,4 +1,5 @@
-"""glibc malloc settings for a process that moves large tensors, set once at start-up.
+"""glibc malloc settings for a process that moves large tensors: set once at start-up, and freed
+memory given back to the kernel every few seconds.
 
 A server or worker allocates a buffer of megabytes per message: TensorPipe's receive buffers, pull
 snapshots, gradients. With glibc's defaults every thread that allocates gets its own arena (up to 8
@@ -15,6 +16,14 @@ large buffers instead of allocating them per message (``ps.pull_copies``, ``Grad
 
 A setting whose ``MALLOC_*_`` environment variable is set is left to glibc (which read it at
 start-up): an operator's choice wins. Other allocators (musl, jemalloc via LD_PRELOAD) are left alone.
+
+Even with two arenas and no per-message allocation rpcps controls, TensorPipe's receive buffers (a
+server's pushes, a worker's replies) are allocated and freed per message, and glibc keeps what they
+leave free: measured, a worker whose blocks in use were 90-280 MB held 690-1050 MB of free arena
+pages resident, a server 580-860 MB. ``malloc_trim(0)`` gives every free page back (``madvise``),
+so a ``Trimmer`` calls it every ``interval_s`` on a background thread, off the request path: the
+pages a later message reuses are faulted in again, which is why it runs every few seconds rather
+than after every message (a trim per second cost a quarter of the throughput; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,6 +32,10 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import time
+from collections.abc import Mapping
+
+from rpcps.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +53,7 @@ def tune_malloc() -> dict[str, int]:
         return {}
     applied = {}
     for param, value, env in _SETTINGS:
-        if env in os.environ or env + "_" in os.environ or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        if left_to_environment(env, os.environ):
             continue
         if libc.mallopt(param, value) == 1:
             applied[env] = value
@@ -48,6 +61,12 @@ def tune_malloc() -> dict[str, int]:
             logger.warning("mallopt refused %s=%d", env, value)
     logger.info("malloc: %s", ", ".join(f"{k}={v}" for k, v in applied.items()) or "left to the environment")
     return applied
+
+
+def left_to_environment(variable: str, environ: Mapping[str, str]) -> bool:
+    """Whether glibc took this malloc setting from the environment at start-up (``MALLOC_ARENA_MAX``,
+    its ``MALLOC_ARENA_MAX_`` spelling, or any ``glibc.malloc`` tunable), so rpcps must not override it."""
+    return variable in environ or variable + "_" in environ or "glibc.malloc" in environ.get("GLIBC_TUNABLES", "")
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -60,3 +79,43 @@ def _glibc() -> ctypes.CDLL | None:
     except (OSError, AttributeError):
         return None
     return libc
+
+
+class Trimmer:
+    """Calls glibc's ``malloc_trim(0)`` every ``interval_s`` seconds on a daemon thread until stopped."""
+
+    def __init__(self, libc: ctypes.CDLL, interval_s: float) -> None:
+        self._trim = libc.malloc_trim
+        self.trims = 0
+        self.seconds = 0.0
+        """Time spent inside ``malloc_trim`` (it holds each arena's lock while it walks it)."""
+        self._task = Periodic("malloc-trim", interval_s, self.trim)
+
+    def trim(self) -> None:
+        started = time.perf_counter()
+        self._trim(0)
+        self.seconds += time.perf_counter() - started
+        self.trims += 1
+
+    def start(self) -> None:
+        self._task.start()
+
+    def stop(self) -> None:
+        self._task.stop()
+        logger.debug("malloc_trim: %d calls, %.2f s in all", self.trims, self.seconds)
+
+
+def start_trimming(interval_s: float) -> Trimmer | None:
+    """Starts a ``Trimmer`` (``interval_s`` 0: none). Without glibc there is nothing to trim: says so, returns None."""
+    if interval_s == 0:
+        logger.info("malloc_trim: off")
+        return None
+    libc = _glibc()
+    if libc is None:
+        logger.info("malloc_trim: not glibc, nothing to trim")
+        return None
+    trimmer = Trimmer(libc, interval_s)
+    trimmer.trim()  # start-up (imports, model, snapshot restore) leaves the most free memory behind
+    trimmer.start()
+    logger.info("malloc_trim: every %gs", interval_s)
+    return trimmer

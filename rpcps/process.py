@@ -9,6 +9,9 @@ from rpcps import plugins
 from rpcps.settings import setting
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MIN_TRIM_S, MAX_TRIM_S = 0.5, 3600.0
+"""A trim walks every arena under its lock and the pages it frees are faulted in again: one a second
+already cost a quarter of the throughput (docs/BENCHMARKS.md, "Memory on defaults")."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -27,12 +30,20 @@ class ProcessOptions:
         "cores (LOCAL_WORLD_SIZE processes share them; local divides them between its children)",
         metavar="N",
     )
+    malloc_trim_s: float = setting(
+        3.0,
+        help="seconds between malloc_trim calls that give glibc's free heap pages back to the kernel, off the request "
+        "path (0: never; rpcps.memory)",
+        metavar="SECONDS",
+    )
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
         if self.threads is not None and not 1 <= self.threads <= 1024:
             raise ValueError(f"threads must be in [1, 1024], got {self.threads}")
+        if not (self.malloc_trim_s == 0 or MIN_TRIM_S <= self.malloc_trim_s <= MAX_TRIM_S):
+            raise ValueError(f"malloc_trim_s must be 0 (never) or in [{MIN_TRIM_S}, {MAX_TRIM_S}] seconds, got {self.malloc_trim_s}")
 
 
 def model_setting() -> Any:

@@ -67,6 +67,7 @@ def run_worker(config: WorkerRunConfig) -> int:
     rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused), extra_calls=replica_endpoints.WORKER_ENDPOINTS)
     name: str | None = None
     store_host = ""
+    trimmer: memory.Trimmer | None = None
     try:
         assert config.ps is not None  # WorkerRunConfig requires it
         try:
@@ -85,6 +86,7 @@ def run_worker(config: WorkerRunConfig) -> int:
         replica_endpoints.publish_listener(trainer)  # a shard's new primary announces itself here
         transport.set_max_message_bytes(rpc_policy.message_limit(trainer.signature.numel, options.max_message_mb))
         signals.on_signals(on_signal)
+        trimmer = memory.start_trimming(config.process.malloc_trim_s)  # after start-up, which leaves the most behind
         summary = trainer.run()
         summary["reconnects"] = reconnects
         # Done means durable: a worker reports success only once a committed checkpoint holds every
@@ -115,6 +117,8 @@ def run_worker(config: WorkerRunConfig) -> int:
         logger.error("%s; this slot's last steps would not survive a server crash (exit %d)", e, EXIT_NOT_DURABLE)
         return EXIT_NOT_DURABLE
     finally:
+        if trimmer is not None:
+            trimmer.stop()
         if store_host:
             transport.leave(name, store_host, secret)  # bounded: fails fast (or in 5 s) when the store's host is gone
         transport.shutdown()

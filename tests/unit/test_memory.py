@@ -1,0 +1,75 @@
+"""glibc malloc tuning (rpcps.memory): what the environment keeps for itself, the trim setting, the trimmer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from cli.local import Supervisor
+from cli.main import parse
+from rpcps import memory
+from rpcps.process import ProcessOptions
+
+
+@pytest.mark.parametrize(
+    ("environ", "left"),
+    [
+        ({}, False),
+        ({"MALLOC_ARENA_MAX": "4"}, True),
+        ({"MALLOC_ARENA_MAX_": "4"}, True),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, True),
+        ({"GLIBC_TUNABLES": "glibc.pthread.rseq=0", "MALLOC_TOP_PAD_": "1"}, False),
+    ],
+)
+def test_a_setting_the_environment_made_is_left_to_it(environ: dict[str, str], left: bool) -> None:
+    assert memory.left_to_environment("MALLOC_ARENA_MAX", environ) is left
+
+
+@pytest.mark.parametrize("seconds", [0.1, -1.0, 3601.0])
+def test_the_trim_interval_is_zero_or_in_range(seconds: float) -> None:
+    with pytest.raises(ValueError, match="malloc_trim_s must be 0"):
+        ProcessOptions(malloc_trim_s=seconds)
+
+
+def test_the_trim_interval_is_a_setting_of_every_role_and_local_passes_it_on(tmp_path: os.PathLike[str]) -> None:
+    assert parse(["ps", "--malloc-trim-s", "0"])[1].process.malloc_trim_s == 0
+    assert parse(["worker", "--ps", "127.0.0.1:29500", "--malloc-trim-s", "7"])[1].process.malloc_trim_s == 7
+    config = parse(["local", "--workers", "2", "--malloc-trim-s", "7", "--run-dir", str(tmp_path)])[1]
+    children = Supervisor(config).children
+    assert {float(c.argv[c.argv.index("--malloc-trim-s") + 1]) for c in children} == {7.0}, [c.argv for c in children]
+
+
+class _FakeLibc:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.called = threading.Event()
+
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(pad)
+        self.called.set()
+        return 1
+
+
+@pytest.mark.timeout(10)
+def test_the_trimmer_trims_at_once_then_every_interval_until_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _FakeLibc()
+    monkeypatch.setattr(memory, "_glibc", lambda: libc)
+    trimmer = memory.start_trimming(0.05)
+    assert trimmer is not None and libc.calls == [0]  # start-up's leftovers go at once
+    deadline = time.monotonic() + 5
+    while len(libc.calls) < 3 and time.monotonic() < deadline:
+        libc.called.wait(0.05)
+    trimmer.stop()
+    assert len(libc.calls) >= 3 and set(libc.calls) == {0} and trimmer.trims == len(libc.calls)
+    assert "malloc-trim" not in {t.name for t in threading.enumerate()}  # stopped: nothing trims any more
+
+
+def test_no_trimmer_when_off_or_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _FakeLibc()
+    monkeypatch.setattr(memory, "_glibc", lambda: libc)
+    assert memory.start_trimming(0) is None and libc.calls == []
+    monkeypatch.setattr(memory, "_glibc", lambda: None)
+    assert memory.start_trimming(1.0) is None
