@@ -24,7 +24,7 @@ from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
 from evaluator.scoring import Batch, Scorer, checked, load_batches, load_scorer
-from rpcps import plugins, rpc_policy, signals, transport
+from rpcps import memory, plugins, rpc_policy, signals, transport
 from rpcps.errors import SignatureMismatch
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
@@ -123,6 +123,7 @@ class Evaluation:
 
 def run_evaluator(config: EvaluatorRunConfig) -> int:
     assert config.ps is not None
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     started = time.monotonic()
     reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
     metrics = EvaluatorMetrics()
@@ -139,6 +140,7 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
     name: str | None = None
     store_host = ""
     observer: Observer | None = None
+    trimmer: memory.Trimmer | None = None
     try:
         try:
             name = transport.join(config.ps, "evaluator", config.transport)
@@ -154,6 +156,7 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
         ]
         observer = Observer(evaluation.model, clients)
         signals.on_signals(lambda _signum: stop.set())
+        trimmer = memory.start_trimming(config.process.malloc_trim_s)  # a whole model copy per pull, as in a worker
         _loop(config.evaluator, observer, evaluation, stop)
         return EXIT_OK
     except (transport.PeerUnreachable, transport.PeerTimeout) as e:
@@ -167,6 +170,8 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
         logger.error("%s", e)
         return EXIT_REFUSED
     finally:
+        if trimmer is not None:
+            trimmer.stop()
         write_summary(config.process.summary_json, {
             "role": "evaluator",
             "evaluations": evaluation.count,

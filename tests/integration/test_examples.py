@@ -115,6 +115,7 @@ def test_hand_started_server_worker_and_evaluator(procs: ProcessGroup, tmp_path:
     evaluator.send(15)
     assert evaluator.wait(60) == 0, evaluator.tail()
     assert read_json(tmp_path / "evaluator.json")["model_version"] == 200
+    assert "malloc_trim: every 3s" in evaluator.stderr(), "the evaluator (a model copy per pull) gives free heap back too"
 
 
 @pytest.mark.timeout(120)
