@@ -9,7 +9,9 @@ Used by the integration tests and by ``tools/chaos.py``. Three kinds of planned 
   kill waits until the shard has its standby back in sync (so every kill is a failover, not a fall
   back to a snapshot).
 - ``KillAfterFinish(worker, delay_s)``: SIGKILL the server ``delay_s`` after a worker exited
-  successfully (its steps must have been made durable first).
+  successfully (its steps must have been made durable first), or sooner, as soon as every worker
+  has finished: the job then stops its server within a fraction of a second, and a kill that waited
+  for its delay would find no server left to crash.
 - ``FailPoint(name, hit)``: the server kills itself the ``hit``-th time it reaches a named point
   (``rpcps.failpoints``), e.g. between a snapshot's ledger line and the rename that commits it:
   windows far too short to hit with a signal from outside.
@@ -238,6 +240,7 @@ class _Driver:
     def __init__(self, plan: ChaosPlan, run_dir: Path, replicas: list[list[str]]) -> None:
         self.run_dir = run_dir
         self.replicas = replicas
+        self.workers = [f"worker{i}" for i in range(plan.workers)]
         """Per shard, the children serving it (two each with replicas)."""
         self.shard0 = replicas[0]
         self.killed_pids: dict[int, int] = {}
@@ -277,9 +280,11 @@ class _Driver:
                 self.fired.append((kill, time.time()))
             else:
                 self.by_version.insert(0, kill)  # the server is restarting: try again on the next poll
+        all_finished = all(self._finished(w) is not None for w in self.workers)
         for kill in list(self.after_finish):
             finished = self._finished(kill.worker)
-            if finished and time.monotonic() - finished >= kill.delay_s and self._signal(children, kill.server, signal.SIGKILL):
+            due = finished is not None and (time.monotonic() - finished >= kill.delay_s or all_finished)
+            if due and self._signal(children, kill.server, signal.SIGKILL):
                 self.after_finish.remove(kill)
                 self.fired.append((kill, time.time()))
 
