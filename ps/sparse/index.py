@@ -194,7 +194,7 @@ class IdIndex:
             found_at[active[found]] = window.gather(1, first).squeeze(1)[found]
             going = (~done).nonzero().squeeze(1)
             active, keys, pos = active[going], keys[going], (pos[going] + width) % cap
-            width = _next_width(width, cap)
+            width = min(width * _WINDOW_GROWTH, cap)
         return rows, found_at
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -249,10 +249,6 @@ class IdIndex:
             self._keys = grown
         self._keys[rows] = ids
         self._keys_high_water = max(self._keys_high_water, needed)
-
-
-def _next_width(width: int, cap: int) -> int:
-    return min(_WINDOW if width == 1 else width * _WINDOW_GROWTH, cap)
 
 
 def _window(pos: torch.Tensor, width: int, cap: int) -> torch.Tensor:
