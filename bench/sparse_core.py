@@ -7,7 +7,10 @@ What it measures, in this order, on one table (dim 16, row-wise Adagrad by defau
    /proc/self/status (after a warm-up table has paid torch's one-time first-call costs), VmHWM
    growth (the peak, including the growth copies), VmRSS again after glibc's malloc_trim(0) (what
    the allocator keeps of freed temporaries is the difference), the table's own accounting, and the
-   index's bytes per row. Compare with MALLOC_MMAP_THRESHOLD_=131072 in the environment.
+   index's bytes per row. Compare with MALLOC_MMAP_THRESHOLD_=131072 in the environment. With
+   ``--malloc-trim-s`` (default: the product's, as every server runs) the product's own trimmer
+   (rpcps.memory) runs during the build, and VmRSS is read again after its next trim: what a server
+   holds as it runs.
 2. Zipf(``--alpha``) batches of ``--batch`` ids over the built ids, as a CTR step would send them:
    index lookup of the raw batch (duplicates included), then pull and apply of its unique ids.
 3. Delta captures after each of ``--delta-steps`` counts of such steps (touched rows only): time
@@ -47,6 +50,8 @@ from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
 from ps.sparse_store import SparseStore
+from rpcps.memory import Trimmer, start_trimming
+from rpcps.process import ProcessOptions
 from rpcps.sparse.hashing import derive_key, keyed_hash
 from rpcps.sparse.spec import TableSpec
 
@@ -149,7 +154,18 @@ def _table(config: TableConfig, via_store: bool) -> tuple[SparseTable, Pull]:
     return store.tables[config.name], lambda ids: store.pull({config.name: ids}, torch.float32)
 
 
-def _measure_build(config: TableConfig, rows: int, batch: int, key: int, via_store: bool) -> SparseTable:
+def _rss_after_next_trim(trimmer: Trimmer, deadline_s: float = 60.0) -> int:
+    """VmRSS (kB) once the running trimmer has trimmed again after this call."""
+    seen = trimmer.trims
+    deadline = time.monotonic() + deadline_s
+    while trimmer.trims == seen:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the malloc trimmer did not run within {deadline_s:.0f} s")
+        time.sleep(0.05)
+    return _rss_kb()[0]
+
+
+def _measure_build(config: TableConfig, rows: int, batch: int, key: int, via_store: bool, trim_s: float) -> SparseTable:
     warm, pull = _table(config, via_store)  # torch's lazy one-time initialisation is not the table's memory
     pull(torch.arange(5000))
     warm.apply(torch.arange(5000), torch.zeros(5000, config.dim))
@@ -157,11 +173,16 @@ def _measure_build(config: TableConfig, rows: int, batch: int, key: int, via_sto
     del warm, pull
     rss0, hwm0 = _rss_kb()
     table, pull = _table(config, via_store)
+    trimmer = start_trimming(trim_s)
     start = time.perf_counter()
     for lo in range(0, rows, batch):
         pull(keyed_hash(torch.arange(lo, min(lo + batch, rows)), key))
     build_s = time.perf_counter() - start
     rss1, hwm1 = _rss_kb()
+    running = "trimmer off"
+    if trimmer is not None:
+        running = f"VmRSS after the running trimmer's next trim (every {trim_s:g} s) +{(_rss_after_next_trim(trimmer) - rss0) * 1024 / rows:.1f} B/row"
+        trimmer.stop()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss2, _ = _rss_kb()
     stats = table.stats()
@@ -170,7 +191,7 @@ def _measure_build(config: TableConfig, rows: int, batch: int, key: int, via_sto
     per_row = {name: (kb - base) * 1024 / rows for name, kb, base in (("rss", rss1, rss0), ("hwm", hwm1, hwm0), ("trim", rss2, rss0))}
     print(
         f"memory: VmRSS +{per_row['rss']:.1f} B/row, VmHWM +{per_row['hwm']:.1f} B/row, "
-        f"VmRSS after malloc_trim +{per_row['trim']:.1f} B/row; table accounts {stats.bytes_per_row:.1f} B/row, "
+        f"{running}, VmRSS after malloc_trim +{per_row['trim']:.1f} B/row; table accounts {stats.bytes_per_row:.1f} B/row, "
         f"index {stats.index_bytes_per_row:.2f} B/row (payload {config.width * 4} B/row)"
     )
     return table
@@ -188,12 +209,19 @@ def main() -> None:
     p.add_argument("--write-dir", type=Path, help="an empty scratch directory on the disk to measure (removed after)")
     p.add_argument("--via-store", action="store_true", help="build the table as the server does (ps.sparse_store) and pull through it")
     p.add_argument("--build-only", action="store_true", help="stop after the build (memory) figures")
+    p.add_argument(
+        "--malloc-trim-s",
+        type=float,
+        default=ProcessOptions().malloc_trim_s,
+        help="run the product's malloc trimmer during the build every this many seconds, as a server does "
+        "(default: the product's default; 0: off)",
+    )
     args = p.parse_args()
     key = derive_key(2024)
     config = TableConfig(name="bench", table_id=0, dim=args.dim, optimizer=OPTIMIZERS[args.optimizer]())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {config.optimizer}, width {config.width}")
     print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
-    table = _measure_build(config, args.rows, args.batch, key, args.via_store)
+    table = _measure_build(config, args.rows, args.batch, key, args.via_store, args.malloc_trim_s)
     if args.build_only:
         return
     lock = TimedLock()
