@@ -35,11 +35,14 @@ class Role:
     config: str
     run: str
     exclude: tuple[str, ...] = ()
-    """Flags of the config that this role sets itself."""
+    """Flags of the config that this role does not take: it sets them itself, or they mean nothing to it."""
 
     def settings(self) -> list[Declared]:
         return declared(_load(self.config), self.exclude)
 
+
+ONE_SHOT_EXCLUDES = ("--malloc-trim-s",)
+"""What a role that does its one job and exits does not take: a periodic trim would never run."""
 
 ROLES: dict[str, Role] = {
     "ps": Role("run a parameter server (one per shard)", "ps.config:ServerRunConfig", "ps.runner:run_server"),
@@ -73,11 +76,13 @@ ROLES: dict[str, Role] = {
         "write the model a checkpoint holds as a plain PyTorch state_dict (or safetensors) file",
         "cli.config:ExportConfig",
         "cli.export:run_export",
+        exclude=ONE_SHOT_EXCLUDES,
     ),
     "reshard": Role(
         "rewrite a stopped job's checkpoint directory for another --shards (parameters, optimizer state, progress, sparse rows)",
         "cli.config:ReshardConfig",
         "cli.reshard:run_reshard",
+        exclude=ONE_SHOT_EXCLUDES,
     ),
 }
 

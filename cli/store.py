@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from cli.config import StoreConfig
 from ps.exposure import TP_IFNAME, Exposed
 from ps.store_guard import StoreGuard
-from rpcps import rpc_policy, signals, transport
+from rpcps import memory, rpc_policy, signals, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.transport import membership
@@ -127,6 +127,7 @@ def check_exposure(config: StoreConfig, environ: Mapping[str, str]) -> None:
 
 
 def run_store(config: StoreConfig) -> int:
+    memory.tune_malloc()  # before any thread allocates (rpcps.memory)
     check_exposure(config, os.environ)
     secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
     stop = threading.Event()
@@ -148,11 +149,16 @@ def run_store(config: StoreConfig) -> int:
     janitor.start()
     guard = StoreGuard(metrics.repairs)  # right after serving: it remembers the store as it is now
     guard.start()
+    # Long-lived like the server, workers and evaluator, so the same --malloc-trim-s applies; its heap
+    # holds no tensors, so a trim walks little.
+    trimmer = memory.start_trimming(config.process.malloc_trim_s)
     logger.info("coordinator serving the group's store on %s (send SIGTERM or Ctrl-C to stop)", config.listen)
     try:
         stop.wait()
         logger.info("stopping: the group can no longer take joins or fail over")
     finally:
+        if trimmer is not None:
+            trimmer.stop()
         guard.stop()
         janitor.stop()
         transport.shutdown()

@@ -26,7 +26,7 @@ import torch
 from torch.futures import Future
 
 from rpcps import transport
-from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting, UnknownWorker
+from rpcps.errors import RpcpsError, ServerStarting, UnknownWorker, wire_name
 from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration, RegistrationProof
 from rpcps.sparse.spec import SparsePull, SparsePush
 
@@ -111,15 +111,7 @@ def _reply(run: Any) -> Any:
     try:
         return run()
     except RpcpsError as e:
-        return ErrorReply(_public_name(e), str(e))
-
-
-def _public_name(error: RpcpsError) -> str:
-    """The nearest class the client knows (internal subclasses exist to pick metric labels)."""
-    for cls in type(error).__mro__:
-        if cls.__name__ in ERROR_TYPES:
-            return cls.__name__
-    return "RpcpsError"
+        return ErrorReply(wire_name(e), str(e))
 
 
 # ---- the functions peers call ------------------------------------------------------------------
@@ -170,7 +162,7 @@ def submit(
         return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, have_version, sparse)
     except RpcpsError as e:
         future: Future = Future()
-        future.set_result(ErrorReply(_public_name(e), str(e)))
+        future.set_result(ErrorReply(wire_name(e), str(e)))
         return future
 
 

@@ -1,8 +1,10 @@
-"""Errors that cross the wire from the server to a worker.
+"""Errors that cross the wire: from a server to a worker, and between the two replicas of a shard.
 
 torch RPC does not keep a remote exception's type (a ValueError subclass comes back as a plain
-ValueError with the remote traceback glued into its message), so the server's endpoints return these
-as ``ErrorReply`` values and the worker's client raises the matching class with the clean message.
+ValueError with the remote traceback glued into its message), so the endpoints return these as
+``ErrorReply`` values named by ``wire_name`` and the caller raises the class ``ERROR_TYPES`` gives that
+name, with the clean message. A class missing from ``ERROR_TYPES`` arrives as a plain ``RpcpsError``:
+every class an endpoint raises on purpose belongs there, so the caller can tell them apart.
 """
 
 from __future__ import annotations
@@ -50,10 +52,26 @@ class RegistrationRefused(RpcpsError, PermissionError):
     """The server requires the job secret and the registration did not prove it (docs/SECURITY.md)."""
 
 
+class ReplicaRefused(RpcpsError):
+    """A replication call without the credentials its attachment needs (the message says which)."""
+
+
+class AttachRefused(RpcpsError):
+    """A primary will not take the asking process as its standby (the message says why)."""
+
+
 ERROR_TYPES: dict[str, type[RpcpsError]] = {
     cls.__name__: cls
     for cls in (
         PushRejected, SignatureMismatch, UnknownWorker, WorkerRemoved, ServerStopping, ServerStarting, NotPrimary, CheckpointFailed,
-        RegistrationRefused,
+        RegistrationRefused, ReplicaRefused, AttachRefused,
     )
 }
+
+
+def wire_name(error: RpcpsError) -> str:
+    """The nearest class of ``error`` that ``ERROR_TYPES`` lists (internal subclasses exist to pick metric labels)."""
+    for cls in type(error).__mro__:
+        if cls.__name__ in ERROR_TYPES:
+            return cls.__name__
+    return "RpcpsError"

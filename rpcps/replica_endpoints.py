@@ -28,7 +28,7 @@ import torch
 from torch.futures import Future
 
 from rpcps import transport
-from rpcps.errors import RpcpsError, ServerStarting
+from rpcps.errors import RpcpsError, ServerStarting, wire_name
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 
 
@@ -74,7 +74,7 @@ def _reply(run: Any) -> Any:
     try:
         return run()
     except RpcpsError as e:
-        return ErrorReply(type(e).__name__, str(e))
+        return ErrorReply(wire_name(e), str(e))
 
 
 # ---- the functions peers call ------------------------------------------------------------------
@@ -102,7 +102,7 @@ def replica_watch(attach_id: str) -> Future:
         return _api().watch(attach_id)
     except RpcpsError as e:
         future: Future = Future()
-        future.set_result(ErrorReply(type(e).__name__, str(e)))
+        future.set_result(ErrorReply(wire_name(e), str(e)))
         return future
 
 

@@ -85,6 +85,38 @@ class NotDurable(RuntimeError):
     """The server could not commit a checkpoint holding this slot's last steps (it kept failing)."""
 
 
+class DataExhausted(ValueError):
+    """The ``--data`` iterable ended before ``--steps``: every step needs a batch of its own.
+
+    A ValueError, so the command line reports it as a bad setting (one line, exit 2) instead of the
+    bare ``StopIteration`` that ``next()`` raises, which names neither the data nor the step."""
+
+
+def open_batches(config: WorkerConfig, start: int) -> Iterator[plugins.Batch]:
+    """The slot's batches from step ``start`` on (``--data``'s ``seek`` when it has one)."""
+    data = plugins.load_data(config.data, config.worker_index, config.num_workers)
+    if hasattr(data, "seek"):
+        data.seek(start)
+        return iter(data)
+    # No seek: skip to the recorded position by reading (and discarding) what came before.
+    return itertools.islice(iter(data), start, None)
+
+
+def next_batch(batches: Iterator[plugins.Batch], step: int, config: WorkerConfig) -> plugins.Batch:
+    """The batch of step ``step``.
+
+    Raises:
+        DataExhausted: ``batches`` ended.
+    """
+    try:
+        return next(batches)
+    except StopIteration:
+        raise DataExhausted(
+            f"--data {config.data!r} (slot {config.worker_index} of {config.num_workers}) ended before step {step} of "
+            f"--steps {config.steps}: a data factory must return an endless iterable, or one with a batch for every step"
+        ) from None
+
+
 @dataclass
 class _InFlight:
     """One push: a step's gradients for one shard."""
@@ -265,7 +297,7 @@ class Trainer:
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         try:
-            batches = self._batches()
+            batches = open_batches(self.config, self.step)
             first = True
             while not self._stop.is_set():
                 step_started = time.perf_counter()
@@ -287,7 +319,7 @@ class Trainer:
                     first = False
                     if self._stop.is_set():
                         break
-                inputs, targets = next(batches)
+                inputs, targets = next_batch(batches, self.step, self.config)
                 batch = (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
                 comm += self._compute_and_send(self.step, batch, self.shards, count=True, started=step_started, blocked_before=comm)
                 self.step += 1
@@ -401,14 +433,6 @@ class Trainer:
             self.metrics.sparse_ids.inc(looked_up)
             self.metrics.sparse_unique_ids.inc(distinct)
         return self.router.split_push(grads)
-
-    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        data = plugins.load_data(self.config.data, self.slot, self.config.num_workers)
-        if hasattr(data, "seek"):
-            data.seek(self.step)
-            return iter(data)
-        # No seek: skip to the recorded position by reading (and discarding) what came before.
-        return itertools.islice(iter(data), self.step, None)
 
     def _refresh(self, shards: list[ShardLink], as_of: int | None) -> float:
         """Loads parameters at least as fresh as the server's at step ``as_of`` into ``shards``;

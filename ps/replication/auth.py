@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 from prometheus_client import Counter
 
-from rpcps.errors import RpcpsError
+from rpcps.errors import ReplicaRefused
 from rpcps.jobsecret import JobSecret, matches
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,6 @@ MAX_REMEMBERED = 4096
 cannot flood this."""
 REASONS = ("no_proof", "stale_proof", "replayed_proof", "bad_proof", "bad_attach_id")
 """Why a replication call was refused (a metric label)."""
-
-
-class ReplicaRefused(RpcpsError):
-    """A replication call without the credentials its attachment needs (the message says which)."""
 
 
 def new_attach_id() -> str:

@@ -43,7 +43,7 @@ from ps.replication.log import ReplicationLog, Sequenced
 from ps.replication.metrics import ReplicationMetrics
 from ps.server import ParameterServer, UpdateApplied
 from rpcps import failpoints, replica_endpoints, transport
-from rpcps.errors import RpcpsError
+from rpcps.errors import AttachRefused
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
@@ -60,10 +60,6 @@ _STORE_LEASE_MARGIN_S = 1.0
 _HANDOVER_WITHIN = 2
 """A catching-up standby this many entries behind (or closer) is handed over."""
 _HANDOVER_WAIT_S = 1.0
-
-
-class AttachRefused(RpcpsError):
-    """This primary will not take the asking process as its standby (the message says why)."""
 
 
 @dataclass

@@ -147,7 +147,15 @@ def group_registry() -> Registry:
 def store_host() -> str:
     """The RPC name of the member that hosts the group's store (rank 0: the coordinator, or an
     embedded server): departing members ask it to drop them from the group."""
-    return next(name for name, rank in membership.store_members().items() if rank == 0)
+    members = membership.store_members()
+    host = next((name for name, rank in members.items() if rank == 0), None)
+    if host is None:
+        # next() alone would end the caller with a bare StopIteration that names nothing.
+        raise TransportError(
+            f"the RPC group's member list names no rank-0 member (the store's host): {sorted(members.items(), key=lambda m: m[1])}; "
+            "was the server or store restarted, or the store changed by another process?"
+        )
+    return host
 
 
 def _wait_for_listener(address: Address, deadline: float) -> bool:

@@ -23,7 +23,7 @@ def test_a_killed_shard_is_taken_over_without_touching_the_other_shard(procs: Pr
     every worker. Now shard 1 never notices; a new shard-0 process joins while the dead one's
     workers are away, takes the shard over from its snapshot (view epoch 1 -> 2), and the workers
     find it through the view. The ledgers prove one update per worker step."""
-    _store, port, store_metrics = procs.store("store", "--lease-s", "3")
+    store, port, store_metrics = procs.store("store", "--lease-s", "3")
     common = ("--store", f"127.0.0.1:{port}", "--shards", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
               "--checkpoint-every-updates", "50", "--audit-log", str(tmp_path / "audit.log"))
     ps0, _, m0 = procs.ps("ps0", *common, "--shard-index", "0")
@@ -38,6 +38,7 @@ def test_a_killed_shard_is_taken_over_without_touching_the_other_shard(procs: Pr
     assert [w.wait(150) for w in workers] == [0, 0]
     assert ps1.alive() and "store host is gone" not in ps1.stderr()
     assert try_scrape(store_metrics)['rpcps_store_view_epoch{shard="0"}'] == 2
+    assert "malloc_trim: every 3s" in store.stderr(), "the coordinator is long-lived: it gives free heap back too"
     assert try_scrape(store_metrics)['rpcps_store_view_epoch{shard="1"}'] == 1
     for proc in (ps0b, ps1):
         proc.send(15)

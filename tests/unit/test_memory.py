@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from cli.local import Supervisor
-from cli.main import parse
+from cli.main import ROLES, _load, parse
 from rpcps import memory
 from rpcps.process import ProcessOptions
 
@@ -40,6 +41,23 @@ def test_the_trim_interval_is_a_setting_of_every_role_and_local_passes_it_on(tmp
     config = parse(["local", "--workers", "2", "--malloc-trim-s", "7", "--run-dir", str(tmp_path)])[1]
     children = Supervisor(config).children
     assert {float(c.argv[c.argv.index("--malloc-trim-s") + 1]) for c in children} == {7.0}, [c.argv for c in children]
+
+
+def test_a_role_that_takes_the_trim_interval_trims_and_the_one_shot_roles_refuse_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every role that accepts --malloc-trim-s starts a trimmer in its run module (the store and the
+    evaluator once accepted it and did nothing); ``local`` hands it to its children (above)."""
+    takers = [name for name, role in ROLES.items() if any(d.flag == "--malloc-trim-s" for d in role.settings())]
+    assert "store" in takers and "local" in takers
+    for name in takers:
+        if name != "local":
+            module = inspect.getmodule(_load(ROLES[name].run))
+            assert "memory.start_trimming(" in inspect.getsource(module), f"rpcps {name} takes --malloc-trim-s but never trims"
+    assert parse(["store", "--malloc-trim-s", "7"])[1].process.malloc_trim_s == 7
+    for role in (["export"], ["reshard"], ["ctl", "status"]):
+        assert role[0] not in takers
+        with pytest.raises(SystemExit) as exited:
+            parse([*role, "--malloc-trim-s", "7"])
+        assert exited.value.code == 2 and "unrecognized arguments: --malloc-trim-s" in capsys.readouterr().err
 
 
 class _FakeLibc:

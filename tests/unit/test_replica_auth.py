@@ -10,18 +10,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from torch.distributed.rpc import internal
 
 from ps.config import ReplicationConfig
-from ps.replication import auth
+from ps.replication import auth, standby
 from ps.replication.auth import ReplicaRefused, attach_proof
 from ps.replication.log import ReplicationLog
 from ps.replication.metrics import ReplicationMetrics
 from ps.replication.primary import Primary
 from ps.replication.standby import Standby
-from rpcps import replica_endpoints
-from rpcps.errors import RpcpsError
+from rpcps import replica_endpoints, rpc_policy
+from rpcps.errors import AttachRefused, RpcpsError
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, Mark, View
+from rpcps.transport import pickling
 from rpcps.transport.registry import ViewRecord, encode_view
 from worker import trainer
 
@@ -187,3 +189,29 @@ def test_a_worker_moves_only_when_the_store_confirms_the_announced_view(monkeypa
     assert _announced(2, monkeypatch) == (True, {0})
     assert _announced(1, monkeypatch) == (False, set())  # a stranger's announcement: dropped
     assert _announced(None, monkeypatch) == (False, set())
+
+
+def test_a_refusal_crossing_the_wire_arrives_as_itself() -> None:
+    """A primary's refusal travels as an ``ErrorReply`` through torch's serializer and the allow-list
+    unpickler, and the standby raises the refusal's own class (before it was in ``ERROR_TYPES`` it
+    arrived as a plain RpcpsError)."""
+    primary = _primary(SECRET)
+    replica_endpoints.publish_replica(primary)
+    rpc_policy.protect(extra_calls=replica_endpoints.SERVER_ENDPOINTS)
+    try:
+        replies = [
+            _over_the_wire(replica_endpoints.replica_attach("intruder", COMPAT, "n", time.time(), "forged")),
+            _over_the_wire(replica_endpoints.replica_attach("server1", {"model": "other"}, *attach_proof(SECRET, "server1", "server0"))),
+        ]
+    finally:
+        pickling.uninstall()
+        replica_endpoints.publish_replica(None)
+    with pytest.raises(ReplicaRefused, match="refused"):
+        standby._unwrap(replies[0])
+    with pytest.raises(AttachRefused, match="cannot be this primary's standby"):
+        standby._unwrap(replies[1])
+
+
+def _over_the_wire(reply: object) -> object:
+    payload, tensors = internal.serialize(reply)
+    return internal.deserialize(payload, tensors)
