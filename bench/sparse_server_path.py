@@ -1,11 +1,14 @@
 """Where a CTR step's sparse server time goes, in one process without RPC (not a test).
 
 Builds the server's ``SparseStore`` for the CTR task's 26 tables (``worker.ctr``) and feeds it what a
-server with two workers sees: per step, a pull of one 4096-sample batch's unique ids per table, then a
-push of (seeded random) gradients for them through ``check_push`` and ``apply``. After ``--warmup``
-steps (the tables fill, as in a run), ``--steps`` steps are timed in CPU time of this process
-(``time.process_time``: the machine is shared, and wall time there mostly measures the neighbours),
-per phase of the server's path:
+server with two workers sees: per step, a pull of one 4096-sample batch's unique ids per table, and a
+push of (seeded random) gradients for exactly the ids of an earlier pull, through ``check_push`` and
+``apply``, as a worker pushes the unique ids it pulled. The push comes ``--push-lag`` pulls after its
+own (default 3: the other worker's pull, then both workers' next ones, since a worker's next step
+pulls while its push is in flight). After ``--warmup`` steps (the tables fill, as in a run),
+``--steps`` steps are timed in CPU time of this process (``time.process_time``: the machine is
+shared, and wall time there mostly measures the neighbours), per phase of the server's path, with
+the calls per step of each:
 
     python -m bench.sparse_server_path                    # row-wise Adagrad, 60 + 40 steps
     python -m bench.sparse_server_path --fused-index       # also: 26 indices against one
@@ -25,6 +28,7 @@ import argparse
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,7 +43,11 @@ from rpcps.sparse.spec import SparsePull
 from rpcps.threads import split_cores, usable_cores
 from worker import ctr
 
-Timings = Counter[str]
+
+@dataclass
+class Timings:
+    seconds: Counter[str] = field(default_factory=Counter)
+    calls: Counter[str] = field(default_factory=Counter)
 
 
 def _request(step: int) -> SparsePull:
@@ -55,7 +63,8 @@ def _timed(timings: Timings, label: str, fn: Callable[..., Any]) -> Callable[...
         try:
             return fn(*args, **kwargs)
         finally:
-            timings[label] += time.process_time() - start
+            timings.seconds[label] += time.process_time() - start
+            timings.calls[label] += 1
 
     return wrapper
 
@@ -70,26 +79,31 @@ def _instrument(store: SparseStore, timings: Timings) -> None:
         setattr(store, name, _timed(timings, f"SparseStore.{name} (total)", getattr(store, name)))
 
 
-def server_path(optimizer: str, warmup: int, steps: int) -> None:
+def server_path(optimizer: str, warmup: int, steps: int, push_lag: int) -> None:
     store = SparseStore(ctr.table_specs(), SparseConfig(optimizer=optimizer), shard_index=0, shard_count=1)
-    timings: Timings = Counter()
+    timings = Timings()
     _instrument(store, timings)
     generator = torch.Generator().manual_seed(0)
-    for step in range(warmup + steps):
-        if step == warmup:
-            timings.clear()
+    pulled: list[SparsePull] = []
+    for step in range(warmup + push_lag + steps):
+        if step == warmup + push_lag:
+            timings.seconds.clear()
+            timings.calls.clear()
         request = _request(step)
-        push = {name: (ids, torch.randn(ids.numel(), ctr.DIM, generator=generator) * 0.01) for name, ids in request.items()}
         store.pull(request, torch.float32)
-        store.apply(store.check_push(push, torch.float32))
+        pulled.append(request)
+        if len(pulled) > push_lag:
+            ids_of = pulled.pop(0)
+            push = {name: (ids, torch.randn(ids.numel(), ctr.DIM, generator=generator) * 0.01) for name, ids in ids_of.items()}
+            store.apply(store.check_push(push, torch.float32))
     # The batches and gradients are made outside the timed calls: a server receives them.
-    per_step = sum(seconds for label, seconds in timings.items() if label.startswith("SparseStore.")) / steps
+    per_step = sum(seconds for label, seconds in timings.seconds.items() if label.startswith("SparseStore.")) / steps
     rows = sum(s.rows for s in store.stats().values())
     print(f"{optimizer}: {per_step * 1e3:.1f} ms CPU per step (pull + push of {ctr.BATCH} samples), "
-          f"{ctr.BATCH / per_step:,.0f} samples/s of server CPU; {rows:,} rows after {warmup + steps} steps")
-    print("| phase | ms per step | share |\n|---|---:|---:|")
-    for label, seconds in timings.most_common():
-        print(f"| {label} | {seconds / steps * 1e3:.1f} | {seconds / steps / per_step:.0%} |")
+          f"{ctr.BATCH / per_step:,.0f} samples/s of server CPU; {rows:,} rows after {warmup + push_lag + steps} pulls")
+    print("| phase | ms per step | share | calls per step |\n|---|---:|---:|---:|")
+    for label, seconds in timings.seconds.most_common():
+        print(f"| {label} | {seconds / steps * 1e3:.1f} | {seconds / steps / per_step:.0%} | {timings.calls[label] / steps:.1f} |")
 
 
 def fused_index(warmup: int, steps: int) -> None:
@@ -124,14 +138,15 @@ def main() -> None:
     p.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(SPARSE_OPTIMIZERS))
     p.add_argument("--warmup", type=int, default=60, help="untimed steps first (the tables fill)")
     p.add_argument("--steps", type=int, default=40, help="timed steps")
+    p.add_argument("--push-lag", type=int, default=3, help="pulls between a pull and the push of its ids (see the docstring)")
     p.add_argument("--fused-index", action="store_true", help="also time 26 indices against one (see the docstring)")
     args = p.parse_args()
-    if args.warmup < 0 or args.steps < 1:
-        p.error(f"--warmup must be >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
+    if args.warmup < 0 or args.steps < 1 or args.push_lag < 0:
+        p.error(f"--warmup and --push-lag must be >= 0 and --steps >= 1, got {args.warmup}, {args.push_lag} and {args.steps}")
     server_threads, _ = split_cores(usable_cores(), servers=1, workers=2)
     torch.set_num_threads(server_threads)
     print(f"intra-op threads: {server_threads} (what rpcps local gives its server with 2 workers here)")
-    server_path(args.optimizer, args.warmup, args.steps)
+    server_path(args.optimizer, args.warmup, args.steps, args.push_lag)
     if args.fused_index:
         fused_index(args.warmup, args.steps)
 

@@ -105,7 +105,8 @@ class SparseStore:
 
     def apply(self, part: CheckedPush) -> int:
         """Applies a checked part (the server holds its lock); returns the rows updated."""
-        return sum(self.tables[name].apply(ids, grads).applied for name, (ids, grads) in part.items())
+        # check_push made apply's checks (unique ids, shape, finite): not again per table.
+        return sum(self.tables[name].apply_checked(ids, grads).applied for name, (ids, grads) in part.items())
 
     def _owned_ids(self, name: str, ids: Any) -> torch.Tensor:
         if name not in self.tables:

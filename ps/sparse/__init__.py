@@ -10,6 +10,7 @@ Modules, one job each:
 - admission: count-min or deterministic-coin admission of new ids.
 - eviction: which rows a sweep evicts (TTL, LFU with decay, row cap).
 - checkpoint: full / delta payloads, chain checks, compaction.
+- pull_memo: the rows of a table's recent pulls, so the push of the same ids skips the index.
 - table: SparseTable, the per-table facade with its lock and counters.
 """
 

@@ -14,7 +14,10 @@ What each call does, and what it promises:
   in place by the row optimizer (one gather, one update, one scatter); gradients of ids without a row
   (never admitted, or evicted since their pull) are dropped and counted. Each call advances the
   "applies" clock by one. Invalid input (repeated ids, wrong shape or dtype, a non-finite gradient)
-  raises before anything changes.
+  raises before anything changes; ``apply_checked`` is the same without those checks, for the
+  server, whose ``SparseStore.check_push`` has made them. A push of exactly the ids of a recent
+  pull takes the rows that pull resolved instead of probing the index again (pull_memo.py: exact,
+  ids the pull left without a row are looked up again).
 - ``evict_step()``: examines one slice of rows (EvictionConfig.slice_rows) and evicts what the
   sweep's plan selects; returns the evicted ids, which are also kept as tombstones for the next delta.
   Call it from a background thread or between requests: the lock is held for one slice only. It also
@@ -65,6 +68,7 @@ from ps.sparse.checkpoint import (
 )
 from ps.sparse.eviction import SAMPLE_ROWS, EvictionConfig, EvictionPlan
 from ps.sparse.index import IdIndex, IndexConfig, check_ids
+from ps.sparse.pull_memo import PullMemo
 from ps.sparse.row_image import RowImage
 from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer
@@ -183,6 +187,10 @@ class TableStats:
     """Upper bound on the rows the next delta holds."""
     admission_states_dropped_total: int
     """Saved admission filter states a restore could not use (logged as warnings)."""
+    push_lookups_reused_total: int
+    """Applies that took their rows from the pull of the same ids (pull_memo.py): no index lookup."""
+    push_lookups_fallback_total: int
+    """Applies that looked their ids up in the index (no remembered pull of exactly those ids)."""
 
 
 @dataclass
@@ -197,6 +205,8 @@ class _Counters:
     delta_bytes: int = 0
     last_delta_bytes: int = 0
     admission_states_dropped: int = 0
+    push_lookups_reused: int = 0
+    push_lookups_fallback: int = 0
 
 
 class SparseTable:
@@ -221,6 +231,7 @@ class SparseTable:
         # Seeded: which rows a capped sweep samples is reproducible for a given table.
         self._rng = torch.Generator().manual_seed(derive_key(_SAMPLE_SALT, config.table_id) & (2**63 - 1))
         self._counters = _Counters()
+        self._memo = PullMemo()
 
     def __len__(self) -> int:
         return len(self._index)
@@ -242,6 +253,7 @@ class SparseTable:
                 self._counters.admitted += int(admitted.sum())
                 self._counters.filtered += int((~admitted).sum())
             self._counters.pulled += ids.numel()
+            self._memo.remember(ids, rows)
             embeddings = self._slab.data.narrow(1, 0, dim)
             if not bool(missing.any()):
                 return embeddings.index_select(0, rows)
@@ -266,9 +278,25 @@ class SparseTable:
             raise ValueError("ids passed to apply must be unique (sum the gradients of repeated ids first)")
         if not bool(torch.isfinite(grads).all()):
             raise ValueError("grads hold NaN or infinite values; nothing was applied")
+        return self.apply_checked(ids, grads)
+
+    def apply_checked(self, ids: torch.Tensor, grads: torch.Tensor) -> ApplyResult:
+        """``apply`` without its checks, for a caller that has made them (``SparseStore.check_push``):
+        ids 1-D int64 and unique, grads float32 [len(ids), dim] and finite. Breaking that corrupts
+        rows (a repeated id's updates overwrite each other) or poisons them with NaN."""
         with self._lock:
             self._applies += 1
-            rows = self._index.lookup(ids)
+            rows = self._memo.take(ids)
+            if rows is None:
+                rows = self._index.lookup(ids)
+                self._counters.push_lookups_fallback += 1
+            else:
+                # The pull left these without a row; one may have been admitted since (or its
+                # row forgotten by an eviction): look them up as a push without the memo would.
+                unresolved = (rows < 0).nonzero().squeeze(1)
+                if unresolved.numel():
+                    rows[unresolved] = self._index.lookup(ids[unresolved])
+                self._counters.push_lookups_reused += 1
             present = rows >= 0
             dropped = ids.numel() - int(present.sum())
             if dropped:
@@ -300,6 +328,7 @@ class SparseTable:
             evicted = self._index.ids_of(victims)
             self._index.remove(evicted)
             self._slab.release(victims)
+            self._memo.forget(victims)
             for capture in self._fulls:
                 capture.queue(victims, None)
             self._tombstones.append(evicted)
@@ -377,6 +406,7 @@ class SparseTable:
                 self._merge_admission(admission)
             rows = self._slab.allocate(len(records))
             self._index.insert(records.ids, rows)
+            self._memo.clear()  # pulls of the empty table remembered no rows for ids it has now
             self._slab.data[rows] = records.rows
             self._slab.last_seen[rows] = records.last_seen
             self._slab.count[rows] = records.count
@@ -408,6 +438,8 @@ class SparseTable:
                 tombstones_pending=sum(t.numel() for t in self._tombstones),
                 dirty_rows_pending=self._slab.dirty_bound,
                 admission_states_dropped_total=c.admission_states_dropped,
+                push_lookups_reused_total=c.push_lookups_reused,
+                push_lookups_fallback_total=c.push_lookups_fallback,
             )
 
     @property

@@ -243,6 +243,8 @@ def test_metrics_show_each_tables_rows_and_traffic() -> None:
     assert f'rpcps_sparse_rows{{table="user"}} {float(stats.rows)}' in text
     assert f'rpcps_sparse_filtered_ids_total{{table="user"}} {float(stats.filtered_total)}' in text
     assert f'rpcps_sparse_pushed_rows_total{{table="item"}} {float(server.sparse.stats()["item"].pushed_rows_total)}' in text
+    assert 'rpcps_sparse_push_lookups_reused_total{table="user"} 3.0' in text  # each push took its pull's rows
+    assert 'rpcps_sparse_push_lookups_fallback_total{table="user"} 0.0' in text
     assert "rpcps_sparse_checkpoint_pause_seconds_count 1.0" in text
 
 
@@ -293,6 +295,14 @@ def _train_sharded(
             assert reply.status == PushStatus.APPLIED
         after_step(servers, seq)
     return servers
+
+
+def test_each_shard_is_pushed_exactly_the_ids_it_was_pulled_so_no_push_repeats_the_lookup() -> None:
+    """SparseRouter splits a step's pull and its push by the same manifest, so every push's ids equal
+    its pull's on every shard, and the table takes the pull's rows (ps/sparse/pull_memo.py)."""
+    for server in _train_sharded(2, 4):
+        for name, s in server.sparse.stats().items():
+            assert (s.push_lookups_reused_total, s.push_lookups_fallback_total) == (4, 0), name
 
 
 def test_two_shards_hold_disjoint_rows_bit_identical_to_one_server() -> None:
