@@ -29,7 +29,9 @@ The first seconds of traffic are trimmed more often (``WARMUP_INTERVALS``): whil
 grow to their working span, every page they take is new and stays resident until the next trim,
 so the first interval after start-up rose about twice as far above the live data as a steady one
 and was a worker's peak of a 10-minute run (1104 MB against steady tops of 845-1032; 0.1 s
-timeline, docs/BENCHMARKS.md). A few extra trims once cost nothing measurable.
+timeline, docs/BENCHMARKS.md "When the peaks come"). The cost is four extra trims (30-50 ms each)
+once; a server's warm-up starts when it starts serving, so workers that join later than a few
+seconds after it find it over (a server's peak is its steady state anyway).
 """
 
 from __future__ import annotations
