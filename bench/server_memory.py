@@ -15,6 +15,11 @@ VmHWM are read from /proc/<pid>/status every 0.5 s (bench.common). Printed again
 and the server's RSS at each quarter of the run with its growth over the second half (MB/min). The
 floor the fixed parts of the budgets are meant for is measured first, in the same run: the peak RSS
 of a process that imports torch and rpcps's server and worker and starts an RPC agent (a group of one).
+
+When each peak came: a second sampler reads every process's VmRSS every 0.1 s (bench.memory_timeline),
+and the last table splits each series into start-up (up to one malloc-trim interval after the first
+update) and the steady sawtooth of the trims, whose windows' lows are about the live data and whose
+tops are what the trims let back in. ``--timeline FILE`` keeps the samples.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import memory_timeline
 from bench.common import child_env, local_argv, print_table, run_local
 from rpcps import plugins
 from rpcps.ports import free_port
+from rpcps.process import ProcessOptions
 
 MB = 1024 * 1024
 SERVER_FIXED_MB, WORKER_FIXED_MB = 600, 500
@@ -50,6 +57,7 @@ def main() -> int:
     p.add_argument("--data", default="rpcps.tasks:mlp_25m_data")
     p.add_argument("--malloc", action="append", default=[], metavar="NAME=VALUE",
                    help="a glibc MALLOC_* variable for every child (they inherit it; rpcps.memory leaves what is set alone)")
+    p.add_argument("--timeline", type=Path, metavar="FILE", help="write the 0.1 s RSS samples here (seconds, process, MB)")
     args = p.parse_args()
     for item in args.malloc:
         name, _, value = item.partition("=")
@@ -57,8 +65,15 @@ def main() -> int:
     floor_mb = int(subprocess.run([sys.executable, "-c", _FLOOR, str(free_port())], env=child_env(), check=True,
                                   capture_output=True, text=True, timeout=120).stdout.split()[0]) / 1024
     run_dir = Path(tempfile.mkdtemp(prefix="rpcps-bench-mem-")) / "run"
-    run = run_local(local_argv(run_dir, model=args.model, data=args.data, workers=args.workers, steps=1_000_000), run_dir,
-                    interval_s=0.5, stop_after_s=60 * args.minutes)
+    sampler = memory_timeline.RssSampler(run_dir)
+    sampler.start()
+    try:
+        run = run_local(local_argv(run_dir, model=args.model, data=args.data, workers=args.workers, steps=1_000_000), run_dir,
+                        interval_s=0.5, stop_after_s=60 * args.minutes)
+    finally:
+        sampler.stop()
+    if args.timeline is not None:
+        sampler.write_tsv(args.timeline)
     numel = sum(q.numel() for q in plugins.load_model(args.model).parameters())
     params_mb, opt_mb = numel * 4 / MB, 2 * numel * 4 / MB
     server_peak, worker_peak = run.samples.server_hwm_kb / 1024, run.samples.worker_hwm_kb / 1024
@@ -87,7 +102,22 @@ def main() -> int:
     )
     print("\nserver RSS over time: " + ", ".join(f"t={t:.0f}s {kb / 1024:.0f} MB" for t, kb in quarter)
           + f"; second-half growth {slope:+.1f} MB/min")
+    _print_timeline(run.samples.server_updates, sampler.series, stop_t)
     return 0
+
+
+def _print_timeline(updates: list[tuple[float, float]], series: dict[str, list[tuple[float, float]]], stop_t: float) -> None:
+    first_update = next((t for t, n in updates if n > 0), None)
+    if first_update is None:
+        print("\nno update was applied: no timeline")
+        return
+    # The windows follow the children's trim interval (the default, or --malloc RPCPS_MALLOC_TRIM_S=S when not 0).
+    window = float(os.environ.get("RPCPS_MALLOC_TRIM_S") or 0) or ProcessOptions().malloc_trim_s
+    print(f"\nRSS every {memory_timeline.INTERVAL_S} s, in windows of {window:g} s from the first update (t={first_update:.1f} s):")
+    print_table(memory_timeline.TABLE_COLUMNS, [
+        memory_timeline.table_row(name, memory_timeline.teeth(xs, first_update, window, until_s=stop_t), first_update)
+        for name, xs in sorted(series.items())
+    ])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,14 @@ pages resident, a server 580-860 MB. ``malloc_trim(0)`` gives every free page ba
 so a ``Trimmer`` calls it every ``interval_s`` on a background thread, off the request path: the
 pages a later message reuses are faulted in again, which is why it runs every few seconds rather
 than after every message (a trim per second cost a quarter of the throughput; docs/BENCHMARKS.md).
+
+The first seconds of traffic are trimmed more often (``WARMUP_INTERVALS``): while the arenas first
+grow to their working span, every page they take is new and stays resident until the next trim,
+so the first interval after start-up rose about twice as far above the live data as a steady one
+and was a worker's peak of a 10-minute run (1104 MB against steady tops of 845-1032; 0.1 s
+timeline, docs/BENCHMARKS.md "When the peaks come"). The cost is four extra trims (30-50 ms each)
+once; a server's warm-up starts when it starts serving, so workers that join later than a few
+seconds after it find it over (a server's peak is its steady state anyway).
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 ARENA_MAX = 2
 """Malloc arenas: one for the main thread and one shared by every other (RPC, intra-op, I/O) thread."""
+
+WARMUP_INTERVALS, WARMUP_SPLIT = 2, 3
+"""For the first ``WARMUP_INTERVALS`` trim intervals the trimmer trims ``WARMUP_SPLIT`` times per interval."""
 
 _M_ARENA_MAX = -8
 _SETTINGS = ((_M_ARENA_MAX, ARENA_MAX, "MALLOC_ARENA_MAX"),)
@@ -81,15 +92,28 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def trim_due(tick: int) -> bool:
+    """Whether the trimmer trims at its ``tick``-th wake-up (from 1; it wakes ``WARMUP_SPLIT`` times per
+    interval): at every wake-up during the warm-up, then at the end of each interval."""
+    return tick <= WARMUP_INTERVALS * WARMUP_SPLIT or tick % WARMUP_SPLIT == 0
+
+
 class Trimmer:
-    """Calls glibc's ``malloc_trim(0)`` every ``interval_s`` seconds on a daemon thread until stopped."""
+    """Calls glibc's ``malloc_trim(0)`` every ``interval_s`` seconds (more often during the warm-up:
+    ``trim_due``) on a daemon thread until stopped."""
 
     def __init__(self, libc: ctypes.CDLL, interval_s: float) -> None:
         self._trim = libc.malloc_trim
         self.trims = 0
         self.seconds = 0.0
         """Time spent inside ``malloc_trim`` (it holds each arena's lock while it walks it)."""
-        self._task = Periodic("malloc-trim", interval_s, self.trim)
+        self._ticks = 0
+        self._task = Periodic("malloc-trim", interval_s / WARMUP_SPLIT, self._tick)
+
+    def _tick(self) -> None:
+        self._ticks += 1
+        if trim_due(self._ticks):
+            self.trim()
 
     def trim(self) -> None:
         started = time.perf_counter()
@@ -117,5 +141,6 @@ def start_trimming(interval_s: float) -> Trimmer | None:
     trimmer = Trimmer(libc, interval_s)
     trimmer.trim()  # start-up (imports, model, snapshot restore) leaves the most free memory behind
     trimmer.start()
-    logger.info("malloc_trim: every %gs", interval_s)
+    logger.info("malloc_trim: every %gs (every %gs for the first %gs)", interval_s, interval_s / WARMUP_SPLIT,
+                interval_s * WARMUP_INTERVALS)
     return trimmer

@@ -33,7 +33,7 @@ class ProcessOptions:
     malloc_trim_s: float = setting(
         3.0,
         help="seconds between malloc_trim calls that give glibc's free heap pages back to the kernel, off the request "
-        "path (0: never; rpcps.memory)",
+        "path (a third of it for the first two intervals; 0: never; rpcps.memory)",
         metavar="SECONDS",
     )
 

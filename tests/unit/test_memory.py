@@ -91,3 +91,11 @@ def test_no_trimmer_when_off_or_without_glibc(monkeypatch: pytest.MonkeyPatch) -
     assert memory.start_trimming(0) is None and libc.calls == []
     monkeypatch.setattr(memory, "_glibc", lambda: None)
     assert memory.start_trimming(1.0) is None
+
+
+def test_the_warm_up_trims_at_every_wake_up_then_once_per_interval() -> None:
+    warm_up = memory.WARMUP_INTERVALS * memory.WARMUP_SPLIT
+    due = [tick for tick in range(1, warm_up + 4 * memory.WARMUP_SPLIT + 1) if memory.trim_due(tick)]
+    steady = [warm_up + k * memory.WARMUP_SPLIT for k in range(1, 5)]
+    assert due == list(range(1, warm_up + 1)) + steady  # the interval's own ticks after the warm-up, nothing between
+    assert memory.WARMUP_SPLIT > 1 and memory.WARMUP_INTERVALS >= 1  # a warm-up that trims more often than steady state
