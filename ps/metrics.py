@@ -248,8 +248,8 @@ _SPARSE_COUNTERS = (
     ("evicted_total", "evicted_rows", "Rows evicted (TTL or row cap), each recorded as a tombstone."),
     ("pulled_rows_total", "pulled_rows", "Rows sent to workers by pulls."),
     ("pushed_rows_total", "pushed_rows", "Rows updated by pushes."),
-    ("push_lookups_reused_total", "push_lookups_reused", "Pushes that took their rows from the pull of the same ids, without an index lookup."),
-    ("push_lookups_fallback_total", "push_lookups_fallback", "Pushes that looked their ids up in the index (no remembered pull of exactly those ids)."),
+    ("push_lookups_reused_total", "push_lookups_reused", "Pushes that took their rows from a remembered pull of the same ids (only ids that pull left without a row are looked up again)."),
+    ("push_lookups_fallback_total", "push_lookups_fallback", "Pushes that looked all their ids up in the index: no remembered pull of exactly those ids."),
     ("delta_bytes_total", "delta_bytes", "Bytes of the checkpoint deltas captured (touched rows with their state, and tombstones)."),
 )
 

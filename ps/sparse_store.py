@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +27,17 @@ from rpcps.sparse.spec import SparsePull, TableSpec
 
 logger = logging.getLogger(__name__)
 
-CheckedPush = dict[str, tuple[torch.Tensor, torch.Tensor]]
-"""A validated push part: table name -> (unique int64 ids, fp32 grads [n, dim])."""
+@dataclass(frozen=True)
+class CheckedPush:
+    """A push's sparse part as ``SparseStore.check_push`` validated it: table name -> (unique int64
+    ids, finite fp32 grads [n, dim]). Only ``check_push`` makes one, and ``SparseStore.apply`` takes
+    nothing else: it skips the per-table checks, so unchecked rows must not reach it by another
+    path (a repeated id's updates would overwrite each other; a NaN would poison its row)."""
+
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    def __len__(self) -> int:
+        return len(self.tables)
 
 
 class BadSparse(ValueError):
@@ -85,7 +95,7 @@ class SparseStore:
         """The fp32 form of a push's sparse part; raises BadSparse before anything changes."""
         if not isinstance(part, dict):
             raise BadSparse(f"a sparse push must be a dict of table name -> (ids, grads), got {type(part).__name__}")
-        checked: CheckedPush = {}
+        checked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, entry in part.items():
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
                 raise BadSparse(f"sparse push for table {name!r} must be an (ids, grads) pair of tensors")
@@ -101,12 +111,14 @@ class SparseStore:
             if not bool(torch.isfinite(grads).all()):
                 raise BadSparse(f"sparse grads of table {name!r} hold NaN/Inf", nonfinite=True)
             checked[name] = (ids, grads.float())
-        return checked
+        return CheckedPush(checked)
 
     def apply(self, part: CheckedPush) -> int:
         """Applies a checked part (the server holds its lock); returns the rows updated."""
+        if not isinstance(part, CheckedPush):
+            raise TypeError(f"SparseStore.apply takes what check_push returned, got {type(part).__name__}")
         # check_push made apply's checks (unique ids, shape, finite): not again per table.
-        return sum(self.tables[name].apply_checked(ids, grads).applied for name, (ids, grads) in part.items())
+        return sum(self.tables[name].apply_checked(ids, grads).applied for name, (ids, grads) in part.tables.items())
 
     def _owned_ids(self, name: str, ids: Any) -> torch.Tensor:
         if name not in self.tables:

@@ -188,7 +188,7 @@ class TableStats:
     admission_states_dropped_total: int
     """Saved admission filter states a restore could not use (logged as warnings)."""
     push_lookups_reused_total: int
-    """Applies that took their rows from the pull of the same ids (pull_memo.py): no index lookup."""
+    """Applies that took their rows from the pull of the same ids (pull_memo.py): only ids it left without a row are looked up."""
     push_lookups_fallback_total: int
     """Applies that looked their ids up in the index (no remembered pull of exactly those ids)."""
 
@@ -328,7 +328,8 @@ class SparseTable:
             evicted = self._index.ids_of(victims)
             self._index.remove(evicted)
             self._slab.release(victims)
-            self._memo.forget(victims)
+            if victims.numel():
+                self._memo.forget(victims)
             for capture in self._fulls:
                 capture.queue(victims, None)
             self._tombstones.append(evicted)

@@ -41,7 +41,8 @@ def test_a_push_after_its_pull_applies_bit_identically_to_one_that_looks_its_ids
     memo, lookup = _table(**settings), _table(**settings)
     gen = torch.Generator().manual_seed(lag)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for step in range(60):
+    steps = lag + 60
+    for step in range(steps):
         ids = torch.unique(torch.randint(0, 400, (200,), generator=gen) ** 2 // 400)  # skewed: hot ids repeat
         grads = torch.randn(ids.numel(), 8, generator=gen)
         assert torch.equal(memo.pull(ids), lookup.pull(ids))
@@ -58,7 +59,7 @@ def test_a_push_after_its_pull_applies_bit_identically_to_one_that_looks_its_ids
     s, t = memo.stats(), lookup.stats()
     assert (s.evicted_total, s.dropped_gradients_total, s.pushed_rows_total) == (t.evicted_total, t.dropped_gradients_total, t.pushed_rows_total)
     assert s.evicted_total > 0 and s.dropped_gradients_total > 0  # eviction and admission did happen
-    pushes = 60 - lag
+    pushes = steps - lag
     if lag < MAX_PULLS:  # a push's pull and the lag pulls after it are all remembered
         assert (s.push_lookups_reused_total, s.push_lookups_fallback_total) == (pushes, 0)
     else:
@@ -161,3 +162,33 @@ def test_forgotten_rows_read_minus_one() -> None:
     memo.remember(torch.tensor([1, 2, 3]), torch.tensor([5, -1, 7]))
     memo.forget(torch.tensor([7, 9]))
     assert memo.take(torch.tensor([1, 2, 3])).tolist() == [5, -1, -1]
+
+
+@pytest.mark.parametrize("workers", [2, 3, 8])
+def test_every_push_matches_when_each_worker_has_its_window_of_pulls_waiting(workers: int) -> None:
+    """Round robin, each worker pulling step t before its pushes of t - 1 and t - 2 land (the default
+    window of 2): the pull a push needs is the oldest remembered, so a FIFO memo shorter than the
+    pulls waiting would match none of them."""
+    memo, waiting = PullMemo(), 3 * workers
+    pulls = [torch.arange(k * 10, k * 10 + 5 + k % 7) for k in range(waiting + 40)]
+    matched = 0
+    for k, ids in enumerate(pulls):
+        memo.remember(ids, ids * 2)
+        if k >= waiting - 1:
+            oldest = pulls[k - (waiting - 1)]
+            matched += memo.take(oldest) is not None
+    assert matched == len(pulls) - (waiting - 1)
+
+
+def test_the_store_applies_only_what_its_own_check_made() -> None:
+    from ps.config import SparseConfig
+    from ps.sparse_store import SparseStore
+    from rpcps.sparse.spec import TableSpec
+
+    store = SparseStore((TableSpec(name="t", table_id=0, dim=4),), SparseConfig(optimizer="sgd"), 0, 1)
+    store.pull({"t": torch.tensor([5, 6])}, torch.float32)
+    before = store.pull({"t": torch.tensor([5, 6])}, torch.float32)["t"]
+    with pytest.raises(TypeError, match="check_push"):
+        store.apply({"t": (torch.tensor([5, 5]), torch.ones(2, 4))})  # type: ignore[arg-type]
+    assert torch.equal(store.pull({"t": torch.tensor([5, 6])}, torch.float32)["t"], before)  # nothing applied
+    assert store.apply(store.check_push({"t": (torch.tensor([5, 6]), torch.ones(2, 4))}, torch.float32)) == 2
