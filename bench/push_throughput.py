@@ -154,8 +154,10 @@ def measure(side: str, setup: Setup) -> float:
 def _server_argv(side: str, setup: Setup, port: int, shard: int) -> list[str]:
     if side == "raw":
         return [sys.executable, "-m", "bench.push_throughput", "raw-server", "--port", str(port), "--shard", str(shard)]
+    # Shard 0 hosts the group's store at its --listen; the others join it there.
+    joins = ["--store", f"127.0.0.1:{port}"] if shard else []
     return [
-        sys.executable, str(REPO / "trainer_entry.py"), "ps", "--listen", f"127.0.0.1:{port}", "--store", f"127.0.0.1:{port}",
+        sys.executable, str(REPO / "trainer_entry.py"), "ps", "--listen", f"127.0.0.1:{port}", *joins,
         "--shards", str(setup.shards), "--shard-index", str(shard), "--model", f"rpcps.tasks:{setup.model}",
         "--optimizer", "sgd", "--lr", "1e-9", "--metrics-port", "0", "--metrics-addr", "127.0.0.1", "--control-port", "0",
         "--control-addr", "127.0.0.1", "--log-level", "WARNING", "--progress-s", "3600",
