@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.procs import ENTRY, REPO, Proc, ProcessGroup, child_env, wait_until
+from harness.procs import ENTRY, REPO, Proc, ProcessGroup, child_env, try_scrape, wait_until
 from ps.export import read_checkpoint
 from ps.snapshot_files import list_snapshots, load_snapshot
 from tests.integration.conftest import read_json, wait_for_updates
@@ -61,6 +61,17 @@ def test_a_two_shard_job_is_refused_on_one_then_resharded_and_resumed_where_it_s
     targets = wait_until(lambda: _targets(tmp_path / "first"), timeout=30, what="local's Prometheus targets file")
     ps_port = next(t["targets"][0] for t in targets if t["labels"]["role"] == "ps").rsplit(":", 1)[1]
     wait_for_updates(int(ps_port), 2 * STEPS, timeout=90, proc=first)
+    # Both slots well into training (async workers can be far apart: one CI run stopped at 63 and 9
+    # steps); + 2 over the bar below for the pushes still in flight, which the stop drains anyway.
+    worker_ports = [int(t["targets"][0].rsplit(":", 1)[1]) for t in targets if t["labels"]["role"] == "worker"]
+    assert len(worker_ports) == 2, targets
+
+    def both_workers_stepped() -> list[float] | None:
+        assert first.alive(), first.tail()
+        steps = [try_scrape(port).get("rpcps_worker_steps_total", 0.0) for port in worker_ports]
+        return steps if min(steps) >= STEPS // 2 + 2 else None
+
+    wait_until(both_workers_stepped, 90, "both workers' first steps")
     first.send(signal.SIGTERM)  # mid-training: workers drain their pushes to both shards, then the servers stop
     assert first.wait(60) == 130, first.tail()
     ckpt = tmp_path / "ckpt"
