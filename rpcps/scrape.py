@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
 
 def metrics_text(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> str:
-    """The exposition text of ``http://host:port/metrics``. Raises OSError when it does not answer."""
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
-        return reply.read().decode()
+    """The exposition text of ``http://host:port/metrics``. Raises OSError when it does not answer,
+    or when its answer is cut off (the process died while sending it)."""
+    url = f"http://{host}:{port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return reply.read().decode()
+    except http.client.HTTPException as e:  # IncompleteRead, BadStatusLine: not OSErrors
+        raise OSError(f"{url} answered with a broken reply: {e!r}") from e
 
 
 def scrape_metrics(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> dict[str, float]:
