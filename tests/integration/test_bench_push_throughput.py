@@ -7,35 +7,25 @@ The benchmark is not a test, but it rotted once unseen (shard 0 was told to join
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from harness.procs import ProcessGroup
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_the_push_benchmark_measures_two_shards_and_the_raw_baseline(tmp_path: Path) -> None:
+def test_the_push_benchmark_measures_two_shards_and_the_raw_baseline(procs: ProcessGroup, tmp_path: Path) -> None:
     out = tmp_path / "push.json"
-    argv = [sys.executable, "-m", "bench.push_throughput", "--models", "mlp_5m", "--workers", "1", "--shards", "2",
-            "--sides", "ours,raw", "--calls", "20", "--json", str(out)]
-    bench = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = bench.communicate(timeout=200)
-    finally:
-        if bench.poll() is None:
-            # SIGINT, not SIGKILL: the bench's finally blocks stop the servers it started in their own sessions.
-            bench.send_signal(signal.SIGINT)
-            try:
-                bench.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                bench.kill()
-                bench.communicate()
-    assert bench.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    # procs reaps the bench and every process under it (its servers run in sessions of their own).
+    bench = procs.start(
+        "bench",
+        ["-m", "bench.push_throughput", "--models", "mlp_5m", "--workers", "1", "--shards", "2", "--sides", "ours,raw",
+         "--calls", "20", "--json", out],
+        script=None,
+    )
+    assert bench.wait(200) == 0, bench.tail(60)
     (row,) = json.loads(out.read_text())
     assert row["setup"]["shards"] == 2
     assert row["best"]["ours"] > 0 and row["best"]["raw"] > 0, row
