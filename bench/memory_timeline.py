@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import proc_memory_kb
+from rpcps.periodic import Periodic
 
 INTERVAL_S = 0.1
 
@@ -30,33 +30,29 @@ class RssSampler:
 
     def __init__(self, run_dir: Path, interval_s: float = INTERVAL_S) -> None:
         self._children = run_dir / "children.json"
-        self._interval_s = interval_s
         self.started = time.monotonic()
         self.series: dict[str, list[tuple[float, float]]] = {}
         """Process name -> (seconds since ``started``, VmRSS in MB)."""
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+        self._pids: dict[str, int] = {}
+        self._task = Periodic("rss-sampler", interval_s, self._sample)
 
     def start(self) -> None:
-        self._thread.start()
+        self._task.start()
 
     def stop(self) -> None:
-        self._done.set()
-        self._thread.join()
+        self._task.stop()
 
-    def _loop(self) -> None:
-        pids: dict[str, int] = {}
-        while not self._done.wait(self._interval_s):
-            try:  # rewritten as children start: read until every one of them has a pid
-                info = json.loads(self._children.read_text())
-                pids = {n: c["pid"] for n, c in info.items() if (n == "ps" or n.startswith("worker")) and c.get("pid")}
-            except (OSError, ValueError):
-                pass
-            now = time.monotonic() - self.started
-            for name, pid in pids.items():
-                mem = proc_memory_kb(pid)
-                if mem is not None:
-                    self.series.setdefault(name, []).append((now, mem[0] / 1024))
+    def _sample(self) -> None:
+        try:  # rewritten as children start: read until every one of them has a pid
+            info = json.loads(self._children.read_text())
+            self._pids = {n: c["pid"] for n, c in info.items() if (n == "ps" or n.startswith("worker")) and c.get("pid")}
+        except (OSError, ValueError):
+            pass
+        now = time.monotonic() - self.started
+        for name, pid in self._pids.items():
+            mem = proc_memory_kb(pid)
+            if mem is not None:
+                self.series.setdefault(name, []).append((now, mem[0] / 1024))
 
     def write_tsv(self, path: Path) -> None:
         """One line per sample: seconds, process name, VmRSS in MB."""

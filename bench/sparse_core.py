@@ -50,7 +50,7 @@ from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
 from ps.sparse_store import SparseStore
-from rpcps.memory import Trimmer, start_trimming
+from rpcps.memory import Trimmer, start_trimming, tune_malloc
 from rpcps.process import ProcessOptions
 from rpcps.sparse.hashing import derive_key, keyed_hash
 from rpcps.sparse.spec import TableSpec
@@ -217,6 +217,7 @@ def main() -> None:
         "(default: the product's default; 0: off)",
     )
     args = p.parse_args()
+    tune_malloc()  # what every rpcps process does first (arenas capped); MALLOC_* in the environment wins
     key = derive_key(2024)
     config = TableConfig(name="bench", table_id=0, dim=args.dim, optimizer=OPTIMIZERS[args.optimizer]())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {config.optimizer}, width {config.width}")
