@@ -127,10 +127,13 @@ def child_env(extra_pythonpath: Iterable[Path | str] = (), **overrides: str) -> 
 
     One thread per process because the test machine has two cores shared by a server and several
     workers; oversubscribed OpenMP threads slow every process down several times. Inherited
-    ``RPCPS_*`` variables are dropped so the developer's shell cannot change what a test runs.
+    ``RPCPS_*`` variables are dropped so the developer's shell cannot change what a test runs. An
+    inherited ``PYTHONPATH`` is kept after this repo's: dependencies installed with
+    ``pip install --target`` (as on a machine whose site-packages is read-only) stay importable.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("RPCPS_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *map(str, extra_pythonpath)])
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *map(str, extra_pythonpath), *inherited])
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(overrides)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from harness.procs import ProcessGroup, descendants, free_ports, pid_alive, scrape_metrics, wait_until
+from harness.procs import REPO, ProcessGroup, child_env, descendants, free_ports, pid_alive, scrape_metrics, wait_until
 from tests.pytest_run import run_pytest
 
 
@@ -24,6 +24,17 @@ def test_wait_until_returns_the_truthy_value_and_names_what_timed_out() -> None:
 def test_free_ports_are_distinct() -> None:
     ports = free_ports(5)
     assert len(set(ports)) == 5
+
+
+def test_a_child_imports_this_repo_first_and_keeps_an_inherited_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dependencies installed with `pip install --target DIR` are found through PYTHONPATH only.
+    monkeypatch.setenv("PYTHONPATH", "/opt/deps/a:/opt/deps/b")
+    monkeypatch.setenv("RPCPS_THREADS", "7")
+    env = child_env(["/extra"])
+    assert env["PYTHONPATH"].split(":") == [str(REPO), "/extra", "/opt/deps/a", "/opt/deps/b"]
+    assert "RPCPS_THREADS" not in env
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_env()["PYTHONPATH"] == str(REPO)
 
 
 def test_scrape_metrics_keys_labelled_and_unlabelled_samples() -> None:
