@@ -109,7 +109,12 @@ class Supervisor:
         self.coordinator: Child | None = None
         if replicas > 1:  # a standby cannot take over from a primary that hosts the store every join needs
             metrics_port = free_port()
-            coordinator = StoreConfig(listen=store, metrics_port=metrics_port, process=server.process, transport=server.transport)
+            coordinator = StoreConfig(
+                listen=store,
+                metrics_port=metrics_port,
+                process=replace(server.process, summary_json=str(self._summary_path("store"))),
+                transport=server.transport,
+            )
             self.coordinator = self._child("store", "store", coordinator, metrics_port)
         self.servers: list[Child] = []
         for k in range(server.core.shard_count):
@@ -417,6 +422,7 @@ class Supervisor:
             shards=shards,
             workers=workers,
             evaluator=read_summary(self.evaluators[0].summary_path) if self.evaluators else None,
+            store=read_summary(self.coordinator.summary_path) if self.coordinator is not None else None,
             run_dir=str(self.run_dir),
         )
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
@@ -27,9 +29,10 @@ from prometheus_client.registry import Collector
 from cli.config import StoreConfig
 from ps.exposure import TP_IFNAME, Exposed
 from ps.store_guard import StoreGuard
-from rpcps import memory, rpc_policy, signals, transport
+from rpcps import memory, rpc_policy, signals, threads, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
+from rpcps.summary import run_summary, write_summary
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
 
@@ -108,6 +111,41 @@ class CoordinatorMetrics:
         """Adds the member and view gauges, computed at scrape time by ``read``."""
         self.registry.register(_GroupCollector(read))
 
+    def totals(self) -> dict[str, Any]:
+        """The counters' values for the run summary (read from the counters themselves: the registry would
+        also read the group from the store, which may be gone by then)."""
+        return {
+            "members_removed": sum(_counts(self.removed).values()),
+            "store_repairs": _counts(self.repairs),
+            "refused": _counts(self.refused),
+        }
+
+
+def _counts(counter: Counter) -> dict[str, int]:
+    """A counter's totals by the value of its one label (a single entry keyed "" when it has none)."""
+    return {
+        next(iter(sample.labels.values()), ""): int(sample.value)
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def store_summary(metrics: CoordinatorMetrics, wall_seconds: float) -> dict[str, Any]:
+    """The coordinator's ``--summary-json``: the core keys every role writes (it trains nothing, so no
+    losses and zero steps and updates), plus what it did to the group."""
+    return run_summary(
+        "store",
+        initial_loss=None,
+        final_loss=None,
+        steps=0,
+        updates_applied=0,
+        pushes_rejected=0,
+        staleness_sum=0.0,
+        wall_seconds=wall_seconds,
+        **metrics.totals(),
+    )
+
 
 def check_exposure(config: StoreConfig, environ: Mapping[str, str]) -> None:
     """Raises Exposed when the store's RPC ports leave this machine without their protection."""
@@ -127,7 +165,10 @@ def check_exposure(config: StoreConfig, environ: Mapping[str, str]) -> None:
 
 
 def run_store(config: StoreConfig) -> int:
+    started = time.monotonic()
     memory.tune_malloc()  # before any thread allocates (rpcps.memory)
+    # It computes little, but --threads is one of its flags like every role's, and the log says the choice.
+    threads.apply(threads.choose(config.process.threads))
     check_exposure(config, os.environ)
     secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
     stop = threading.Event()
@@ -163,4 +204,5 @@ def run_store(config: StoreConfig) -> int:
         janitor.stop()
         transport.shutdown()
         http.shutdown()  # type: ignore[attr-defined]
+    write_summary(config.process.summary_json, store_summary(metrics, time.monotonic() - started))
     return 0

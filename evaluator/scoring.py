@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from rpcps import plugins
+from rpcps.model_device import model_device
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Scorer = Callable[[torch.nn.Module, list[Batch]], dict[str, float]]
@@ -37,7 +38,7 @@ def loss_and_accuracy(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     class logits (N, C) for integer targets (N,), accuracy. In eval mode; the mode is restored."""
 
     def scores(model: torch.nn.Module, batches: list[Batch]) -> dict[str, float]:
-        device = next(model.parameters()).device
+        device = model_device(model)
         was_training = model.training
         model.eval()
         total, correct, count, classified = 0.0, 0, 0, True

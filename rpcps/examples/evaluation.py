@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rpcps.examples.stream import Batch
+from rpcps.model_device import model_device
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ def score(model: torch.nn.Module, batches: Iterable[Batch]) -> Scores:
     targets weigh and the figure does not depend on how the held-out set was cut into batches.
     """
     was_training = model.training
-    device = next(model.parameters()).device
+    device = model_device(model)
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
     try:

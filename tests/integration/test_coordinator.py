@@ -4,6 +4,7 @@ claim their shard's view; workers find shards through the views; no server's dea
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from harness.ledger import check_ledger
 from harness.procs import ProcessGroup, try_scrape, wait_until
 from tests.integration.conftest import model_version as version
+from tests.integration.conftest import read_json
 
 pytestmark = pytest.mark.integration
 
@@ -48,3 +50,19 @@ def test_a_killed_shard_is_taken_over_without_touching_the_other_shard(procs: Pr
     assert shard0.final_version == shard1.final_version == 1200
     assert shard0.restarts == 2 and len(shard0.updates_lost) == 1
     assert shard1.restarts == 1 and shard1.updates_lost == [], "shard 1 never restarted or rolled back"
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_honours_threads_and_writes_its_summary_at_exit(procs: ProcessGroup, tmp_path: Path) -> None:
+    """``--threads`` and ``--summary-json`` are the coordinator's flags like every role's: the start-up
+    log says the thread budget, and a SIGTERM leaves a summary with the core keys and its own."""
+    summary = tmp_path / "out" / "store.json"
+    store, _, _ = procs.store("store", "--threads", "1", "--summary-json", str(summary))
+    wait_until(lambda: "coordinator serving" in store.stderr() or not store.alive(), 30, "the coordinator to serve")
+    assert store.alive(), store.tail()
+    assert "intra-op threads: 1 (--threads)" in store.stderr()
+    store.send(signal.SIGTERM)
+    assert store.wait(30) == 0, store.tail()
+    result = read_json(summary)
+    assert result["role"] == "store" and result["updates_applied"] == 0 and result["wall_seconds"] > 0
+    assert result["members_removed"] == 0 and result["store_repairs"] == {"members": 0, "address": 0, "rank_counter": 0}

@@ -136,6 +136,8 @@ def test_local_with_two_replicas_runs_a_coordinator_and_a_standby(tmp_path: Path
     result = json.loads(summary.read_text())
     assert result["updates_applied"] == 200
     assert result["restarts"] == {"store": 0, "ps": 0, "ps_b": 0, "worker0": 0, "worker1": 0}
+    # The coordinator's summary is a file of its own: local's --summary-json is local's alone.
+    assert result["role"] == "local" and result["store"]["role"] == "store", result.get("store")
     report = check_ledger(tmp_path / "audit.log")
     assert report.problems == [] and report.final_version == 200, report.problems[:5]
 

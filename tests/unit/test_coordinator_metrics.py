@@ -7,7 +7,7 @@ import logging
 import pytest
 from prometheus_client import generate_latest
 
-from cli.store import CoordinatorMetrics
+from cli.store import CoordinatorMetrics, store_summary
 from rpcps import transport
 
 
@@ -35,3 +35,20 @@ def test_an_unreadable_store_leaves_the_gauges_empty_and_says_so(caplog: pytest.
         text = _scrape(metrics)
     assert "rpcps_store_view_standby{" not in text and "\nrpcps_store_members " not in text
     assert "could not read the group for /metrics" in caplog.text
+
+
+def test_the_summary_has_the_core_keys_and_what_the_counters_say() -> None:
+    metrics = CoordinatorMetrics.create(listen="127.0.0.1:29400")
+    metrics.watch_group(must_not_be_read)  # the summary must not read the store: it may be gone at exit
+    metrics.removed.inc(2)
+    metrics.repairs.labels("address").inc()
+    summary = store_summary(metrics, wall_seconds=4.0)
+    assert summary["role"] == "store" and summary["wall_seconds"] == 4.0
+    assert summary["steps"] == summary["updates_applied"] == 0 and summary["final_loss"] is None
+    assert summary["members_removed"] == 2
+    assert summary["store_repairs"] == {"members": 0, "address": 1, "rank_counter": 0}
+    assert set(summary["refused"]) == set(transport.REFUSAL_KINDS) and not any(summary["refused"].values())
+
+
+def must_not_be_read() -> tuple[int, dict[int, tuple[int, bool]]]:
+    raise AssertionError("the summary read the group from the store")
