@@ -180,8 +180,7 @@ def _example(setup: Setup, port: int) -> float:
             # Poll every rank: a client that dies leaves the server waiting for its updates forever.
             deadline = time.monotonic() + 900
             while procs[0].poll() is None:
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
+                if any(p.poll() not in (None, 0) for p in procs[1:]) or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
         finally:

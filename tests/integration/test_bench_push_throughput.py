@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_the_push_benchmark_measures_two_shards_and_the_raw_baseline(procs: ProcessGroup, tmp_path: Path) -> None:
     out = tmp_path / "push.json"
-    # procs reaps the bench and every process under it (its servers run in sessions of their own).
+    # procs reaps the bench and every process under it (its servers and clients), even when the test fails.
     bench = procs.start(
         "bench",
         ["-m", "bench.push_throughput", "--models", "mlp_5m", "--workers", "1", "--shards", "2", "--sides", "ours,raw",
