@@ -26,7 +26,6 @@ one process with the same global batch (same tolerances).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import emit_json
 from bench.reference_train import RunConfig, train
 from ps.export import read_checkpoint
 from rpcps import examples
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = check_targets(a.example, rows)
     print(table(a.example, rows), *targets, sep="\n", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"example": a.example, "batches": batches, "rows": [r.__dict__ for r in rows], "targets": targets}
-    print(json.dumps(report), flush=True)
+    emit_json(report)
     return 0
 
 

@@ -11,6 +11,12 @@ CPU per update makes more updates. This reads utime+stime of every process of ea
 had made 15 % and 85 % of its updates (bench.common's steady part) by the updates made in between.
 Sides as in bench.vs_example: the example design on TensorPipe's defaults, and ``local`` with the
 optimizer matched to the example's SGD (its ``local`` parent and store processes included).
+
+Two more columns say why a side makes fewer updates than its CPU per update allows: the cores it
+kept busy (updates/s x CPU per update; the rest of the machine idled while its processes waited on
+one another), and the context switches per update of all its processes (every thread's voluntary
+and involuntary switches from /proc/<pid>/task/*/status: each hand-off of a message between threads,
+each wait for the GIL or a lock, each sleep).
 """
 
 from __future__ import annotations
@@ -32,34 +38,57 @@ from bench.profile_run import cpu_seconds
 from bench.vs_example import PRESETS, SGD_ARGS, Preset, example_argv
 from rpcps.scrape import try_scrape
 
+Usage = dict[str, tuple[float, int]]
+"""(CPU-seconds, context switches) by process name."""
+
 
 @dataclass
 class CpuSamples:
-    """(time.perf_counter(), CPU-seconds by process name, updates so far or None) every interval."""
+    """(time.perf_counter(), usage by process name, updates so far or None) every interval."""
 
-    rows: list[tuple[float, dict[str, float], float | None]] = field(default_factory=list)
+    rows: list[tuple[float, Usage, float | None]] = field(default_factory=list)
 
     def record(self, pids: dict[str, int], updates: float | None) -> None:
-        cpu = {name: c for name, pid in pids.items() if (c := cpu_seconds(pid)) is not None}
-        self.rows.append((time.perf_counter(), cpu, updates))
+        usage = {name: (c, context_switches(pid)) for name, pid in pids.items() if (c := cpu_seconds(pid)) is not None}
+        self.rows.append((time.perf_counter(), usage, updates))
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of every live thread of ``pid`` (0 once it is gone)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:
+            continue  # the thread ended meanwhile
+        total += sum(int(line.split()[1]) for line in lines if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")))
+    return total
 
 
 @dataclass(frozen=True)
 class Split:
     updates_per_s: float
     cpu_ms_per_update: dict[str, float]
+    switches_per_update: dict[str, float]
+    """Context switches of every thread of each process, per update."""
+
+    @property
+    def cores_busy(self) -> float:
+        return self.updates_per_s * sum(self.cpu_ms_per_update.values()) / 1000
 
 
-def steady_split(rows: list[tuple[float, dict[str, float], float]]) -> Split:
+def steady_split(rows: list[tuple[float, Usage, float]]) -> Split:
     """Per-process CPU per update between the first sample at >= 15 % of the updates and the last at <= 85 %."""
     final = rows[-1][2]
     inside = [r for r in rows if STEADY_FROM * final <= r[2] <= STEADY_TO * final]
     if len(inside) < 2:
         raise RuntimeError(f"too few samples in the steady part ({len(inside)}); lower --interval-s or add --steps")
-    (t0, cpu0, n0), (t1, cpu1, n1) = inside[0], inside[-1]
+    (t0, use0, n0), (t1, use1, n1) = inside[0], inside[-1]
     updates = n1 - n0
-    per = {name: 1000 * (cpu1[name] - cpu0[name]) / updates for name in cpu1 if name in cpu0}
-    return Split(updates / (t1 - t0), per)
+    both = [name for name in use1 if name in use0]
+    cpu = {name: 1000 * (use1[name][0] - use0[name][0]) / updates for name in both}
+    switches = {name: (use1[name][1] - use0[name][1]) / updates for name in both}
+    return Split(updates / (t1 - t0), cpu, switches)
 
 
 def _sample_until(done: threading.Event, samples: CpuSamples, pids: Callable[[], dict[str, int]],
@@ -88,7 +117,7 @@ def example_side(p: Preset, workers: int, interval_s: float) -> Split:
     if any(proc.returncode for proc in procs):
         raise RuntimeError(f"the example design failed: {outs[0][1].decode(errors='replace')[-2000:]}")
     times = json.loads(outs[0][0].decode().strip().splitlines()[-1])["update_times"]
-    return steady_split([(t, cpu, float(bisect.bisect_right(times, t))) for t, cpu, _ in samples.rows if cpu]
+    return steady_split([(t, usage, float(bisect.bisect_right(times, t))) for t, usage, _ in samples.rows if usage]
                         + [(times[-1], {}, float(len(times)))])
 
 
@@ -123,7 +152,7 @@ def rpcps_side(p: Preset, workers: int, root: Path, interval_s: float, extra: li
             proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"local failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
-    return steady_split([(t, cpu, n) for t, cpu, n in samples.rows if n is not None])
+    return steady_split([(t, usage, n) for t, usage, n in samples.rows if n is not None])
 
 
 def main() -> int:
@@ -151,8 +180,9 @@ def main() -> int:
     for name, split in sides.items():
         total = sum(split.cpu_ms_per_update.values())
         parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(split.cpu_ms_per_update.items()) if v >= 0.0005)
-        rows.append([name, f"{split.updates_per_s:.1f}", parts, f"{total:.3f}"])
-    print_table(["side", "updates/s", "CPU ms per update, by process", "sum"], rows)
+        switches = ", ".join(f"{k} {v:.1f}" for k, v in sorted(split.switches_per_update.items()) if v >= 0.05)
+        rows.append([name, f"{split.updates_per_s:.1f}", parts, f"{total:.3f}", f"{split.cores_busy:.2f}", switches])
+    print_table(["side", "updates/s", "CPU ms per update, by process", "sum", "cores busy", "context switches per update, by process"], rows)
     return 0
 
 

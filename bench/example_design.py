@@ -24,7 +24,6 @@ applied (seconds, its own clock), for bench.common.steady_rate.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch.distributed import rpc
 
+from bench.common import emit_json
 from rpcps import plugins
 
 _SERVER = "example-ps"
@@ -79,7 +79,7 @@ def main() -> int:
         _train(args, model)
     rpc.shutdown()  # graceful: the server returns once every worker has finished
     if args.rank == 0:
-        print(json.dumps({"update_times": _update_times}), flush=True)
+        emit_json({"update_times": _update_times})
     return 0
 
 

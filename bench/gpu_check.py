@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from bench.common import emit_json
 from rpcps.scrape import try_scrape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in results if r["device"] == "cuda" and not r["gpu_used"]]
     for r in failed:
         print(f"FAILED: {r['example']} workers on cuda reported no device memory: {r['max_device_memory_bytes']}", file=sys.stderr)
-    print(json.dumps({"gpu": torch.cuda.get_device_name(0), "results": results}), flush=True)
+    emit_json({"gpu": torch.cuda.get_device_name(0), "results": results})
     return 1 if failed else 0
 
 

@@ -10,12 +10,12 @@ step (seconds), for bench.common.steady_rate.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
+from bench.common import emit_json
 from rpcps import plugins
 
 
@@ -38,7 +38,7 @@ def main() -> int:
         loss_fn(model(x), y).backward()
         optimizer.step()
         times.append(time.perf_counter())
-    print(json.dumps({"update_times": times, "threads": torch.get_num_threads()}), flush=True)
+    emit_json({"update_times": times, "threads": torch.get_num_threads()})
     return 0
 
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, child_env, print_table, steady_rate
+from bench.common import REPO, child_env, emit_json, print_table, steady_rate
 from rpcps.endpoints import server_name
 
 _START_TIMEOUT_S = 180.0
@@ -319,7 +319,7 @@ def run_client(args: argparse.Namespace) -> int:
         for pending in window:
             check(pending)
             times.append(time.perf_counter())
-        print(json.dumps({"times": times}), flush=True)
+        emit_json({"times": times})
     finally:
         if args.kind == "ours":
             transport.leave(name, transport.store_host())

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from bench.common import emit_json
 from ps.config import OptimizerConfig
 from ps.optim import OPTIMIZERS, build_optimizer
 from rpcps import examples, plugins
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(train(config).report), flush=True)
+    emit_json(train(config).report)
     return 0
 
 

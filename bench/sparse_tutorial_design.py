@@ -33,7 +33,6 @@ Rank 0 (server) waits for the trainers, then prints one JSON line: every trainer
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -47,6 +46,7 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from bench.common import emit_json
 from bench.sparse_ctr import DENSE_LR, SPARSE_LR, DenseHead, held_out_auc, init_tables, table_rows
 from worker import ctr
 
@@ -115,7 +115,7 @@ def main() -> int:
         rpc.init_rpc(trainer_name(args.rank - 1), rank=args.rank, world_size=args.world, rpc_backend_options=options)
     rpc.shutdown()  # graceful: every process returns once the server has collected the trainers' results
     if args.rank == 0:
-        print(json.dumps(result), flush=True)
+        emit_json(result)
     return 0
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from collections import deque
 
 import torch
 
+from bench.common import emit_json
 from ps.config import OptimizerConfig
 from ps.optim import build_optimizer
 from rpcps import examples, plugins
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         history.append(copy.deepcopy(model.state_dict()))
     report = {"example": a.example, "delay": a.delay, "steps": steps, "optimizer": recipe.optimizer, "lr": recipe.lr,
               "held_out": example.evaluate(model)}
-    print(json.dumps(report), flush=True)
+    emit_json(report)
     return 0
 
 
