@@ -47,10 +47,17 @@ def emit_json(obj: Any) -> None:
     cut at 128 KiB and failed bench.cpu_split. ``os.write`` returns how much went out; the rest is
     written again until none is left.
     """
+    line = json.dumps(obj) + "\n"
     sys.stdout.flush()
-    rest = memoryview((json.dumps(obj) + "\n").encode())
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError):  # an in-memory stream (a caller's capture): no pipe to cut the line
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        return
+    rest = memoryview(line.encode())
     while rest:
-        rest = rest[os.write(sys.stdout.fileno(), rest):]
+        rest = rest[os.write(fd, rest):]
 
 
 def steady_rate(samples: Sequence[tuple[float, float]]) -> float:

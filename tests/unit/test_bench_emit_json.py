@@ -55,3 +55,8 @@ def test_a_long_line_arrives_whole_while_a_timer_interrupts_the_blocked_writes(m
     assert interrupts, "the timer never fired during the write: the test proved nothing"
     assert received.endswith(b"\n") and received.count(b"\n") == 1
     assert json.loads(received) == payload
+
+
+def test_an_in_memory_stdout_gets_the_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    emit_json({"steps": 4, "loss": 0.5})
+    assert capsys.readouterr().out == '{"steps": 4, "loss": 0.5}\n'
