@@ -13,7 +13,7 @@ pings every member in parallel:
   refused by peers that forgot it, and it restarts itself and rejoins.
 
 Joins that failed half-way are dropped from the member list, and a join token left behind by a dead
-joiner is released. A removal that finds a join in progress is retried on the next sweep, never
+joiner is taken over, the dead members removed, and only then released. A removal that finds a join in progress is retried on the next sweep, never
 dropped. The janitor holds no training state: nothing here knows what a shard or a worker slot is.
 """
 
@@ -76,7 +76,6 @@ class Janitor:
                 logger.exception("membership sweep failed; trying again in %.1fs", self.interval_s)
 
     def sweep(self) -> None:
-        self._token_watch.check(time.monotonic())
         me = membership.my_name()
         names = [n for n in membership.member_names() if n != me and n not in self._to_forget]
         pings = [ping(name, self.ping_timeout_s) for name in names]
@@ -88,7 +87,7 @@ class Janitor:
                 self._on_failed_ping(name, e, now)
                 continue
             self._first_silent.pop(name, None)
-        self._forget_pending()
+        self._forget_pending(self._token_watch.stale_holder(time.monotonic()))
 
     def _on_failed_ping(self, name: str, error: CallFailed, now: float) -> None:
         if isinstance(error, PeerUnreachable):
@@ -105,14 +104,17 @@ class Janitor:
         self._first_silent.pop(name, None)
         self._to_forget.add(name)
 
-    def _forget_pending(self) -> None:
+    def _forget_pending(self, dead_holder: str) -> None:
         try:
-            for name in sorted(self._to_forget):
-                if membership.forget_member(name):
-                    self._on_removed(name)
-                self._to_forget.discard(name)
-            for name in membership.forget_failed_joins():
-                logger.warning("removed %s, whose join failed, from the RPC group", name)
-                self._on_removed(name)
+            removed, failed = membership.tidy(self._to_forget, dead_holder)
         except membership.TokenBusy:
             logger.debug("a join is in progress; removing %s on the next sweep", sorted(self._to_forget))
+            return
+        if dead_holder:
+            logger.warning("took over the RPC group token held by a dead join (%s)", dead_holder)
+        self._to_forget.clear()
+        for name in removed:
+            self._on_removed(name)
+        for name in failed:
+            logger.warning("removed %s, whose join failed, from the RPC group", name)
+            self._on_removed(name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -49,17 +49,23 @@ class TokenBusy(RuntimeError):
 
 
 @contextmanager
-def _holding_token() -> Iterator[None]:
+def _holding_token(dead_holder: str = "") -> Iterator[None]:
     """Takes the group token without waiting, so joins cannot run while the member list changes.
 
     torch's own helper waits for the token with the store's full timeout (the RPC timeout); a
     reaper blocked there for 30 s behind a dying join used to give up on the member it was
     removing, leaving it listed for good. Here a busy token raises TokenBusy and the caller retries.
-    The token is released with the ``"Done"`` marker torch's waiters poll for.
+
+    With ``dead_holder``, the token is taken over from that holder (a join that died holding it)
+    in one compare-and-set, rather than freed first: a freed token went to the next joiner, which
+    was waiting on it, before the dead members it would have called could be removed; that join
+    then failed on them too and left the token behind again (a worker refused for want of the job
+    secret kept the next one from ever being told so, issue 12's CI runs). The token is released
+    with the ``"Done"`` marker torch's waiters poll for, the dead holder's included.
     """
     store = api._get_current_rpc_agent().store
     mine = f"Token_for_rpcps-{os.getpid()}-{next(_token_names)}_join"
-    holder = store.compare_set(_TOKEN_KEY, "", mine).decode()
+    holder = store.compare_set(_TOKEN_KEY, dead_holder, mine).decode()
     if holder != mine:
         raise TokenBusy(f"group token held by {holder}")
     try:
@@ -67,6 +73,8 @@ def _holding_token() -> Iterator[None]:
     finally:
         store.set(_TOKEN_KEY, "")
         store.set(mine, "Done")
+        if dead_holder:
+            store.set(dead_holder, "Done")  # wakes the joins that waited on the dead holder
 
 
 def store_members() -> dict[str, int]:
@@ -90,20 +98,23 @@ def forget_member(name: str) -> bool:
         return _forget_locked(name)
 
 
-def forget_failed_joins() -> list[str]:
-    """Removes listed members this agent never heard of: processes whose join failed half-way.
+def tidy(names: Iterable[str], dead_holder: str = "") -> tuple[list[str], list[str]]:
+    """Removes members ``names`` and every failed join from the group, in one hold of the token.
 
-    A join adds its name to the store and then tells every member, this server included, all while
-    holding the token; with the token held here no join is in progress, so a listed name this
-    agent does not know can only be a join that failed (its process is gone or about to exit).
-    Raises TokenBusy while a join is in progress.
+    A failed join is a listed member this agent never heard of: a join adds its name to the store
+    and then tells every member, this process included, all while holding the token; with the token
+    held here no join is in progress, so a listed name this agent does not know can only be a join
+    that failed (its process is gone or about to exit). With ``dead_holder`` the token is taken over
+    from a join that died holding it (see ``_holding_token``). Returns (the ``names`` that were
+    known and removed, the failed joins removed). Raises TokenBusy while a join is in progress.
     """
-    with _holding_token():
+    with _holding_token(dead_holder):
+        removed = [name for name in sorted(names) if _forget_locked(name)]
         known = set(member_names())
         failed = [name for name in store_members() if name not in known]
         for name in failed:
             _forget_locked(name)
-        return failed
+        return removed, failed
 
 
 def _forget_locked(name: str) -> bool:
@@ -168,35 +179,27 @@ def guarded_update_group_membership(worker_info: Any, my_devices: Any, reverse_d
 
 
 class JoinTokenWatch:
-    """Frees the group's join token when a process died holding it.
+    """Finds the group's join token held by a process that died holding it.
 
     A process killed in the middle of its join (or whose join failed) never releases the token, and
     every later join then waits on it forever. A join normally holds it for milliseconds; one held
-    past ``max_age_s`` is released here.
+    past ``max_age_s`` is taken over (``tidy(..., dead_holder)``) by the caller.
     """
 
     def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
         self._seen: tuple[str, float] | None = None
 
-    def check(self, now: float) -> str | None:
-        """Returns the token it released, if any."""
-        store = api._get_current_rpc_agent().store
-        holder = store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
+    def stale_holder(self, now: float) -> str:
+        """The token's holder when it has held the token past ``max_age_s``; "" otherwise."""
+        holder = api._get_current_rpc_agent().store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
         if not holder:
             self._seen = None
-            return None
+            return ""
         if self._seen is None or self._seen[0] != holder:
             self._seen = (holder, now)
-            return None
-        if now - self._seen[1] < self.max_age_s:
-            return None
-        if store.compare_set(_TOKEN_KEY, holder, "").decode() == "":
-            store.set(holder, "Done")  # wakes anyone waiting on the dead holder
-            logger.warning("released the RPC group token held by a dead join (%s)", holder)
-            self._seen = None
-            return holder
-        return None
+            return ""
+        return holder if now - self._seen[1] >= self.max_age_s else ""
 
 
 def my_name() -> str:

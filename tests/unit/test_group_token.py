@@ -1,0 +1,90 @@
+"""The group token's take-over from a dead join, against a real TCPStore (one process, no agent).
+
+The race it closes: a freed token went to the join waiting on it before the janitor could remove
+the dead members that join would call, so that join failed too and left the token behind again
+(tests/integration/test_hostile_peers.py::test_a_worker_without_the_job_secret_is_refused_with_exit_5
+failed 2 of 6 runs that way). Over real RPC: tests/integration/test_membership.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from rpcps.transport import membership
+
+pytestmark = pytest.mark.timeout(30)
+
+_TOKEN_KEY = "RpcGroupManagementToken"  # torch's key (torch/distributed/rpc/api.py)
+_DEAD = "Token_for_worker0_r2_join"
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[dist.Store]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    agent = SimpleNamespace(store=store, get_worker_infos=list)  # no member known to this agent
+    monkeypatch.setattr(membership.api, "_get_current_rpc_agent", lambda: agent)
+    yield store
+
+
+def _holder(store: dist.Store) -> str:
+    return store.compare_set(_TOKEN_KEY, "", "").decode()
+
+
+def test_a_dead_holders_token_is_taken_over_not_freed_and_its_waiters_woken(store: dist.Store) -> None:
+    store.set(_TOKEN_KEY, _DEAD)
+    woken = threading.Event()
+    # A join waiting for the dead holder, the way torch's _group_membership_management waits (its own client).
+    joiner = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    waiter = threading.Thread(target=lambda: (joiner.wait([_DEAD]), woken.set()), daemon=True)
+    waiter.start()
+    with membership._holding_token(_DEAD):
+        held_by = _holder(store)
+        assert held_by.startswith("Token_for_rpcps-") and held_by != _DEAD
+        # The waiter is not handed the token while the dead members are removed.
+        assert store.compare_set(_TOKEN_KEY, "", "Token_for_worker0_r3_join").decode() == held_by
+        assert not woken.is_set()
+    assert _holder(store) == ""
+    waiter.join(timeout=10)
+    assert woken.is_set()
+
+
+def test_a_token_that_changed_hands_is_not_taken(store: dist.Store) -> None:
+    store.set(_TOKEN_KEY, "Token_for_worker0_r3_join")  # the dead join's token was freed and taken since
+    with pytest.raises(membership.TokenBusy, match="worker0_r3"), membership._holding_token(_DEAD):
+        pass
+    assert _holder(store) == "Token_for_worker0_r3_join"
+
+
+def test_a_free_token_is_taken_only_without_a_dead_holder(store: dist.Store) -> None:
+    with membership._holding_token():
+        assert _holder(store).startswith("Token_for_rpcps-")
+    assert _holder(store) == ""
+    with pytest.raises(membership.TokenBusy), membership._holding_token(_DEAD):
+        pass
+
+
+def test_the_watch_names_a_holder_only_once_it_has_held_the_token_past_its_age(store: dist.Store) -> None:
+    watch = membership.JoinTokenWatch(max_age_s=5.0)
+    assert watch.stale_holder(0.0) == ""  # free
+    store.set(_TOKEN_KEY, _DEAD)
+    assert watch.stale_holder(1.0) == ""  # first seen
+    assert watch.stale_holder(5.9) == ""
+    assert watch.stale_holder(6.0) == _DEAD
+    store.set(_TOKEN_KEY, "Token_for_worker0_r3_join")
+    assert watch.stale_holder(7.0) == ""  # a new holder starts its own clock
+    assert watch.stale_holder(12.0) == "Token_for_worker0_r3_join"
+
+
+def test_tidy_removes_failed_joins_while_holding_the_dead_holders_token(store: dist.Store) -> None:
+    store.set("names/_ALL_WORKER_INFOS", "worker0_r1-1,worker0_r2-2,")  # listed, unknown to this agent
+    store.set(_TOKEN_KEY, _DEAD)
+    removed, failed = membership.tidy([], _DEAD)
+    assert (removed, failed) == ([], ["worker0_r1", "worker0_r2"])
+    assert store.get("names/_ALL_WORKER_INFOS") == b""
+    assert _holder(store) == "" and store.get(_DEAD) == b"Done"
