@@ -241,7 +241,11 @@ def test_async_replication_keeps_the_standby_within_its_lag_and_a_failover_recom
     most 2 versions behind the dead primary and checks that no step is twice in the history that
     survived and that digests agree; every acknowledged step a failover lost is recomputed by its
     worker (and every unacknowledged one resent), so the final version is still workers x steps."""
-    monkeypatch.setenv(INTERVAL_ENV, "0.02")
+    # The fail point can fire within the first few versions; the replacement standby then needs
+    # ~6 s to start on a loaded 2-core machine. At 50 steps/s per worker the whole run took 6.3 s
+    # and no digest was ever compared (a CI failure); at 25 it lasts ~12 s and the standby mirrors
+    # the versions before the second kill (which waits for it to be in sync).
+    monkeypatch.setenv(INTERVAL_ENV, "0.04")
     lag = 2
     plan = ChaosPlan(workers=2, steps=300, replicas=2, kills=(FailPoint("replication.at_max_lag", 1), Kill("primary", 400)),
                      extra_args=(*PACED, "--digest-every", "10"), timeout_s=200, max_replica_lag=lag)
