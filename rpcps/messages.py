@@ -2,19 +2,21 @@
 (tensors travel beside them).
 
 Every record and enum defined here may cross the wire, and nothing else may (``rpcps.rpc_policy``
-builds the transport's allow-list from this module): a new reply type belongs here.
+builds the transport's allow-list from this module): a new reply type belongs here, as a frozen
+dataclass deriving ``WireRecord`` (or a ``WireEnum``), which the transport requires.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rpcps.wire_records import WireEnum, WireRecord
 
-class Mode(enum.StrEnum):
+
+class Mode(WireEnum):
     """How stale a gradient may be when the server applies it."""
 
     ASYNC = "async"
@@ -25,7 +27,7 @@ class Mode(enum.StrEnum):
     """One step per round from the averaged gradients of the live workers."""
 
 
-class PushStatus(enum.StrEnum):
+class PushStatus(WireEnum):
     """What the server did with one push (a refused push raises PushRejected instead)."""
 
     APPLIED = "applied"
@@ -40,7 +42,7 @@ class PushStatus(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class Registration:
+class Registration(WireRecord):
     incarnation: str
     """Identifies this registration of the slot; a later registration of the same slot replaces it."""
     next_step: int
@@ -58,7 +60,7 @@ class Registration:
 
 
 @dataclass(frozen=True)
-class RegistrationProof:
+class RegistrationProof(WireRecord):
     """A worker's answer to the server's challenge: it holds the job secret (``rpcps.jobsecret``)."""
 
     challenge: str
@@ -68,7 +70,7 @@ class RegistrationProof:
 
 
 @dataclass(frozen=True)
-class PushReply:
+class PushReply(WireRecord):
     status: PushStatus
     version: int
     staleness: int
@@ -78,7 +80,7 @@ class PushReply:
 
 
 @dataclass(frozen=True)
-class PullReply:
+class PullReply(WireRecord):
     version: int
     chunks: list[torch.Tensor] | None
     """None when the worker already holds ``version``."""
@@ -91,7 +93,7 @@ class PullReply:
 
 
 @dataclass(frozen=True)
-class Observation:
+class Observation(WireRecord):
     """What an observer (the sidecar evaluator) reads: the newest parameters and buffers, without a slot."""
 
     version: int
@@ -106,7 +108,7 @@ class Observation:
 
 
 @dataclass(frozen=True)
-class FinishReply:
+class FinishReply(WireRecord):
     """The answer to a worker that finished its steps and asked for them to be made durable."""
 
     complete: bool
@@ -120,13 +122,13 @@ class FinishReply:
 
 
 @dataclass(frozen=True)
-class ErrorReply:
+class ErrorReply(WireRecord):
     kind: str
     message: str
 
 
 @dataclass(frozen=True)
-class View:
+class View(WireRecord):
     """Who serves one shard: its primary and, once in sync, its standby (the group's store holds it).
 
     Changed only by compare-and-set (``rpcps.transport.registry``): a standby promotes itself with
@@ -147,7 +149,7 @@ class View:
 
 
 @dataclass(frozen=True)
-class Update:
+class Update(WireRecord):
     """One optimizer step: an admitted push, or a closed sync round (its averaged gradient)."""
 
     index: int
@@ -166,7 +168,7 @@ class Update:
 
 
 @dataclass(frozen=True)
-class Mark:
+class Mark(WireRecord):
     """A push recorded as processed without a step (refused as invalid, or non-finite and skipped)."""
 
     index: int
@@ -176,7 +178,7 @@ class Mark:
 
 
 @dataclass(frozen=True)
-class Registered:
+class Registered(WireRecord):
     """A worker's registration; the incarnation is drawn by the primary so both replicas agree on it."""
 
     index: int
@@ -187,7 +189,7 @@ class Registered:
 
 
 @dataclass(frozen=True)
-class Control:
+class Control(WireRecord):
     """Serving state changed by the control plane: 'pause' or 'resume'."""
 
     index: int
@@ -200,7 +202,7 @@ LogEntry = Update | Mark | Registered | Control
 
 
 @dataclass(frozen=True)
-class Ack:
+class Ack(WireRecord):
     """A standby's answer to an append: it holds every entry up to ``have_through`` (in memory)."""
 
     epoch: int
@@ -209,7 +211,7 @@ class Ack:
 
 
 @dataclass(frozen=True)
-class Fenced:
+class Fenced(WireRecord):
     """The receiver serves a newer epoch than the sender's: the sender was replaced and must stop."""
 
     epoch: int
@@ -217,7 +219,7 @@ class Fenced:
 
 
 @dataclass(frozen=True)
-class Attached:
+class Attached(WireRecord):
     """A primary's answer to a standby that asked to follow it: the state to copy, and where the log
     continues after it."""
 

@@ -1,30 +1,45 @@
-"""Private torch RPC internals: the allow-list unpickler every incoming Python payload goes through.
+"""Private torch RPC internals: the unpickler every incoming Python payload goes through.
 
 torch RPC unpickles every incoming Python call (``rpc_sync``/``rpc_async``/``remote`` of a Python
 function) and every Python reply with a plain ``pickle.Unpickler``: any peer that reaches the agent
 could make this process run any importable function (``os.system``, ``eval``...), and any peer this
 process calls could do the same through its reply. Here torch's unpickler is swapped for one that
-resolves only listed ``(module, name)`` globals and refuses everything else before any of the
-payload runs. The research behind each choice is in the ``scratch-unpickler`` findings
-(docs/SECURITY.md summarises them); ``tests/integration/test_hostile_peers.py`` pins it with real
-processes, and ``install`` checks the internals it relies on every time it runs:
+builds only what rpcps itself sends, by construction rather than by a filter on names:
+
+* **Names resolve to handles, never to the objects.** ``find_class`` answers a listed
+  ``(module, name)`` with an immutable stand-in (``_Handle``, a tuple subclass without
+  ``__dict__``), not with the class or function. pickle's mutating opcodes (BUILD, which sets
+  attributes or calls ``__setstate__``; SETITEM(S); APPEND(S); ADDITEMS) find nothing to change on a
+  handle: each of those entry points refuses. So no payload can rebind an attribute of an allowed
+  class, function or module (issue 24: one BUILD rebinding ``_InternalRPCPickler._tensor_receiver``
+  replaced every later push's gradients). NEWOBJ needs a real class and therefore always fails.
+* **Two kinds of handle.** A *value* (a record, an enum, an exception class, torch's
+  ``PythonUDF``/``RemoteException``/``WorkerInfo``/``device``) may be called while the payload loads
+  and returns a fresh object, or a shared one that refuses ``__setstate__`` (enum members:
+  ``rpcps.wire_records``). A *call* (an endpoint) runs only once the load has finished, when torch runs
+  ``PythonUDF.func``: a payload cannot run an endpoint while it loads and then change its result.
+* **The senders speak that format**: ``register_wire_reducers`` makes torch's pickler send
+  ``PythonUDF``, ``RemoteException`` and ``WorkerInfo`` as constructor calls (plain pickle would use
+  NEWOBJ and BUILD); rpcps records reduce to constructor calls themselves (``rpcps.messages``).
+
+What torch needs from this hook, checked by ``install`` every time it runs:
 
 * C++ (``PythonRpcHandler::init``) caches the *function* ``torch.distributed.rpc.internal.deserialize``
   once, so replacing that function does nothing; it reads the module global ``_unpickler`` on every
   call, for requests and replies alike, in every thread. Replacing that global is what works.
 * Tensors and RRefs travel as ``getattr(_InternalRPCPickler, "_tensor_receiver")(index)`` and
   ``getattr(_InternalRPCPickler, "_py_rref_receiver")(fork_data)``, so ``builtins.getattr`` has to
-  resolve; the real one would hand a peer every attribute of everything listed (``__globals__``,
-  from there ``sys.modules``), so it resolves to ``_receiver_getattr``, which returns only those two.
+  resolve; it resolves to ``_receiver_getattr``, which returns only those two (as handles).
   ``_script_module_receiver`` (``torch.jit.load`` of peer bytes) is deliberately not one of them.
 * A refusal raises ``RefusedPayload``, an ``UnpicklingError``: torch's ``deserialize`` turns an
-  ``AttributeError`` into a *value* (a reply would then look like the remote function's result).
+  ``AttributeError`` into a *value* (a reply would then look like the remote function's result), so
+  every other failure inside a load is turned into a refusal too.
 * torch restores its thread-local tensor table only after a successful load; a refusal drops it,
   or the refused message's tensors would stay pinned to that thread.
 
-Not covered (docs/SECURITY.md): builtin operators and TorchScript calls never reach Python
-(``builtin_ops`` denies the one known file primitive); message size is checked here, after the
-agent has already allocated the message.
+Not covered here: messages that are not pickled Python (builtin operators, TorchScript calls: the
+agent's request filter refuses those before they are decoded); message size is checked here, after
+the agent has already allocated the message.
 
 What must not live here: which rpcps functions exist (``rpcps.rpc_policy`` passes the list).
 """
@@ -35,18 +50,22 @@ import copyreg
 import dataclasses
 import io
 import logging
+import operator
 import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.rpc import _utils as _rpc_utils
 from torch.distributed.rpc import backend_registry as _rpc_backends
 from torch.distributed.rpc import internal as _rpc_internal
+
+from rpcps.logsafe import peer_text
+from rpcps.wire_records import StateRefused
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +76,7 @@ RECEIVERS: frozenset[str] = frozenset({"_tensor_receiver", "_py_rref_receiver"})
 """The ``_InternalRPCPickler`` class methods torch's own pickler emits for tensors and RRefs."""
 
 _GETATTR: GlobalName = ("builtins", "getattr")
+_PICKLER: GlobalName = ("torch.distributed.rpc.internal", "_InternalRPCPickler")
 
 EXCEPTION_TYPES: tuple[type[BaseException], ...] = (
     Exception, RuntimeError, ValueError, TypeError, KeyError, IndexError, LookupError, AttributeError,
@@ -68,10 +88,13 @@ EXCEPTION_TYPES: tuple[type[BaseException], ...] = (
 constructor just stores the message belong here; an unlisted type is refused like any other global
 and the caller gets the refusal instead of the error."""
 
-REFUSAL_KINDS = ("global", "getattr", "missing", "size", "copyreg")
-"""Why a payload was refused (a metric label): an unlisted global, a getattr that is not a listed
-receiver, a listed name that does not resolve here (version skew), an oversized message, or a
-copyreg extension code resolved somewhere in this process (those bypass ``find_class``)."""
+REFUSAL_KINDS = ("global", "getattr", "size", "copyreg", "mutation", "call", "malformed")
+"""Why a payload was refused (a metric label): an unlisted global (also a name this process lacks:
+version skew), a getattr that is not a listed receiver, an oversized message, a copyreg
+extension code resolved somewhere in this process (those bypass ``find_class``), an opcode that
+would change an existing object (BUILD/SETITEM/APPEND/ADDITEMS on a handle or a shared value), an
+endpoint called while the payload loads, or anything else the unpickler could not build (NEWOBJ of
+a handle, a truncated or garbled stream)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,7 @@ class Refusal:
     """One of ``REFUSAL_KINDS``."""
     module: str
     name: str
+    """Peer-supplied text (what the payload named): escape it before it reaches a log."""
     message_bytes: int
     """Pickled payload plus tensor bytes of the refused message (-1 when unknown)."""
     thread: str
@@ -89,8 +113,10 @@ class Refusal:
     reply's future for a reply (both show as 'Dummy-N': C++ threads)."""
 
     def describe(self) -> str:
-        what = f"{self.message_bytes} bytes" if self.kind == "size" else f"{self.module}.{self.name}"
-        return f"{self.kind} {what}"
+        """One line, safe to log: the peer-supplied names escaped (a newline cannot forge a line)."""
+        if self.kind == "size":
+            return f"size {self.message_bytes} bytes"
+        return f"{self.kind} {peer_text(f'{self.module}.{self.name}')}"
 
 
 class RefusedPayload(pickle.UnpicklingError):
@@ -103,11 +129,12 @@ class TorchInternalsChanged(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class UnpicklePolicy:
-    allowed: frozenset[GlobalName]
-    """Every (module, qualified name) a peer may name. Built from function and class objects
-    (``names_of``), never from strings, so a moved function cannot silently refuse traffic."""
-    overrides: Mapping[GlobalName, Any] = field(default_factory=dict)
-    """Objects handed out instead of the real one for an allowed name (a guarded wrapper)."""
+    calls: Mapping[GlobalName, Callable[..., Any]]
+    """Functions a peer may name as the call to run (``PythonUDF.func``), each with what runs for it
+    (the function itself, or a guarded stand-in). Never callable while a payload loads."""
+    values: Mapping[GlobalName, Callable[..., Any]]
+    """What a payload may build while it loads: records, enums, exception classes, torch plumbing.
+    Calling one must return a fresh object, or a shared one whose ``__setstate__`` refuses (``rpcps.wire_records``)."""
     max_message_bytes: int | None = None
     """Refuse a message whose pickled payload plus tensors exceed this, before anything in it runs
     (the agent has allocated it by then: this bounds what runs, not what arrives)."""
@@ -116,14 +143,23 @@ class UnpicklePolicy:
     here. It must not block or make RPCs (it holds one of the agent's threads)."""
 
     def __post_init__(self) -> None:
-        bad = [g for g in self.allowed if not (isinstance(g, tuple) and len(g) == 2 and all(isinstance(p, str) and p for p in g))]
+        names = [*self.calls, *self.values]
+        bad = [g for g in names if not (isinstance(g, tuple) and len(g) == 2 and all(isinstance(p, str) and p for p in g))]
         if bad:
-            raise ValueError(f"allowed must hold (module, name) pairs of non-empty strings, got {bad[:3]}")
-        unknown = set(self.overrides) - self.allowed
-        if unknown:
-            raise ValueError(f"overrides names globals that allowed does not list: {sorted(unknown)}")
+            raise ValueError(f"calls and values must be keyed by (module, name) pairs of non-empty strings, got {bad[:3]}")
+        both = set(self.calls) & set(self.values)
+        if both:
+            raise ValueError(f"a global is either a call or a value, not both: {sorted(both)[:3]}")
+        reserved = {_GETATTR, _PICKLER} & set(names)
+        if reserved:
+            raise ValueError(f"{sorted(reserved)} are torch's receivers' plumbing, resolved by this module itself")
         if self.max_message_bytes is not None and self.max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1 or None, got {self.max_message_bytes}")
+
+    @property
+    def allowed(self) -> frozenset[GlobalName]:
+        """Every (module, name) a payload may name."""
+        return frozenset(self.calls) | frozenset(self.values) | {_GETATTR, _PICKLER}
 
 
 def _lookup(module: str, qualname: str) -> Any:
@@ -134,48 +170,148 @@ def _lookup(module: str, qualname: str) -> Any:
     return obj
 
 
-def names_of(*objects: Any) -> frozenset[GlobalName]:
+def named(*objects: Any) -> dict[GlobalName, Any]:
     """The globals pickle writes for these functions and classes, checked to resolve back to them.
 
     Raises:
         ValueError: for an object pickle cannot name (a lambda, a nested or local function).
     """
-    names = set()
+    out = {}
     for obj in objects:
         module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
         if not module or not qualname or "<" in qualname:
             raise ValueError(f"{obj!r} has no importable name; only module-level functions and classes can be listed")
         if _lookup(module, qualname) is not obj:
             raise ValueError(f"{module}.{qualname} does not resolve back to {obj!r}")
-        names.add((module, qualname))
-    return frozenset(names)
+        out[(module, qualname)] = obj
+    return out
 
 
-TORCH_PLUMBING: frozenset[GlobalName] = names_of(
+def names_of(*objects: Any) -> frozenset[GlobalName]:
+    """The globals pickle writes for these objects (``named`` without the objects)."""
+    return frozenset(named(*objects))
+
+
+TORCH_VALUES: dict[GlobalName, Any] = named(
     _rpc_internal.PythonUDF,  # every Python call: PythonUDF(func, args, kwargs)
     _rpc_internal.RemoteException,  # every error a remote function raised
-    _rpc_internal._InternalRPCPickler,  # owner of the tensor and RRef receivers
-) | {_GETATTR}  # resolved to _receiver_getattr, never to the real getattr
-"""What torch's RPC plumbing pickles, whatever the application sends."""
-
-JOIN_HANDSHAKE: frozenset[GlobalName] = names_of(
-    # A process joining a dynamic group (init_rpc with world_size=None) calls these on every
-    # member. Listing them lets a peer add or remove members of this agent's view, so the second
-    # one is handed out guarded (``membership.guarded_update_group_membership``).
-    _rpc_backends._get_device_infos,
-    _rpc_utils._update_group_membership,
-    torch._C._distributed_rpc.WorkerInfo,
-    torch.device,
 )
+"""What torch's RPC plumbing builds on every message, whatever the application sends."""
+
+JOIN_HANDSHAKE_VALUES: dict[GlobalName, Any] = named(torch._C._distributed_rpc.WorkerInfo, torch.device)
+JOIN_HANDSHAKE_CALLS: dict[GlobalName, Any] = named(_rpc_backends._get_device_infos, _rpc_utils._update_group_membership)
+"""A process joining a dynamic group (init_rpc with world_size=None) calls these on every member.
+The second lets a peer add or remove members of this agent's view, so ``rpcps.transport.protection``
+hands out a guarded stand-in for it."""
 UPDATE_GROUP_MEMBERSHIP: GlobalName = next(iter(names_of(_rpc_utils._update_group_membership)))
 
 
-# The policy in force, read on every load, so ``install`` swaps it for every thread at once.
+# ---- what the senders send: constructor calls, never NEWOBJ or BUILD ----------------------------
+
+
+def _reduce_python_udf(udf: Any) -> tuple[Any, tuple[Any, ...]]:
+    return _rpc_internal.PythonUDF, (udf.func, udf.args, udf.kwargs)
+
+
+def _reduce_remote_exception(error: Any) -> tuple[Any, tuple[Any, ...]]:
+    return _rpc_internal.RemoteException, (error.msg, error.exception_type)
+
+
+def _reduce_worker_info(info: Any) -> tuple[Any, tuple[Any, ...]]:
+    return torch._C._distributed_rpc.WorkerInfo, (info.name, info.id)
+
+
+def register_wire_reducers() -> None:
+    """Makes torch's RPC pickler in this process send its own records as constructor calls.
+
+    What every rpcps process sends (``install`` does it); a process that only talks to rpcps
+    processes without being one (a test's stranger) calls it to speak the same format.
+    """
+    pickler = _rpc_internal._internal_rpc_pickler
+    pickler._register_reducer(_rpc_internal.PythonUDF, _reduce_python_udf)
+    pickler._register_reducer(_rpc_internal.RemoteException, _reduce_remote_exception)
+    pickler._register_reducer(torch._C._distributed_rpc.WorkerInfo, _reduce_worker_info)
+
+
+# ---- the handles a payload sees --------------------------------------------------------------------
+
+
+# The policy in force and its handles, read on every load, so ``install`` swaps them for every
+# thread at once.
 _policy: UnpicklePolicy | None = None
+_handles: dict[GlobalName, _Handle] = {}
 _policy_lock = threading.Lock()
-_refusals = 0
+_loading = threading.local()
+"""``active`` is True on a thread while it unpickles a payload (calls are refused then)."""
 _announce = True
-"""False only while ``_self_test`` provokes its own refusal (not news, not a metric)."""
+"""False only while ``_self_test`` provokes its own refusals (not news, not a metric)."""
+
+
+class _Handle(tuple):
+    """An allowed global as a payload sees it: ``(target, module, name)``, immutable.
+
+    A tuple subclass with no ``__dict__`` and no settable attribute; every method a mutating pickle
+    opcode looks up refuses, so BUILD, SETITEM(S), APPEND(S) and ADDITEMS on a handle are refused
+    (and nothing else in a payload reaches the target to change it).
+    """
+
+    __slots__ = ()
+
+    def _mutation(self, *_args: Any, **_kwargs: Any) -> NoReturn:
+        raise _refuse("mutation", self[1], self[2], -1)
+
+    __setstate__ = _mutation
+    __setitem__ = _mutation
+    __delitem__ = _mutation
+    append = _mutation
+    extend = _mutation
+    add = _mutation
+
+    def __repr__(self) -> str:
+        return f"<rpc {type(self).__name__.strip('_').lower()} {self[1]}.{self[2]}>"
+
+
+class _Value(_Handle):
+    """Something a payload may build while it loads (a record, an enum, an exception class)."""
+
+    __slots__ = ()
+
+    # Calling a handle calls its target with no Python frame in between: the call slot looks
+    # ``__call__`` up, this C getter returns the target, and the target is called. A message with
+    # ten tensors makes ten such calls (the tensor receiver), so a frame each would show.
+    __call__ = property(operator.itemgetter(0))
+
+
+class _Call(_Handle):
+    """A function a peer may ask this process to run: torch runs it once the payload has loaded."""
+
+    __slots__ = ()
+
+    @property
+    def target(self) -> Callable[..., Any]:
+        return self[0]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_loading, "active", False):
+            raise _refuse("call", self[1], self[2], -1)
+        return self[0](*args, **kwargs)
+
+
+class _Opaque(_Handle):
+    """A name a payload may mention but not call: the owner of torch's receivers."""
+
+    __slots__ = ()
+
+
+def _handle(kind: type[_Handle], name: GlobalName, target: Any) -> _Handle:
+    return kind((target, *name))
+
+
+_PICKLER_HANDLE = _handle(_Opaque, _PICKLER, _rpc_internal._InternalRPCPickler)
+_RECEIVER_HANDLES = {
+    name: _handle(_Value, (_PICKLER[0], f"{_PICKLER[1]}.{name}"), getattr(_rpc_internal._InternalRPCPickler, name))
+    for name in RECEIVERS
+}
 
 
 class _LogLimit:
@@ -216,9 +352,8 @@ def _payload_bytes(file: Any) -> int:
 
 
 def _refuse(kind: str, module: str, name: str, size: int) -> RefusedPayload:
-    global _refusals
     policy = _policy
-    refusal = Refusal(kind=kind, module=module, name=name, message_bytes=size, thread=threading.current_thread().name)
+    refusal = Refusal(kind=kind, module=str(module), name=str(name), message_bytes=size, thread=threading.current_thread().name)
     # torch restores the thread's tensor table only after a successful load: left here, it would
     # pin the refused message's tensors to this thread until the next refusal on it.
     try:
@@ -226,8 +361,6 @@ def _refuse(kind: str, module: str, name: str, size: int) -> RefusedPayload:
     except AttributeError:
         pass
     if _announce:
-        with _policy_lock:
-            _refusals += 1
         _log_refusal(refusal)
         if policy is not None and policy.on_refusal is not None:
             try:
@@ -238,11 +371,14 @@ def _refuse(kind: str, module: str, name: str, size: int) -> RefusedPayload:
 
 
 def _receiver_getattr(obj: Any, name: str, *default: Any) -> Any:
-    """Stands in for ``builtins.getattr``: only ``_InternalRPCPickler.<listed receiver>``."""
-    if obj is _rpc_internal._InternalRPCPickler and name in RECEIVERS and not default:
-        return getattr(obj, name)
-    owner = getattr(obj, "__qualname__", type(obj).__qualname__)
+    """Stands in for ``builtins.getattr``: only ``_InternalRPCPickler.<listed receiver>``, as a handle."""
+    if obj is _PICKLER_HANDLE and name in RECEIVERS and not default:
+        return _RECEIVER_HANDLES[name]
+    owner = obj[2] if isinstance(obj, _Handle) else type(obj).__qualname__
     raise _refuse("getattr", str(owner), str(name), -1)
+
+
+_GETATTR_HANDLE = _handle(_Value, _GETATTR, _receiver_getattr)
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -262,23 +398,26 @@ class RestrictedUnpickler(pickle.Unpickler):
             size = _payload_bytes(self._file)
             if size > policy.max_message_bytes:
                 raise _refuse("size", "", "", size)
-        return super().load()
+        _loading.active = True
+        try:
+            return super().load()
+        except RefusedPayload:
+            raise
+        except StateRefused as e:  # BUILD on a record or an enum member (rpcps.wire_records)
+            module, _, name = str(e).rpartition(".")
+            raise _refuse("mutation", module, name, _payload_bytes(self._file)) from None
+        except Exception as e:  # noqa: BLE001 - any failure is a refusal: torch would return an AttributeError as the value
+            raise _refuse("malformed", type(e).__name__, str(e)[:200], _payload_bytes(self._file)) from None
+        finally:
+            _loading.active = False
 
     def find_class(self, module: str, name: str) -> Any:
         # Also reached for copyreg extension codes not yet in copyreg's cache (load() refuses while
         # that cache is non-empty). persistent_load is not defined, so PERSID fails.
-        policy = _policy
-        key = (module, name)
-        if policy is None or key not in policy.allowed:
+        handle = _handles.get((module, name))
+        if handle is None:
             raise _refuse("global", module, name, _payload_bytes(self._file))
-        if key == _GETATTR:
-            return _receiver_getattr
-        if key in policy.overrides:
-            return policy.overrides[key]
-        try:
-            return _lookup(module, name)
-        except (ImportError, AttributeError):
-            raise _refuse("missing", module, name, _payload_bytes(self._file)) from None
+        return handle
 
 
 def _require(condition: bool, message: str) -> None:
@@ -304,39 +443,61 @@ def _check_torch_internals() -> None:
         isinstance(getattr(_rpc_internal, "_internal_rpc_pickler", None), pickler_cls),
         "torch.distributed.rpc.internal._internal_rpc_pickler is gone or of another type",
     )
+    _require(callable(getattr(pickler_cls, "_register_reducer", None)), "_InternalRPCPickler._register_reducer is gone")
     _require(hasattr(_rpc_internal, "_thread_local_tensor_tables"), "torch's RPC tensor tables moved")
     for receiver in RECEIVERS:
         _require(callable(getattr(pickler_cls, receiver, None)), f"_InternalRPCPickler.{receiver} is gone")
     _require(not copyreg._extension_cache, "copyreg extension codes were resolved in this process; they bypass find_class")  # type: ignore[attr-defined]
 
 
+def _build_handles(policy: UnpicklePolicy) -> dict[GlobalName, _Handle]:
+    handles: dict[GlobalName, _Handle] = {_GETATTR: _GETATTR_HANDLE, _PICKLER: _PICKLER_HANDLE}
+    handles.update({name: _handle(_Value, name, target) for name, target in policy.values.items()})
+    handles.update({name: _handle(_Call, name, target) for name, target in policy.calls.items()})
+    return handles
+
+
+def _use(policy: UnpicklePolicy | None) -> None:
+    global _policy, _handles
+    with _policy_lock:
+        _policy, _handles = policy, (_build_handles(policy) if policy is not None else {})
+
+
 def _self_test() -> None:
     """Round-trips what torch really emits for a call with tensors through the installed hook.
 
     Catches a torch that starts pickling tensors or PythonUDF under other names (the allow-list
-    would then refuse all traffic), and proves the refusal path is reachable.
+    would then refuse all traffic), and proves the refusal paths are reachable: an unlisted global,
+    and a BUILD on an allowed name.
     """
-    global _policy, _announce
-    sample = _rpc_internal.PythonUDF(torch.Size, ((torch.zeros(2), torch.zeros(1, dtype=torch.bfloat16)),), {})
+    global _announce
+    sample = _rpc_internal.PythonUDF(print, ((torch.zeros(2), torch.zeros(1, dtype=torch.bfloat16)),), {})
     payload, tensors = _rpc_internal.serialize(sample)
-    evil, _ = _rpc_internal.serialize(_rpc_internal.PythonUDF(print, (), {}))
+    evil, _ = _rpc_internal.serialize(_rpc_internal.PythonUDF(repr, (), {}))
+    # PythonUDF, then BUILD on it: what issue 24's gadget did to rebind a class attribute.
+    build = pickle.PROTO + b"\x04" + pickle.GLOBAL + b"torch.distributed.rpc.internal\nPythonUDF\n" + (
+        pickle.NONE + pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + b"\x04func" + pickle.NONE + pickle.SETITEM
+        + pickle.TUPLE2 + pickle.BUILD + pickle.STOP
+    )
     saved = _policy
-    _policy = UnpicklePolicy(allowed=TORCH_PLUMBING | names_of(torch.Size))
+    _use(UnpicklePolicy(calls=named(print), values=TORCH_VALUES))
     try:
         out = _rpc_internal.deserialize(payload, tensors)
         _require(
-            isinstance(out, _rpc_internal.PythonUDF) and out.args[0][0] is tensors[0],
+            isinstance(out, _rpc_internal.PythonUDF) and out.args[0][0] is tensors[0] and out.func.target is print,
             f"torch's RPC pickle format changed: a tensor call came back as {out!r}",
         )
         _announce = False
-        try:
-            _rpc_internal.deserialize(evil, [])
-        except RefusedPayload:
-            pass
-        else:
-            raise TorchInternalsChanged("the restricted unpickler did not refuse builtins.print: the hook is inert")
+        for payload_bytes, what in ((evil, "an unlisted builtins.repr"), (build, "a BUILD on PythonUDF")):
+            try:
+                _rpc_internal.deserialize(payload_bytes, [])
+            except RefusedPayload:
+                continue
+            raise TorchInternalsChanged(f"the restricted unpickler did not refuse {what}: the hook is inert")
+        _require(_rpc_internal.PythonUDF.__dict__.get("func") is not None, "the self test changed PythonUDF")
     finally:
-        _policy, _announce = saved, True
+        _announce = True
+        _use(saved)
 
 
 def install(policy: UnpicklePolicy) -> None:
@@ -350,26 +511,25 @@ def install(policy: UnpicklePolicy) -> None:
         TorchInternalsChanged: torch's internals no longer look like what this module hooks.
         ValueError: the policy lacks what every torch RPC payload needs.
     """
-    global _policy
-    missing = TORCH_PLUMBING - policy.allowed
+    missing = set(TORCH_VALUES) - set(policy.values)
     if missing:
-        raise ValueError(f"policy.allowed lacks {sorted(missing)}: every RPC payload would be refused")
+        raise ValueError(f"policy.values lacks {sorted(missing)}: every RPC payload would be refused")
     _check_torch_internals()
+    register_wire_reducers()
     with _policy_lock:
-        _policy = None
         _rpc_internal._unpickler = RestrictedUnpickler
+    _use(None)
     _self_test()
-    _policy = policy
-    logger.debug("restricted RPC unpickler installed: %d allowed globals", len(policy.allowed))
+    _use(policy)
+    logger.debug("restricted RPC unpickler installed: %d allowed globals", len(_handles))
 
 
 def set_max_message_bytes(limit: int | None) -> None:
     """Changes the size limit of the installed policy (a worker learns its model after joining)."""
-    global _policy
-    with _policy_lock:
-        if _policy is None:
-            raise RuntimeError("no RPC unpickle policy is installed")
-        _policy = dataclasses.replace(_policy, max_message_bytes=limit)
+    policy = _policy
+    if policy is None:
+        raise RuntimeError("no RPC unpickle policy is installed")
+    _use(dataclasses.replace(policy, max_message_bytes=limit))
 
 
 def installed() -> bool:
@@ -378,19 +538,19 @@ def installed() -> bool:
 
 def uninstall() -> None:
     """Restores torch's plain unpickler (tests only: production processes never go back)."""
-    global _policy
     _rpc_internal._unpickler = pickle.Unpickler
-    _policy = None
+    _use(None)
 
 
-def refusals_total() -> int:
-    """Refusals since import (every kind)."""
-    return _refusals
-
-
-def allow_list(*parts: Iterable[GlobalName]) -> frozenset[GlobalName]:
-    """The union of global sets: ``allow_list(TORCH_PLUMBING, names_of(f, g), ...)``."""
-    out: set[GlobalName] = set()
+def merged(*parts: Mapping[GlobalName, Any]) -> dict[GlobalName, Any]:
+    """The union of ``named`` maps: ``merged(TORCH_VALUES, named(A, B), ...)``."""
+    out: dict[GlobalName, Any] = {}
     for part in parts:
-        out |= set(part)
-    return frozenset(out)
+        out.update(part)
+    return out
+
+
+def unwrap(obj: Any) -> Any:
+    """What a handle stands for (tests and diagnostics; a payload never gets this)."""
+    return obj[0] if isinstance(obj, _Handle) else obj
+

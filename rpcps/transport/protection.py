@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rpcps import wire_records
 from rpcps.transport import builtin_ops, membership, pickling
 from rpcps.transport.calls import alive
 
@@ -24,21 +25,40 @@ class Surface:
     calls: tuple[Callable[..., Any], ...]
     """Functions a peer may ask this process to run (module-level, importable by name)."""
     values: tuple[type, ...] = ()
-    """Classes a peer may send as arguments or replies (records, enums)."""
+    """Classes a payload may build as arguments or replies: ``wire_records.WireRecord`` dataclasses and
+    ``wire_records.WireEnum`` enums only (anything else could be changed by a payload while it loads)."""
 
     def __post_init__(self) -> None:
-        pickling.names_of(*self.calls, *self.values)  # raises ValueError for anything pickle cannot name
+        pickling.named(*self.calls, *self.values)  # raises ValueError for anything pickle cannot name
+        unsafe = [cls for cls in self.values if not wire_records.is_wire_value(cls)]
+        if unsafe:
+            raise ValueError(
+                f"values must be WireRecord dataclasses or WireEnum enums (rpcps.wire_records), got {unsafe}"
+            )
+
+
+def unpickle_policy(
+    surface: Surface,
+    max_message_bytes: int | None = None,
+    on_refusal: Callable[[pickling.Refusal], None] | None = None,
+) -> pickling.UnpicklePolicy:
+    """Every (module, name) a peer may name in this process: the surface plus transport and torch needs."""
+    calls = pickling.merged(
+        pickling.JOIN_HANDSHAKE_CALLS,
+        {pickling.UPDATE_GROUP_MEMBERSHIP: membership.guarded_update_group_membership},
+        pickling.named(alive, membership.forget_me, *surface.calls),
+    )
+    values = pickling.merged(
+        pickling.TORCH_VALUES,
+        pickling.JOIN_HANDSHAKE_VALUES,
+        pickling.named(*pickling.EXCEPTION_TYPES, *surface.values),
+    )
+    return pickling.UnpicklePolicy(calls=calls, values=values, max_message_bytes=max_message_bytes, on_refusal=on_refusal)
 
 
 def allowed_globals(surface: Surface) -> frozenset[pickling.GlobalName]:
-    """Every (module, name) a peer may name in this process: the surface plus transport and torch needs."""
-    return pickling.allow_list(
-        pickling.TORCH_PLUMBING,
-        pickling.JOIN_HANDSHAKE,
-        pickling.names_of(*pickling.EXCEPTION_TYPES),
-        pickling.names_of(alive, membership.forget_me),
-        pickling.names_of(*surface.calls, *surface.values),
-    )
+    """Every (module, name) a payload may name in a process protected with ``surface``."""
+    return unpickle_policy(surface).allowed
 
 
 def protect(
@@ -51,14 +71,7 @@ def protect(
     Raises:
         pickling.TorchInternalsChanged: this torch no longer works the way the hook expects.
     """
-    pickling.install(
-        pickling.UnpicklePolicy(
-            allowed=allowed_globals(surface),
-            overrides={pickling.UPDATE_GROUP_MEMBERSHIP: membership.guarded_update_group_membership},
-            max_message_bytes=max_message_bytes,
-            on_refusal=on_refusal,
-        )
-    )
+    pickling.install(unpickle_policy(surface, max_message_bytes, on_refusal))
     builtin_ops.deny()
 
 

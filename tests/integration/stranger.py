@@ -1,6 +1,7 @@
 """A hostile peer for tests/integration/test_hostile_peers.py: joins a running server's RPC group the
-way a worker does, with plain torch (no rpcps protection of its own), tries what issue 11 showed
-working, and prints what happened as one JSON line on stdout.
+way a worker does, with plain torch speaking rpcps's wire format (``register_wire_reducers``) but
+with no rpcps protection of its own, tries what issue 11 showed working, and prints what happened
+as one JSON line on stdout.
 
     python tests/integration/stranger.py HOST:PORT MARKER_DIR SECRET_FILE_TO_READ VICTIM_RPC_NAME
 
@@ -32,7 +33,7 @@ from rpcps.address import Address
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import RegistrationProof
 from rpcps.signature import ModelSignature
-from rpcps.transport import membership
+from rpcps.transport import membership, pickling
 
 TIMEOUT_S = 15
 SERVER = f"{endpoints.server_name(0)}_r0"
@@ -52,6 +53,7 @@ def main() -> int:
     store = dist.TCPStore(address.host, address.port, is_master=False)
     rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=TIMEOUT_S, _transports=["uv"], _channels=["basic"])
+    pickling.register_wire_reducers()  # without rpcps's wire format not even the join is accepted
     rpc.init_rpc(f"stranger_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
 
     def on_server(fn: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
