@@ -13,7 +13,9 @@ from __future__ import annotations
 import reprlib
 
 DEFAULT_LIMIT = 200
-"""Characters of escaped text kept by default: long enough for any real name or short message."""
+"""Characters of escaped text kept by default: long enough for any real name."""
+MESSAGE_LIMIT = 2000
+"""For a whole error message that a peer sent or that quotes what a peer sent."""
 
 _REPR = reprlib.Repr()
 """Bounds the work of showing a non-string value (a huge list is not rendered in full first)."""

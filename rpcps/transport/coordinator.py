@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from rpcps.logsafe import peer_text
 from rpcps.transport import membership
 from rpcps.transport.calls import CallFailed, PeerUnreachable, ping
 from rpcps.transport.registry import Registry, StoreUnavailable
@@ -111,10 +112,10 @@ class Janitor:
             logger.debug("a join is in progress; removing %s on the next sweep", sorted(self._to_forget))
             return
         if dead_holder:
-            logger.warning("took over the RPC group token held by a dead join (%s)", dead_holder)
+            logger.warning("took over the RPC group token held by a dead join (%s)", peer_text(dead_holder))  # read from the store
         self._to_forget.clear()
         for name in removed:
             self._on_removed(name)
         for name in failed:
-            logger.warning("removed %s, whose join failed, from the RPC group", name)
+            logger.warning("removed %s, whose join failed, from the RPC group", peer_text(name))  # a name in the store
             self._on_removed(name)
