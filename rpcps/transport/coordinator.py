@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from rpcps.logsafe import peer_text
 from rpcps.transport import membership
-from rpcps.transport.calls import CallFailed, PeerUnreachable, ping
+from rpcps.transport.calls import PeerUnreachable, ping_all
 from rpcps.transport.registry import Registry, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -79,18 +79,16 @@ class Janitor:
     def sweep(self) -> None:
         me = membership.my_name()
         names = [n for n in membership.member_names() if n != me and n not in self._to_forget]
-        pings = [ping(name, self.ping_timeout_s) for name in names]
+        failures = ping_all(names, self.ping_timeout_s)  # one member's failure, however it fails, is its own
         now = time.monotonic()
-        for name, pending in zip(names, pings):
-            try:
-                pending.wait()
-            except CallFailed as e:
-                self._on_failed_ping(name, e, now)
+        for name, failure in zip(names, failures):
+            if failure is not None:
+                self._on_failed_ping(name, failure, now)
                 continue
             self._first_silent.pop(name, None)
         self._forget_pending(self._token_watch.stale_holder(time.monotonic()))
 
-    def _on_failed_ping(self, name: str, error: CallFailed, now: float) -> None:
+    def _on_failed_ping(self, name: str, error: Exception, now: float) -> None:
         if isinstance(error, PeerUnreachable):
             logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
             try:
