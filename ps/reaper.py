@@ -3,9 +3,11 @@
 Every sweep (1 s) pings every registered worker in parallel and tells the roster what it found:
 
 - a refused or reset connection means the process is gone: its slot is marked dead at once (so a
-  sync round stops waiting for it);
+  sync round stops waiting for it); so does a name this process's agent does not know
+  (``PeerUnknown``, raised when the ping is started: a worker that exited without leaving, which the
+  janitor removed first, or a registration under a name that is no member);
 - a ping that times out means the process is hung: it is marked not live, and dead once it has been
-  silent for longer than its lease.
+  silent for longer than its lease. Any other failure (an error no one foresaw) counts the same.
 
 Removing members from the RPC group is the group janitor's job (``rpcps.transport.coordinator``),
 which runs where the store lives; the reaper only asks it to drop the workers whose slot was taken
@@ -13,10 +15,10 @@ over by a newer registration. It also pings that store host when it is another p
 gone the whole group is gone (no join, no view change can happen any more), and
 ``store_host_lost`` tells the runner to snapshot and rejoin the group of its successor.
 
-A ping can fail in any way (``PeerUnknown`` when starting it, for a worker that exited without
-leaving and that the janitor already removed; an error no one foresaw): each member's failure is
-judged on its own, so one bad member never stops the sweep of the others. A failure that repeats
-every sweep is logged once, then counted (``RepeatedFailures``); every failed ping bumps
+Each member's failure is judged on its own (``transport.ping_all`` never raises for one), so one bad
+member never stops the sweep of the others: a sweep that raised before judging anyone once left
+every later dead worker undetected. A failure that repeats every sweep is logged once, then once a
+minute with its count (``RepeatedFailures``); every failed ping bumps
 ``rpcps_server_reaper_ping_failures_total`` by kind.
 """
 
