@@ -27,6 +27,7 @@ from evaluator.scoring import Batch, Scorer, checked, load_batches, load_scorer
 from rpcps import memory, plugins, rpc_policy, signals, transport
 from rpcps.errors import SignatureMismatch
 from rpcps.jobsecret import JobSecret
+from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.model_file import save_state_dict
 from rpcps.reexec import rejoin_or_give_up
@@ -167,7 +168,7 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
         carry = {RECONNECTS_ENV: str(reconnects + 1), BEST_ENV: best.to_carry()}
         return rejoin_or_give_up("evaluator", e, reconnects, config.max_reconnects, http, carry)
     except SignatureMismatch as e:
-        logger.error("%s", e)
+        logger.error("%s", peer_text(str(e), MESSAGE_LIMIT))  # names the server's parameters
         return EXIT_REFUSED
     finally:
         if trimmer is not None:

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ps.admission import RejectReason
+from ps.reaper import PING_FAILURES
 from ps.registration_auth import REASONS as REGISTRATION_REFUSALS
 from rpcps.rpc_policy import refusal_counter
 from rpcps.transport.membership import REPAIR_KINDS
@@ -84,6 +85,10 @@ class ServerMetrics:
         self.registrations = Counter("rpcps_server_worker_registrations", "Worker registrations (joins and rejoins).", registry=r)
         self.workers_reaped = Counter(
             "rpcps_server_workers_reaped", "Worker processes found dead and removed from the RPC group.", registry=r
+        )
+        self.reaper_ping_failures = _labelled_counter(
+            r, "rpcps_server_reaper_ping_failures", "Liveness pings of registered workers and the store's host that failed, by kind.",
+            "kind", PING_FAILURES,
         )
         self.rpc_listener_lost = Counter(
             "rpcps_server_rpc_listener_lost", "Times the RPC listener was closed by a stray connection.", registry=r

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from rpcps.errors import RegistrationRefused
 from rpcps.jobsecret import JobSecret, matches
+from rpcps.logsafe import peer_text
 from rpcps.messages import RegistrationProof
 
 if TYPE_CHECKING:
@@ -108,5 +109,5 @@ class RegistrationGate:
 
     def _refuse(self, reason: str, slot: int, rpc_name: str, why: str) -> None:
         self.metrics.registrations_refused.labels(reason).inc()
-        logger.warning("refused registration of worker slot %s by %r: %s", slot, rpc_name, why)
+        logger.warning("refused registration of worker slot %s by '%s': %s", peer_text(slot), peer_text(rpc_name), why)
         raise RegistrationRefused(f"registration of worker slot {slot} refused: {why}")

@@ -159,7 +159,9 @@ def run_server(config: ServerRunConfig) -> int:
         raise
     if restart:
         _leave_and_restart(control, janitor, store_guard, http)
-    reaper = MembershipReaper(service, config.lease_s, store_host=transport.store_host(), secret=secret)
+    reaper = MembershipReaper(
+        service, config.lease_s, store_host=transport.store_host(), secret=secret, failures=metrics.reaper_ping_failures
+    )
     reaper.start()
     trimmer = memory.start_trimming(config.process.malloc_trim_s)  # after start-up, which leaves the most behind
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})

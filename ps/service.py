@@ -39,6 +39,7 @@ from rpcps.errors import (
     SignatureMismatch,
     UnknownWorker,
 )
+from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import (
     ErrorReply,
     FinishReply,
@@ -124,7 +125,7 @@ class WorkerService:
             next_step = record.tracker.floor + 1
             version = server.version
         self.metrics.registrations.inc()
-        logger.info("worker slot %d registered as %s, resuming at step %d", slot, rpc_name, next_step)
+        logger.info("worker slot %d registered as %s, resuming at step %d", slot, peer_text(rpc_name), next_step)
         config = server.config
         return Registration(
             record.incarnation, next_step, version, server.server_id, config.chunk_bytes, server.layout.chunk_numels,
@@ -302,7 +303,7 @@ class WorkerService:
             record.left = True
             self.mode.drop_locked(slot)
             self.server.workers.retired_rpc_names.append(record.rpc_name)
-        logger.info("worker slot %d (%s) left", slot, record.rpc_name)
+        logger.info("worker slot %d (%s) left", slot, peer_text(record.rpc_name))
 
     # ---- the roster (what the membership reaper sees) ----------------------------------------------
 
@@ -412,7 +413,7 @@ class WorkerService:
     def _refused(self, record: WorkerRecord, seq: int, error: Refused) -> Future:
         """Records the refused step as processed (through the log); the future gives the worker's error."""
         self.metrics.count_rejected(error.reason)
-        logger.warning("rejected: %s", error)
+        logger.warning("rejected: %s", peer_text(str(error), MESSAGE_LIMIT))  # it quotes the push's names
         return self._mark(record, seq, ErrorReply(PushRejected.__name__, str(error)))
 
     def _skipped(self, record: WorkerRecord, seq: int, where: str) -> Future:

@@ -13,6 +13,7 @@ import sys
 from typing import NoReturn, Protocol
 
 from rpcps import transport
+from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,11 @@ def rejoin_or_give_up(
     ``carry`` holds the environment the fresh process needs (its reconnect count, what it must keep).
     """
     if reconnects >= max_reconnects:
-        logger.error("lost the server (%s) and gave up after %d reconnects", error, reconnects)
+        logger.error("lost the server (%s) and gave up after %d reconnects", peer_text(str(error), MESSAGE_LIMIT), reconnects)
         return EXIT_SERVER_LOST
-    logger.warning("lost the server (%s); restarting the %s to rejoin (reconnect %d)", error, role, reconnects + 1)
+    logger.warning(
+        "lost the server (%s); restarting the %s to rejoin (reconnect %d)", peer_text(str(error), MESSAGE_LIMIT), role, reconnects + 1
+    )
     transport.shutdown()
     http.shutdown()
     restart_self(carry)

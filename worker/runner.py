@@ -16,6 +16,7 @@ import signal
 from rpcps import memory, plugins, replica_endpoints, rpc_policy, signals, threads, transport
 from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 from rpcps.jobsecret import JobSecret
+from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import rejoin_or_give_up
 from rpcps.summary import write_summary
@@ -108,10 +109,10 @@ def run_worker(config: WorkerRunConfig) -> int:
         carry = {RECONNECTS_ENV: str(reconnects + 1), STATS_ENV: stats.to_carry()}
         return rejoin_or_give_up("worker", e, reconnects, config.max_reconnects, http, carry)
     except (SignatureMismatch, UnknownWorker, RegistrationRefused) as e:
-        logger.error("%s", e)
+        logger.error("%s", peer_text(str(e), MESSAGE_LIMIT))  # the server's words
         return EXIT_REFUSED
     except TooManyRejects as e:
-        logger.error("%s", e)
+        logger.error("%s", peer_text(str(e), MESSAGE_LIMIT))  # quotes the server's last refusal
         return EXIT_BAD_GRADIENTS
     except NotDurable as e:
         logger.error("%s; this slot's last steps would not survive a server crash (exit %d)", e, EXIT_NOT_DURABLE)

@@ -46,6 +46,7 @@ import torch
 
 from rpcps import plugins, transport
 from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
+from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
@@ -367,7 +368,7 @@ class Trainer:
                 if attempt == self.config.max_retries:
                     raise NotDurable(str(e)) from e
                 backoff = min(0.5 * 2**attempt, 5.0)
-                logger.warning("%s; asking again in %.1fs", e, backoff)
+                logger.warning("%s; asking again in %.1fs", peer_text(str(e), MESSAGE_LIMIT), backoff)
                 time.sleep(backoff)
         raise AssertionError("unreachable")
 
@@ -570,7 +571,10 @@ class Trainer:
             raise error from None
         if now is None or (now.epoch == old.epoch and now.standby is None):
             raise error  # nobody to take over: the shard comes back from its snapshot
-        logger.warning("shard %d's primary %s failed (%s); switching to its successor", link.index, old.primary, error)
+        logger.warning(  # the view's names come from the store, which has no authentication
+            "shard %d's primary %s failed (%s); switching to its successor", link.index, peer_text(old.primary),
+            peer_text(str(error), MESSAGE_LIMIT),
+        )
         try:
             link.client = ServerClient(
                 link.client.timeout_s, link.index, wait_s=self.config.failover_timeout_s, newer_than=old.epoch,
@@ -592,7 +596,7 @@ class Trainer:
         self.metrics.pushes_resent.inc(resent)
         logger.warning(
             "shard %d: now served by %s (epoch %d) after %.0f ms; resent %d unacknowledged push(es)", link.index,
-            link.client.view.primary, link.client.view.epoch, 1000 * took, resent,
+            peer_text(link.client.view.primary), link.client.view.epoch, 1000 * took, resent,
         )
 
     def _recompute_lost(self, link: ShardLink) -> None:
@@ -704,7 +708,7 @@ class Trainer:
             self.stats.rejected += 1
             self.metrics.push_results["rejected"].inc()
             self._rejects_in_a_row += 1
-            logger.error("%s", e)
+            logger.error("%s", peer_text(str(e), MESSAGE_LIMIT))  # the server's words
             if self._rejects_in_a_row >= self.config.max_consecutive_rejects:
                 raise TooManyRejects(f"{self._rejects_in_a_row} pushes in a row were rejected; last: {e}") from e
             return

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from rpcps.logsafe import peer_text
 from rpcps.secret_files import read_secret_line, warn_if_readable_by_others
 
 __all__ = ["TokenInterceptor", "bearer_metadata", "check_bearer", "read_token", "warn_if_readable_by_others"]
@@ -91,7 +92,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         reason = check_bearer(handler_call_details.invocation_metadata or (), self._token)  # type: ignore[attr-defined]
         if reason is None:
             return continuation(handler_call_details)
-        logger.warning("refused control call %s: %s", method, reason)
+        logger.warning("refused control call %s: %s", peer_text(method), reason)  # the caller chose the method path
         if self._on_refused is not None:
             self._on_refused(method)
         return _refusal(reason)

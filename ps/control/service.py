@@ -31,6 +31,7 @@ from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
 from ps.control.hooks import CheckpointHook, ReplicaState
 from rpcps.errors import NotPrimary
+from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.model_file import to_bytes
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def _control_call(method: _Handler) -> _Handler:
         try:
             reply = method(self, request, context)
         except _Refused as e:
-            logger.warning("control %s refused (%s): %s", name, e.code.name, e.message)
+            logger.warning("control %s refused (%s): %s", name, e.code.name, peer_text(e.message, MESSAGE_LIMIT))  # may quote the request
             self.metrics.count(name, e.code)
             context.abort(e.code, e.message)
         except NotPrimary as e:  # a standby (or a replaced primary) changes nothing on its own

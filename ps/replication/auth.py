@@ -29,6 +29,7 @@ from prometheus_client import Counter
 
 from rpcps.errors import ReplicaRefused
 from rpcps.jobsecret import JobSecret, matches
+from rpcps.logsafe import peer_text
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,12 @@ class ReplicaGate:
         if self.secret is None:
             return
         if not mac or not isinstance(nonce, str) or not isinstance(issued_at, float):
-            self.refuse("no_proof", f"attach by {name!r}", "no proof of the job secret (start it with --job-secret-file)")
+            self.refuse("no_proof", f"attach by '{peer_text(name)}'", "no proof of the job secret (start it with --job-secret-file)")
         now = time.time()
         if abs(now - issued_at) > WINDOW_S:  # type: ignore[operator]
-            self.refuse("stale_proof", f"attach by {name!r}", f"its proof is not from the last {WINDOW_S:.0f}s (clocks apart?)")
+            self.refuse("stale_proof", f"attach by '{peer_text(name)}'", f"its proof is not from the last {WINDOW_S:.0f}s (clocks apart?)")
         if not matches(self.secret.replica_attach_proof(nonce, issued_at, str(name), self.name), mac):  # type: ignore[arg-type]
-            self.refuse("bad_proof", f"attach by {name!r}", "wrong proof (is --job-secret-file the same on both servers?)")
+            self.refuse("bad_proof", f"attach by '{peer_text(name)}'", "wrong proof (is --job-secret-file the same on both servers?)")
         with self._lock:
             while self._seen and (now - next(iter(self._seen.values())) > 2 * WINDOW_S or len(self._seen) >= MAX_REMEMBERED):
                 self._seen.popitem(last=False)
@@ -89,14 +90,17 @@ class ReplicaGate:
                 replayed = False
                 self._seen[nonce] = now  # type: ignore[index]
         if replayed:
-            self.refuse("replayed_proof", f"attach by {name!r}", "its proof was used already")
+            self.refuse("replayed_proof", f"attach by '{peer_text(name)}'", "its proof was used already")
 
     def check_attach_id(self, expected: str | None, given: object, what: str) -> None:
-        """Returns when ``given`` is the attach id issued; raises ReplicaRefused (logged, counted) otherwise."""
+        """Returns when ``given`` is the attach id issued; raises ReplicaRefused (logged, counted) otherwise.
+
+        ``what`` names the call for the log; what a peer sent in it must be shown through ``peer_text``."""
         if not same_attach_id(expected, given):
             self.refuse("bad_attach_id", what, "not the current attachment's id (attach again)")
 
     def refuse(self, reason: str, what: str, why: str) -> None:
+        """``what`` goes into the log as it is: show what a peer sent in it through ``peer_text``."""
         self.refused.labels(reason).inc()
         logger.warning("refused replication call (%s): %s", what, why)
         raise ReplicaRefused(f"{what} refused: {why}")

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rpcps.logsafe import peer_text
 from rpcps.messages import View
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
 
@@ -116,7 +117,7 @@ def _try_claim(
         return None
     logger.warning(
         "shard %d's replicas %s are gone: taking it over as primary, epoch %d, from the newest snapshot", shard,
-        list(view.names()), view.epoch + 1,
+        peer_text(list(view.names())), view.epoch + 1,  # names from the store, which has no authentication
     )
     return Claim(won, took_over=True)
 

@@ -45,6 +45,7 @@ from ps.server import ParameterServer, UpdateApplied
 from rpcps import failpoints, replica_endpoints, transport
 from rpcps.errors import AttachRefused
 from rpcps.jobsecret import JobSecret
+from rpcps.logsafe import peer_text
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
 
@@ -224,13 +225,13 @@ class Primary:
         with self._lock:
             self._follower = follower
         logger.info(
-            "%s attached as standby: copying %.1f MB of state at version %d (log index %d) in %d pieces", name,
+            "%s attached as standby: copying %.1f MB of state at version %d (log index %d) in %d pieces", peer_text(name),
             data.numel() / 1e6, state["version"], index, len(pieces),
         )
         return Attached(follower.attach_id, self.record.view.epoch, index, int(state["version"]), data.numel(), len(pieces))
 
     def snapshot_piece(self, attach_id: str, piece: int) -> torch.Tensor:
-        follower = self._attached(attach_id, f"snapshot piece {piece}")
+        follower = self._attached(attach_id, f"snapshot piece {peer_text(piece)}")
         if follower.pieces is None or not 0 <= piece < len(follower.pieces):
             raise AttachRefused(f"no piece {piece} of the state for {follower.name}")
         return follower.pieces[piece].clone()  # a view would send the whole buffer
@@ -242,12 +243,15 @@ class Primary:
         self.metrics.catchup_seconds.set(time.monotonic() - follower.started)
         with self.log.cond:
             self.log.cond.notify_all()
-        logger.info("%s restored the state; streaming the log from index %d", follower.name, follower.index + 1)
+        logger.info("%s restored the state; streaming the log from index %d", peer_text(follower.name), follower.index + 1)
 
     def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Fenced:
         """Only a replaced primary sends here; the answer tells it so (nothing here changes)."""
         del attach_id, entries, sent_at
-        logger.warning("%s (epoch %d) sent log entries to this primary (epoch %d): it was replaced", sender, epoch, self.record.view.epoch)
+        logger.warning(  # anyone may call this: sender and epoch are whatever the caller sent
+            "%s (epoch %s) sent log entries to this primary (epoch %d): it was replaced", peer_text(sender), peer_text(epoch),
+            self.record.view.epoch,
+        )
         return Fenced(self.record.view.epoch, self.name)
 
     def watch(self, attach_id: str) -> Future:
@@ -336,7 +340,7 @@ class Primary:
             follower.failed = why
             if follower.in_sync:
                 self._lease_revoked = True  # it may be promoting: apply nothing until the view says who serves
-            logger.warning("standby %s: %s", follower.name, why)
+            logger.warning("standby %s: %s", peer_text(follower.name), why)
         with self.log.cond:
             self.log.cond.notify_all()
 
@@ -442,7 +446,7 @@ class Primary:
             self._lease_revoked = False
             self._view_read_at = time.monotonic()
             self.log.cond.notify_all()
-        logger.warning("dropped standby %s (%s); shard %d goes on alone", follower.name, follower.failed, self.shard)
+        logger.warning("dropped standby %s (%s); shard %d goes on alone", peer_text(follower.name), follower.failed, self.shard)
 
     def _change_view(self, expected: ViewRecord, new: View) -> ViewRecord | None:
         """Compare-and-set of the shard's view; a failure caused by a newer epoch steps this primary down."""

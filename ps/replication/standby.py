@@ -42,6 +42,7 @@ from ps.server import ParameterServer
 from rpcps import replica_endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError
 from rpcps.jobsecret import JobSecret
+from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 from rpcps.transport import membership
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
@@ -147,7 +148,7 @@ class Standby:
             raise CatchUpFailed(f"{primary} went away while this process caught up: {e}") from e
         watch.on_done(self._watch_ended)
         logger.info(
-            "copied shard %d's state from %s at version %d (%.1f MB in %.2fs); following its log", self.shard, primary,
+            "copied shard %d's state from %s at version %d (%.1f MB in %.2fs); following its log", self.shard, peer_text(primary),
             attached.version, attached.size_bytes / 1e6, time.monotonic() - started,
         )
 
@@ -178,7 +179,7 @@ class Standby:
 
     def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Ack | Fenced:
         del sent_at
-        self.gate.check_attach_id(self.attach_id, attach_id, f"append from {sender!r}")  # before any state is told
+        self.gate.check_attach_id(self.attach_id, attach_id, f"append from '{peer_text(sender)}'")  # before any state is told
         if self._leaving.is_set() or epoch != self.epoch or sender != self.primary:
             return Fenced(self.epoch if not self._leaving.is_set() else self.epoch + 1, None)
         log = self.log
@@ -235,7 +236,7 @@ class Standby:
             if self._leaving.is_set():
                 return
             if self._primary_pid is not None and _running(self._primary_pid):
-                logger.warning("lost the connection to primary %s, whose process still runs: waiting out its lease", self.primary)
+                logger.warning("lost the connection to primary %s, whose process still runs: waiting out its lease", peer_text(self.primary))
                 return
             why = f"its process is gone ({e})"
         else:
@@ -289,7 +290,7 @@ class Standby:
             return
         noticed = time.monotonic()
         old = self.primary
-        logger.warning("primary %s of shard %d failed: %s; promoting this standby", old, self.shard, why)
+        logger.warning("primary %s of shard %d failed: %s; promoting this standby", peer_text(old), self.shard, peer_text(why, MESSAGE_LIMIT))
         try:
             record = self.registry.view(self.shard)
             if record is None or record.view.standby != self.name or record.view.primary != old:
@@ -332,7 +333,9 @@ class Standby:
         """Stops following and asks for a restart (``left``: the caller already stopped following)."""
         if not left and not self._leave():
             return
-        logger.warning("standby %s stops following %s: %s; restarting to claim the shard again", self.name, self.primary, why)
+        logger.warning(
+            "standby %s stops following %s: %s; restarting to claim the shard again", self.name, peer_text(self.primary), peer_text(why, MESSAGE_LIMIT)
+        )
         self._on_detached(why)
 
 

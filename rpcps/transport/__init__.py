@@ -21,6 +21,7 @@ from rpcps.transport.calls import (
     call_async,
     classify,
     ping,
+    ping_all,
 )
 from rpcps.transport.config import Address, TransportOptions
 from rpcps.transport.group import JoinFailed, TransportError, group_registry, join, leave, serve, shutdown, store_host
@@ -53,6 +54,7 @@ __all__ = [
     "leave",
     "membership",
     "ping",
+    "ping_all",
     "protect",
     "protected",
     "serve",

@@ -14,7 +14,7 @@ processes:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from torch.distributed import rpc
@@ -114,8 +114,40 @@ def alive() -> bool:
 
 
 def ping(to: str, timeout_s: float) -> Pending:
-    """Asks member ``to`` whether it is alive; ``wait()`` raises the classified failure if not."""
+    """Asks member ``to`` whether it is alive; ``wait()`` raises the classified failure if not.
+
+    Starting the call can fail too (``PeerUnknown`` for a name this agent does not know): upkeep
+    that pings many members uses ``ping_all``, which cannot raise for one of them.
+    """
     return call_async(to, alive, (), timeout_s)
+
+
+def ping_all(names: Sequence[str], timeout_s: float) -> list[Exception | None]:
+    """Pings every member of ``names`` in parallel; for each, None when it answered, else why not.
+
+    The failure is the classified one (``PeerUnreachable``, ``PeerTimeout``, ``PeerUnknown``, or any
+    other exception starting or waiting for the call raised), whether the call failed when it was
+    started or while it ran. Never raises for one member: a sweep that stops at one bad member
+    (a name this agent forgot) never judges the others again, every second for good.
+    """
+    pending: list[Pending | Exception] = []
+    for name in names:
+        try:
+            pending.append(ping(name, timeout_s))
+        except Exception as e:  # noqa: BLE001 - the caller judges each member's failure
+            pending.append(e)
+    results: list[Exception | None] = []
+    for started in pending:
+        if isinstance(started, Exception):
+            results.append(started)
+            continue
+        try:
+            started.wait()
+        except Exception as e:  # noqa: BLE001 - as above
+            results.append(e)
+        else:
+            results.append(None)
+    return results
 
 
 def async_endpoint(fn: F) -> F:

@@ -24,8 +24,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from rpcps.logsafe import peer_text
 from rpcps.transport import membership
-from rpcps.transport.calls import CallFailed, PeerUnreachable, ping
+from rpcps.transport.calls import PeerUnreachable, ping_all
 from rpcps.transport.registry import Registry, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -78,18 +79,16 @@ class Janitor:
     def sweep(self) -> None:
         me = membership.my_name()
         names = [n for n in membership.member_names() if n != me and n not in self._to_forget]
-        pings = [ping(name, self.ping_timeout_s) for name in names]
+        failures = ping_all(names, self.ping_timeout_s)  # one member's failure, however it fails, is its own
         now = time.monotonic()
-        for name, pending in zip(names, pings):
-            try:
-                pending.wait()
-            except CallFailed as e:
-                self._on_failed_ping(name, e, now)
+        for name, failure in zip(names, failures):
+            if failure is not None:
+                self._on_failed_ping(name, failure, now)
                 continue
             self._first_silent.pop(name, None)
         self._forget_pending(self._token_watch.stale_holder(time.monotonic()))
 
-    def _on_failed_ping(self, name: str, error: CallFailed, now: float) -> None:
+    def _on_failed_ping(self, name: str, error: Exception, now: float) -> None:
         if isinstance(error, PeerUnreachable):
             logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
             try:
@@ -111,10 +110,10 @@ class Janitor:
             logger.debug("a join is in progress; removing %s on the next sweep", sorted(self._to_forget))
             return
         if dead_holder:
-            logger.warning("took over the RPC group token held by a dead join (%s)", dead_holder)
+            logger.warning("took over the RPC group token held by a dead join (%s)", peer_text(dead_holder))  # read from the store
         self._to_forget.clear()
         for name in removed:
             self._on_removed(name)
         for name in failed:
-            logger.warning("removed %s, whose join failed, from the RPC group", name)
+            logger.warning("removed %s, whose join failed, from the RPC group", peer_text(name))  # a name in the store
             self._on_removed(name)

@@ -25,6 +25,7 @@ from typing import Any
 from torch.distributed.rpc import _utils, api
 
 from rpcps.jobsecret import JobSecret, matches
+from rpcps.logsafe import peer_text
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def _forget_locked(name: str) -> bool:
         store.set(_MEMBERS_KEY, "".join(f"{e}," for e in kept))
         forgotten = True
     if forgotten:
-        logger.info("removed %s from the RPC group", name)
+        logger.info("removed %s from the RPC group", peer_text(name))  # a name in the store, or one a peer asked to drop
     return forgotten
 
 
@@ -153,7 +154,7 @@ def forget_me(name: str, proof: str = "") -> str:
     """
     secret = _leave_secret
     if secret is not None and not matches(secret.leave_proof(str(name)), proof):
-        logger.warning("refused a request to drop %r from the RPC group: no valid job-secret proof", name)
+        logger.warning("refused a request to drop '%s' from the RPC group: no valid job-secret proof", peer_text(name))
         return "refused"
     try:
         return "done" if forget_member(name) else "unknown"
@@ -281,7 +282,7 @@ class StoreKeeper:
             now = self._get(_ADDRESS_PREFIX + name)
             if now != address:
                 self._store.set(_ADDRESS_PREFIX + name, address)
-                repairs.append(Repair("address", f"{name}'s address was {_show(now)}; put back {address.decode(errors='replace')}"))
+                repairs.append(Repair("address", f"{name}'s address was {_show(now)}; put back {_show(address)}"))
         self._remember_addresses(known)
         return repairs
 
@@ -320,7 +321,8 @@ class StoreKeeper:
 
 
 def _show(value: bytes | None) -> str:
-    return "deleted" if value is None else repr(value.decode(errors="replace")[:80])
+    """A store value for a ``Repair`` (logged): anyone can write the store, so it is escaped and capped."""
+    return "deleted" if value is None else f"'{peer_text(value.decode(errors='replace'), 80)}'"
 
 
 def ranks_handed_out() -> int | None:
