@@ -1,4 +1,4 @@
-"""Compiles ``request_filter.cpp`` against the installed torch: ``python -m rpcps.transport.native.build``.
+"""Compiles ``request_filter.cpp`` against the installed torch: ``python -m rpcps.transport.native``.
 
 ``tools/setup.sh`` and the Docker image run this once per environment; it needs a C++ compiler and
 ninja (``torch.utils.cpp_extension``). Each build lands in a folder named after what it was built
@@ -27,7 +27,7 @@ SOURCE = HERE / "request_filter.cpp"
 MODULE_NAME = "rpcps_request_filter"
 BUILD_ROOT = HERE / "_build"
 """Git-ignored; one folder per (torch, Python, source) combination."""
-COMMAND = f"{Path(sys.executable).name} -m rpcps.transport.native.build"
+COMMAND = f"{Path(sys.executable).name} -m rpcps.transport.native"
 """What to run when the build is missing or stale (the loader's error names it)."""
 
 logger = logging.getLogger(__name__)
