@@ -31,6 +31,7 @@
 #include <bitset>
 #include <cstdio>
 #include <mutex>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -91,9 +92,10 @@ std::array<std::atomic<uint64_t>, kSlots> refused{};
 // run by static teardown after the interpreter finalised would crash the exit.
 std::atomic<py::object*> hook{nullptr};
 
-// The agents make_agent built, so Python can check that the running agent is one of them.
+// The agents make_agent built, so Python can check that the running agent is one of them. Weak:
+// a destroyed agent's address, reused by another allocation, must not pass for a filtered one.
 std::mutex builtMutex;
-std::vector<const void*> built;
+std::vector<std::weak_ptr<rpc::TensorPipeAgent>> built;
 
 void notifyPython(int type, const std::string& name, int64_t bytes) {
   py::object* target = hook.load(std::memory_order_acquire);
@@ -177,7 +179,7 @@ std::shared_ptr<rpc::TensorPipeAgent> makeAgent(
       torch::impl::destroy_without_gil<rpc::TensorPipeAgent>);
   {
     std::lock_guard<std::mutex> lock(builtMutex);
-    built.push_back(agent.get());
+    built.push_back(agent);
   }
   return agent;
 }
@@ -225,7 +227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "is_filtered",
       [](const std::shared_ptr<rpc::RpcAgent>& agent) {
         std::lock_guard<std::mutex> lock(builtMutex);
-        return std::find(built.begin(), built.end(), static_cast<const void*>(agent.get())) != built.end();
+        return std::any_of(built.begin(), built.end(), [&](const auto& weak) {
+          const auto alive = weak.lock();
+          return alive != nullptr && static_cast<const rpc::RpcAgent*>(alive.get()) == agent.get();
+        });
       },
       py::arg("agent"),
       "Whether this agent was built by make_agent (and so filters its requests).");
