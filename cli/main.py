@@ -139,14 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args.action, config, as_json=args.json)
     # By name, like the roles: a module-level import would load torch into ctl, a gRPC client that
     # has no use for its 2-3 s of start-up.
-    transport_error = _load("rpcps.transport:TransportError")
+    transport_errors = (_load("rpcps.transport:TransportError"), _load("rpcps.transport:FilterUnavailable"))
     _configure_logging(args.role, config)
     try:
         return run(config)
     except ValueError as e:  # bad settings caught late (a plug-in spec, a refused resume)
         print(f"rpcps {args.role}: error: {e}", file=sys.stderr)
         return 2
-    except (transport_error, OSError) as e:
+    except (*transport_errors, OSError) as e:
         print(f"rpcps {args.role}: error: {e}", file=sys.stderr)
         return 1
     except RuntimeError:

@@ -9,7 +9,7 @@ is in maintenance mode upstream; keeping it behind this seam is what lets anothe
 it later.
 """
 
-from rpcps.transport import membership
+from rpcps.transport import membership, pickling, request_filter
 from rpcps.transport.calls import (
     CallFailed,
     PeerTimeout,
@@ -25,14 +25,20 @@ from rpcps.transport.calls import (
 )
 from rpcps.transport.config import Address, TransportOptions
 from rpcps.transport.group import JoinFailed, TransportError, group_registry, join, leave, serve, shutdown, store_host
-from rpcps.transport.pickling import REFUSAL_KINDS, Refusal, set_max_message_bytes
+from rpcps.transport.pickling import Refusal, set_max_message_bytes
 from rpcps.transport.protection import Surface, protect, protected
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
+from rpcps.transport.request_filter import FilterUnavailable
+
+REFUSAL_KINDS: tuple[str, ...] = (*pickling.REFUSAL_KINDS, *request_filter.REFUSAL_KINDS)
+"""Every ``kind`` of ``rpcps_transport_refused_total``: payloads the unpickler refused, and
+requests the agent refused for their message type."""
 
 __all__ = [
     "REFUSAL_KINDS",
     "Address",
     "CallFailed",
+    "FilterUnavailable",
     "JoinFailed",
     "PeerTimeout",
     "PeerUnknown",

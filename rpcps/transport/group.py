@@ -22,7 +22,7 @@ from torch.distributed import rpc
 
 from rpcps.address import Address
 from rpcps.jobsecret import JobSecret
-from rpcps.transport import membership, protection
+from rpcps.transport import membership, protection, request_filter
 from rpcps.transport.config import TransportOptions
 from rpcps.transport.registry import Registry
 
@@ -72,6 +72,22 @@ def _require_protection() -> None:
         )
 
 
+def _init_filtered_rpc(name: str, rank: int, address: Address, options: TransportOptions) -> None:
+    """``init_rpc`` of a dynamic group, with an agent that refuses every request but a Python call.
+
+    Raises:
+        request_filter.FilterUnavailable: the agent torch built is not the filtering one (it is shut
+            down first: this process must not serve a single request unfiltered).
+    """
+    with request_filter.filtered_agents():
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options))
+    try:
+        request_filter.require_filtered()
+    except request_filter.FilterUnavailable:
+        shutdown()
+        raise
+
+
 def serve(address: Address, name: str, options: TransportOptions, secret: JobSecret | None = None) -> None:
     """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``.
 
@@ -81,7 +97,7 @@ def serve(address: Address, name: str, options: TransportOptions, secret: JobSec
     _loopback_agent(address)
     membership.require_leave_proofs(secret)
     try:
-        rpc.init_rpc(name, rank=0, world_size=None, rpc_backend_options=_backend_options(address, options))
+        _init_filtered_rpc(name, 0, address, options)
     except (RuntimeError, dist.DistError) as e:
         text = str(e)
         if "Address already in use" in text or "EADDRINUSE" in text:
@@ -119,7 +135,9 @@ def join(address: Address, base_name: str, options: TransportOptions) -> str:
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
     name = f"{base_name}_r{rank}"
     try:
-        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options))
+        _init_filtered_rpc(name, rank, address, options)
+    except request_filter.FilterUnavailable:
+        raise
     except (RuntimeError, dist.DistError) as e:
         raise JoinFailed(f"could not join the server at {address}: {str(e).splitlines()[0]}") from e
     _open_registry(address)

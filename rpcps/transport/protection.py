@@ -2,8 +2,9 @@
 
 torch RPC runs whatever function a peer names. ``protect`` narrows that to the application's
 ``Surface`` (its endpoints and the records they exchange) plus what torch and this transport need
-themselves (the liveness probe, the leave request, the join handshake, remote errors), and denies
-the builtin operator that reads and writes files (``builtin_ops``). ``group.serve``/``group.join``
+themselves (the liveness probe, the leave request, the join handshake, remote errors), and makes
+the agent refuse every request that is not a Python call (``request_filter``: builtin operators,
+TorchScript, RRef and autograd messages never reach the unpickler). ``group.serve``/``group.join``
 refuse to start until it ran, so no process joins unprotected.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rpcps import wire_records
-from rpcps.transport import builtin_ops, membership, pickling
+from rpcps.transport import membership, pickling, request_filter
 from rpcps.transport.calls import alive
 
 
@@ -69,11 +70,12 @@ def protect(
     """Restricts what peers can make this process run (call once, before joining the group).
 
     Raises:
-        pickling.TorchInternalsChanged: this torch no longer works the way the hook expects.
+        pickling.TorchInternalsChanged: this torch no longer works the way the hooks expect.
+        request_filter.FilterUnavailable: the native request filter is not built for this torch.
     """
     pickling.install(unpickle_policy(surface, max_message_bytes, on_refusal))
-    builtin_ops.deny()
+    request_filter.install(on_refusal)
 
 
 def protected() -> bool:
-    return pickling.installed() and builtin_ops.denied()
+    return pickling.installed() and request_filter.installed()

@@ -39,7 +39,7 @@ from rpcps.messages import (
     Update,
     View,
 )
-from rpcps.transport import builtin_ops, membership, pickling, protection
+from rpcps.transport import membership, pickling, protection
 
 
 class _Reduce:
@@ -262,10 +262,3 @@ def test_policies_name_only_importable_objects() -> None:
     with pytest.raises(ValueError, match="WireRecord"):
         protection.Surface(calls=(), values=(pathlib.Path,))
 
-
-def test_from_file_is_denied_in_a_protected_process() -> None:
-    """The builtin operator that reads and writes files (it never passes through pickle)."""
-    builtin_ops.deny()
-    with pytest.raises(RuntimeError, match="refused"):
-        torch.from_file("/etc/hostname", False, 4, dtype=torch.uint8)
-    assert torch.zeros(2).sum().item() == 0.0  # other operators are untouched

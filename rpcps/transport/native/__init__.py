@@ -1,0 +1,1 @@
+"""C++ parts of the transport, compiled against the installed torch (``build.py``), never committed built."""
