@@ -17,15 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
 from rpcps import endpoints
 from rpcps.address import Address
-from rpcps.transport import membership, pickling
 from tests.integration import script_call_sender
-from tests.integration.stranger import SERVER, TIMEOUT_S, attempt
+from tests.integration.stranger import SERVER, TIMEOUT_S, attempt, join_as_stranger
 
 UNDEFINED_TYPE = 0x1FF
 """A request type value torch does not define (the request bit 0x100 set)."""
@@ -42,11 +40,7 @@ def answered(error: str) -> str:
 def main() -> int:
     address, secret_file, target_dir = Address.parse(sys.argv[1]), sys.argv[2], sys.argv[3]
     sender = script_call_sender.load()  # built by the test before the server started
-    store = dist.TCPStore(address.host, address.port, is_master=False)
-    rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=TIMEOUT_S, _transports=["uv"], _channels=["basic"])
-    pickling.register_wire_reducers()  # without rpcps's wire format not even the join is accepted
-    rpc.init_rpc(f"builtin_stranger_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
+    join_as_stranger(address, "builtin_stranger")
     ref = rpc.rpc_sync(SERVER, endpoints.server_ref, timeout=TIMEOUT_S)
 
     def autograd_wrapped() -> Any:

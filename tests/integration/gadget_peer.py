@@ -13,13 +13,12 @@ import pickle
 import sys
 from typing import Any, ClassVar
 
-import torch.distributed as dist
 from torch.distributed import rpc
 from torch.distributed.rpc import internal
 
 from rpcps import endpoints, replica_endpoints
 from rpcps.address import Address
-from rpcps.transport import membership, pickling
+from tests.integration.stranger import join_as_stranger
 
 TIMEOUT_S = 15
 
@@ -73,11 +72,7 @@ def attempt(to: str, func: Any, *args: Any) -> dict[str, str]:
 
 def main() -> int:
     address, server, worker = Address.parse(sys.argv[1]), sys.argv[2], sys.argv[3]
-    store = dist.TCPStore(address.host, address.port, is_master=False)
-    rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=TIMEOUT_S, _transports=["uv"], _channels=["basic"])
-    pickling.register_wire_reducers()  # rpcps's wire format: without it not even the join is accepted
-    rpc.init_rpc(f"gadgets_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
+    join_as_stranger(address, "gadgets")
     internal._pickler = RawPickler
     results = {
         "server": {name: attempt(server, endpoints.shard_count, Raw(data)) for name, data in GADGETS.items()},
@@ -93,3 +88,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -17,7 +17,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed import rpc
 
 from rpcps import endpoints, plugins, replica_endpoints
@@ -26,6 +25,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.messages import RegistrationProof
 from rpcps.signature import ModelSignature
 from rpcps.transport import membership
+from tests.integration.stranger import join_as_stranger
 
 TIMEOUT_S = 15
 SERVER = f"{endpoints.server_name(0)}_r0"
@@ -42,10 +42,7 @@ def attempt(run: Callable[[], Any]) -> str:
 
 def main() -> int:
     address, secret = Address.parse(sys.argv[1]), JobSecret.from_file(sys.argv[2])
-    store = dist.TCPStore(address.host, address.port, is_master=False)
-    rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=TIMEOUT_S, _transports=["uv"], _channels=["basic"])
-    rpc.init_rpc(f"forger_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
+    join_as_stranger(address, "forger")
 
     def on_server(fn: Any, *args: Any) -> Callable[[], Any]:
         return lambda: rpc.rpc_sync(SERVER, fn, args=args, timeout=TIMEOUT_S)
@@ -75,3 +72,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

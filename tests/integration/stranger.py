@@ -40,6 +40,17 @@ SERVER = f"{endpoints.server_name(0)}_r0"
 """The victim server's RPC name: shard 0 hosting the group's store joins as rank 0."""
 
 
+def join_as_stranger(address: Address, prefix: str) -> None:
+    """Joins the job's RPC group with plain torch as ``<prefix>_r<rank>``: a peer that speaks rpcps's
+    wire format (``register_wire_reducers``; without it not even the join is accepted) but has none
+    of its protection."""
+    store = dist.TCPStore(address.host, address.port, is_master=False)
+    rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=TIMEOUT_S, _transports=["uv"], _channels=["basic"])
+    pickling.register_wire_reducers()
+    rpc.init_rpc(f"{prefix}_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
+
+
 def attempt(run: Callable[[], Any]) -> dict[str, str]:
     try:
         value = run()
@@ -50,11 +61,7 @@ def attempt(run: Callable[[], Any]) -> dict[str, str]:
 
 def main() -> int:
     address, marker_dir, secret_file, victim = Address.parse(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    store = dist.TCPStore(address.host, address.port, is_master=False)
-    rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=TIMEOUT_S, _transports=["uv"], _channels=["basic"])
-    pickling.register_wire_reducers()  # without rpcps's wire format not even the join is accepted
-    rpc.init_rpc(f"stranger_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
+    join_as_stranger(address, "stranger")
 
     def on_server(fn: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
         return lambda: rpc.rpc_sync(SERVER, fn, args=args, kwargs=kwargs, timeout=TIMEOUT_S)
