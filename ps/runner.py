@@ -117,6 +117,10 @@ def run_server(config: ServerRunConfig) -> int:
         name = _join_group(config, secret)
         ledger = _open_ledger(server, config, name)
         registry = transport.group_registry()
+        registry.authenticate(  # before the janitor writes a dead record or this process a view
+            secret, name, trust_unsigned=config.store_address.is_loopback,
+            on_refused=rpc_policy.counting_store_refusals(metrics.store_refused),
+        )
         if config.hosts_store:
             janitor = Janitor(registry, config.lease_s, on_removed=lambda gone: _member_gone(service, metrics, gone))
             janitor.start()
