@@ -158,3 +158,13 @@ def test_a_primary_that_steps_down_alone_restarts_from_its_exact_state(procs: Pr
     assert f"(version {int(held)})" in ps.stderr()
     wait_until(lambda: try_scrape(metrics).get("rpcps_server_resumed_from_version") == held, 60, "the restarted server's resume")
     finish(procs, ps, metrics, control, workers)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_without_a_secret_refuses_a_store_off_loopback(procs: ProcessGroup) -> None:
+    """Without a job secret no view can be verified: the store is trusted only on loopback, so a worker
+    refuses (exit 2, one line) before it connects, as the server and the coordinator refuse to listen."""
+    worker = procs.start("worker", ["worker", "--ps", "192.0.2.1:29500", "--worker-index", "0", "--num-workers", "1",
+                                    "--metrics-port", str(free_port()), "--metrics-addr", "127.0.0.1"])
+    assert worker.wait(50) == 2, worker.tail()
+    assert "is not on loopback and there is no --job-secret-file" in worker.stderr()
