@@ -48,6 +48,13 @@ REFUSAL_REASONS = ("unsigned", "bad_signature", "malformed", "stale")
 """Why a record was ignored: no HMAC where the job has a secret (or a store off loopback without
 one), an HMAC that does not verify (another key, shard, epoch or writer), text that is not a record,
 or a view of an older epoch than this process already saw (a replay)."""
+_WHO = {
+    "bad_signature": "it was signed with another job secret: this process's --job-secret-file differs from the job's, or "
+    "someone outside this job writes to the store (keep its port on the training network; docs/SECURITY.md)",
+    "unsigned": "the job has no secret while this process has one, or someone outside this job writes to the store "
+    "(keep its port on the training network; docs/SECURITY.md)",
+    "stale": "someone outside this job writes to the store (keep its port on the training network; docs/SECURITY.md)",
+}
 _REPORTED_MAX = 256
 """Distinct refused texts remembered (each is logged and counted once); beyond, forgotten and reported again."""
 
@@ -239,9 +246,8 @@ class Registry:
             self._reported.clear()
         self._reported.add((key, raw))
         logger.error(
-            "ignoring the %s record at %s in the group's store: %s (%.120r); someone outside this job can write to the "
-            "store: keep its port reachable only from the training network (docs/SECURITY.md)",
-            kind, key, reason.replace("_", " "), raw,
+            "ignoring the %s record at %s in the group's store: %s (%.120r); %s", kind, key, reason.replace("_", " "), raw,
+            _WHO.get(reason, _WHO["stale"]),
         )
         if self._on_refused is not None:
             self._on_refused(Refusal(kind, key, reason))
