@@ -46,9 +46,10 @@ def shard_view(shard: int) -> View | None:
 
 
 UNVERIFIED_VIEW_S = 10.0
-"""How long a view this process cannot verify may stand before it gives up (exit 5, not retried):
-a primary puts its own view back over a stranger's within a heartbeat, so a view that stays
-unverifiable this long was signed with another job secret than this process's."""
+"""How long a process that never verified a view waits on views it cannot verify before it gives up
+(exit 5, not retried): a primary puts its own view back over a stranger's within a heartbeat, so
+a view that stays unverifiable this long was signed with another job secret than this process's.
+A process that verified one before (a worker failing over) waits out its usual timeouts instead."""
 
 
 class _UnverifiedView:
@@ -67,8 +68,8 @@ class _UnverifiedView:
             return reading.record.view if reading.record is not None else None
         now = time.monotonic()
         self.since = self.since if self.since is not None else now
-        if now - self.since < UNVERIFIED_VIEW_S:
-            return None
+        if now - self.since < UNVERIFIED_VIEW_S or transport.group_registry().verified_any():
+            return None  # one that verified a view before has the job's secret: a stranger is writing, wait
         why = (
             "is signed with another job secret than this process's --job-secret-file" if reading.refused == "bad_signature"
             else "is not signed, but this process was given --job-secret-file" if self.has_secret

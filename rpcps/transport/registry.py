@@ -292,6 +292,10 @@ class Registry:
         self._newest_epoch[shard] = view.epoch
         return ViewReading(raw, ViewRecord(view, raw))
 
+    def verified_any(self) -> bool:
+        """Whether this process ever read (or wrote) a view it verified: its secret is the job's."""
+        return bool(self._newest_epoch)
+
     def view(self, shard: int) -> ViewRecord | None:
         """The shard's verified view; None when it has none or holds one this process refused."""
         return self.read_view(shard).record

@@ -22,12 +22,14 @@ from ps.replication.claim import ClaimTimeout, claim_shard
 from ps.replication.metrics import ReplicationMetrics
 from ps.replication.primary import Primary
 from rpcps import rpc_policy
+from rpcps.errors import RegistrationRefused
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.ports import free_port
 from rpcps.transport.registry import Refusal, Registry, encode_view, require_secret_off_loopback
 from tests.unit.test_registry import Clock
 from tests.unit.test_replica_auth import _FakeServer
+from worker import client
 
 SECRET = JobSecret("s" * 40)
 OTHER = JobSecret("o" * 40)
@@ -240,3 +242,29 @@ def test_a_primary_changes_its_view_through_a_stranger_s_text(store: Store) -> N
     record = primary._change_view(primary.record, View(2, "ps0_r1", "ps0_r2"))
     assert record is not None and record.view == View(2, "ps0_r1", "ps0_r2") and stepped == []
     assert store.registry(writer="worker0_r3").view(0) == record
+
+
+def test_a_worker_that_never_verified_a_view_gives_up_after_10s_and_one_that_did_waits(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.registry(writer="ps0_r1").change_view(0, None, View(1, "ps0_r1"))
+    clock = Clock()
+    monkeypatch.setattr(client.time, "monotonic", clock)
+    wrong = store.registry(secret=OTHER, writer="worker0_r2")  # another secret than the job's
+    monkeypatch.setattr(client.transport, "group_registry", lambda: wrong)
+    waiting = client._UnverifiedView(0, has_secret=True)
+    assert waiting.check(wrong.read_view(0)) is None
+    clock.now += client.UNVERIFIED_VIEW_S - 0.1
+    assert waiting.check(wrong.read_view(0)) is None, "a stranger's view is put back within a heartbeat: wait"
+    clock.now += 0.2
+    with pytest.raises(RegistrationRefused, match="signed with another job secret than this process's --job-secret-file"):
+        waiting.check(wrong.read_view(0))
+
+    right = store.registry(writer="worker0_r3")
+    monkeypatch.setattr(client.transport, "group_registry", lambda: right)
+    failing_over = client._UnverifiedView(0, has_secret=True)
+    assert failing_over.check(right.read_view(0)) == View(1, "ps0_r1")
+    store.set("rpcps/view/0", encode_view(View(9, "stranger_r9"), OTHER, 0, "stranger_r9"))
+    for _ in range(3):  # a stranger keeps its view there: a worker that verified one before waits it out
+        assert failing_over.check(right.read_view(0)) is None
+        clock.now += client.UNVERIFIED_VIEW_S
