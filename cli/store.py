@@ -90,6 +90,7 @@ class CoordinatorMetrics:
     removed: Counter
     repairs: Counter
     refused: Counter
+    store_refused: Counter
 
     @classmethod
     def create(cls, listen: str) -> CoordinatorMetrics:
@@ -105,7 +106,10 @@ class CoordinatorMetrics:
         )
         for what in membership.REPAIR_KINDS:
             repairs.labels(what)
-        return cls(registry=registry, removed=removed, repairs=repairs, refused=rpc_policy.refusal_counter(registry))
+        return cls(
+            registry=registry, removed=removed, repairs=repairs, refused=rpc_policy.refusal_counter(registry),
+            store_refused=rpc_policy.store_refusal_counter(registry),
+        )
 
     def watch_group(self, read: Callable[[], GroupReading]) -> None:
         """Adds the member and view gauges, computed at scrape time by ``read``."""
@@ -185,6 +189,9 @@ def run_store(config: StoreConfig) -> int:
         http.shutdown()  # type: ignore[attr-defined]
         raise
     registry = transport.group_registry()
+    registry.authenticate(  # before the janitor writes a dead record
+        secret, STORE_NAME, trust_unsigned=config.listen.is_loopback, on_refused=rpc_policy.counting_store_refusals(metrics.store_refused)
+    )
     metrics.watch_group(lambda: read_group(registry))
     janitor = Janitor(registry, config.lease_s, on_removed=lambda _: metrics.removed.inc())
     janitor.start()

@@ -150,6 +150,9 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
         store_host = transport.store_host()
         options = config.transport
         secret = JobSecret.from_file(options.job_secret_file) if options.job_secret_file else None
+        transport.group_registry().authenticate(
+            secret, name, trust_unsigned=config.ps.is_loopback, on_refused=rpc_policy.counting_store_refusals(metrics.store_refused)
+        )
         first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s, secret=secret)
         clients = [first] + [
             ServerClient(options.rpc_timeout_s, shard=k, wait_s=options.connect_timeout_s, secret=secret)

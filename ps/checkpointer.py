@@ -161,13 +161,15 @@ class Checkpointer:
             self.ledger.captured(event.version)
         self._due.set()
 
-    def checkpoint_now(self) -> tuple[str, int]:
+    def checkpoint_now(self, stepping_down: bool = False) -> tuple[str, int]:
         """Writes a snapshot now (waiting for a write in progress) and returns (path, version).
 
         Raises OSError when the write fails; earlier snapshots stay intact. Raises NotPrimary on a
         standby or a replaced primary: only the process serving the shard writes its snapshots.
+        ``stepping_down``: a primary that stepped down with no standby writes its exact state once
+        more, to restart from it (``ps.runner``): nobody else holds what it applied.
         """
-        if self.server.mirroring or self.server.deposed:
+        if self.server.mirroring or (self.server.deposed and not stepping_down):
             raise NotPrimary(self.server.not_primary_reason or "this process does not serve its shard now")
         info = self._write(force=True)
         assert info is not None

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 from ps.admission import RejectReason
 from ps.reaper import PING_FAILURES
 from ps.registration_auth import REASONS as REGISTRATION_REFUSALS
-from rpcps.rpc_policy import refusal_counter
+from rpcps.rpc_policy import refusal_counter, store_refusal_counter
 from rpcps.transport.membership import REPAIR_KINDS
 
 if TYPE_CHECKING:
@@ -94,14 +94,16 @@ class ServerMetrics:
             "rpcps_server_rpc_listener_lost", "Times the RPC listener was closed by a stray connection.", registry=r
         )
         self.rpc_refused = refusal_counter(r)
+        self.store_refused = store_refusal_counter(r)
         self.registrations_refused = _labelled_counter(
             r, "rpcps_server_registrations_refused", "Worker registrations and model observations (the evaluator) refused for lack of a valid job-secret proof, by reason.",
             "reason", REGISTRATION_REFUSALS,
         )
         self.store_repairs = _labelled_counter(
             r, "rpcps_server_store_repairs",
-            "Changes a stranger made to the group's store (member list, addresses, rank counter) that the server put back.",
-            "what", REPAIR_KINDS,
+            "Changes a stranger made to the group's store (member list, addresses, rank counter, this shard's view) that the "
+            "server put back.",
+            "what", (*REPAIR_KINDS, "view"),
         )
         self.crash_restarts = Gauge(
             "rpcps_server_crash_restarts",

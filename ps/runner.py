@@ -117,6 +117,10 @@ def run_server(config: ServerRunConfig) -> int:
         name = _join_group(config, secret)
         ledger = _open_ledger(server, config, name)
         registry = transport.group_registry()
+        registry.authenticate(  # before the janitor writes a dead record or this process a view
+            secret, name, trust_unsigned=config.store_address.is_loopback,
+            on_refused=rpc_policy.counting_store_refusals(metrics.store_refused),
+        )
         if config.hosts_store:
             janitor = Janitor(registry, config.lease_s, on_removed=lambda gone: _member_gone(service, metrics, gone))
             janitor.start()
@@ -126,6 +130,8 @@ def run_server(config: ServerRunConfig) -> int:
         registry.put_replica(name, _replica_record(config, metrics_port, control.port))
         checkpoint_config, point = _find_resume(server, config, secret)
         claim = _claim(registry, config, name, point)
+        if claim.attach_to is not None and checkpoint_config.directory is None and checkpoint_config.resume:
+            _remove_restart_snapshot(Path(checkpoint_config.resume))  # a live primary serves: its state is the one to copy
         checkpointer = _restore(server, config, ledger, secret, checkpoint_config, point if claim.attach_to is None else None)
         control.attach_checkpointer(checkpointer)
         service.durability = checkpointer
@@ -158,7 +164,7 @@ def run_server(config: ServerRunConfig) -> int:
         http.shutdown()  # type: ignore[attr-defined]
         raise
     if restart:
-        _leave_and_restart(control, janitor, store_guard, http)
+        _leave_and_restart(control, janitor, store_guard, http, _snapshot_if_stepped_down(server, replica, checkpointer, config))
     reaper = MembershipReaper(
         service, config.lease_s, store_host=transport.store_host(), secret=secret, failures=metrics.reaper_ping_failures
     )
@@ -196,6 +202,7 @@ def run_server(config: ServerRunConfig) -> int:
             restart.clear()
         if restart:
             logger.warning("restarting this server process: %s", restart[0])
+            restart_from = _snapshot_if_stepped_down(server, replica, checkpointer, config) or restart_from
         else:
             logger.info("stopping")
             control.set_serving(False)
@@ -228,8 +235,11 @@ def run_server(config: ServerRunConfig) -> int:
     return 0
 
 
-def _leave_and_restart(control: ControlServer, janitor: Janitor | None, store_guard: StoreGuard | None, http: object) -> NoReturn:
-    """Restarts a process that could not take its place in the shard (it claims it again, afresh)."""
+def _leave_and_restart(
+    control: ControlServer, janitor: Janitor | None, store_guard: StoreGuard | None, http: object, restart_from: str | None = None
+) -> NoReturn:
+    """Restarts a process that could not take its place in the shard (it claims it again, afresh;
+    from ``restart_from``, a primary's exact state, when it stepped down at once)."""
     if janitor is not None:
         janitor.stop()
     if store_guard is not None:
@@ -239,7 +249,7 @@ def _leave_and_restart(control: ControlServer, janitor: Janitor | None, store_gu
     transport.shutdown()
     http.shutdown()  # type: ignore[attr-defined]
     time.sleep(0.5)  # whatever it could not attach to may be changing hands right now
-    restart_self({})
+    restart_self({RESTART_FROM_ENV: restart_from} if restart_from is not None else {})
 
 
 def _on_store_lost(
@@ -311,7 +321,26 @@ def _on_listener_lost(server: ParameterServer, listener: ListenerWatch, recovery
     )
 
 
-def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | None, config: ServerRunConfig) -> str:
+def _snapshot_if_stepped_down(
+    server: ParameterServer, replica: ShardReplica, checkpointer: Checkpointer | None, config: ServerRunConfig
+) -> str | None:
+    """A primary that stepped down with no standby in its view (whatever deposed it: a newer view, a
+    failed compare-and-set) holds updates no other process has: it writes its exact state and
+    restarts from it, so nothing since the newest snapshot is lost. Should a live primary serve the
+    shard by then, the restarted process attaches to it instead (and removes a private snapshot).
+    Returns the snapshot's path, or None when there is nothing to keep (a standby, or a view with a
+    standby, which holds every committed update)."""
+    primary = replica.primary
+    if primary is None or not server.deposed or primary.record.view.standby is not None:
+        return None
+    path = _snapshot_for_restart(server, checkpointer, config, stepping_down=True)
+    logger.warning("stepped down with no standby: wrote the exact state (version %d) to %s to restart from", server.version, path)
+    return path
+
+
+def _snapshot_for_restart(
+    server: ParameterServer, checkpointer: Checkpointer | None, config: ServerRunConfig, stepping_down: bool = False
+) -> str:
     """Stops updates and writes the exact current state for this process to restart from.
 
     With --checkpoint-dir it is an ordinary snapshot there (kept like the others). Without, it goes
@@ -327,7 +356,7 @@ def _snapshot_for_restart(server: ParameterServer, checkpointer: Checkpointer | 
         )
     else:
         checkpointer.stop(final=False)
-    path, _ = checkpointer.checkpoint_now()
+    path, _ = checkpointer.checkpoint_now(stepping_down=stepping_down)
     return path
 
 
@@ -393,7 +422,7 @@ def _remove_restart_snapshot(path: Path) -> None:
     """Deletes the private restart snapshot this process just resumed from (see _snapshot_for_restart)."""
     if path.parent.name.startswith(_RESTART_DIR_PREFIX):
         shutil.rmtree(path.parent, ignore_errors=True)
-        logger.info("resumed; removed the restart snapshot %s", path)
+        logger.info("removed the restart snapshot %s", path)
 
 
 def _report_rolled_back(server: ParameterServer, checkpointer: Checkpointer) -> None:

@@ -3,8 +3,8 @@
 Every process of a job reads the same secret from a file (``--job-secret-file``). It never crosses
 the wire: a worker registering for a slot answers the server's fresh, single-use challenge with an
 HMAC over the challenge, the slot and its RPC name, so a proof seen on the network cannot be used
-again, for another slot or under another name. Leaving the group and signing snapshot manifests
-use keys derived from the same secret, each for its own purpose, so a value made for one can never
+again, for another slot or under another name. Leaving the group, signing snapshot manifests and
+signing the records in the group's store (``rpcps.transport.registry``) use keys derived from the same secret, each for its own purpose, so a value made for one can never
 pass for another.
 """
 
@@ -21,6 +21,7 @@ MIN_LENGTH = 32
 """Characters a secret must have at least (``openssl rand -hex 32`` gives 64)."""
 _REGISTER, _LEAVE, _MANIFEST, _REPLICA_ATTACH = b"register/v1", b"leave/v1", b"manifest/v1", b"replica-attach/v1"
 _OBSERVE = b"observe/v1"
+_STORE_RECORD = b"store-record/v1"
 
 
 class JobSecret:
@@ -67,6 +68,13 @@ class JobSecret:
         """What a standby sends with ``replica_attach``: binds a fresh nonce, its time, the standby's
         name and the primary it asks (the primary accepts a nonce once, within a short window)."""
         return self._mac(_REPLICA_ATTACH, nonce, repr(float(issued_at)), name, primary)
+
+    def store_record_mac(self, kind: str, subject: str, epoch: int, writer: str, body: str) -> str:
+        """HMAC of a record in the group's store (a shard's view, a server's replica record, a dead
+        member): binds what it is (``kind``), what it is about (the shard, or the member's name), the
+        view's epoch (0 for records without one), the process that wrote it and its canonical text,
+        so a record moved to another key, epoch or writer no longer verifies."""
+        return self._mac(_STORE_RECORD, kind, subject, str(int(epoch)), writer, body)
 
     def manifest_signature(self, manifest: dict[str, Any]) -> str:
         """HMAC of a snapshot manifest (every field but the signature itself, canonical JSON)."""

@@ -12,7 +12,7 @@ new primary tells workers. One function each, forwarding to the object the proce
 Who may call them (``ps.replication.auth``): ``replica_attach`` carries a proof of the job secret
 (when the job has one) bound to a fresh nonce, its time and both names; every later call of that
 attachment, and the primary's appends to that standby, carry the unguessable attach id it was
-issued. ``view_changed`` is only a hint: workers confirm it in the store before acting on it.
+issued. ``view_changed`` is only a hint: workers confirm it in the store (a signed view) before acting on it.
 
 Errors raised on purpose come back as ``ErrorReply`` values, as in ``rpcps.endpoints``.
 ``SERVER_ENDPOINTS`` and ``WORKER_ENDPOINTS`` list what may be called remotely in each role: the
@@ -108,7 +108,8 @@ def replica_watch(attach_id: str) -> Future:
 
 def view_changed(shard: int, view: View) -> None:
     """Runs in a worker: only records a hint. Anyone may call it, so the training thread acts only
-    once the shard's view in the store (written by compare-and-set) confirms a newer epoch."""
+    once the shard's view in the store confirms a newer epoch, and only a view signed with the job
+    secret confirms anything (``rpcps.transport.registry``)."""
     if _listener is not None:
         _listener.view_changed(shard, view)
 

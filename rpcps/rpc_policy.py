@@ -17,6 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from rpcps import endpoints, messages, transport
+from rpcps.transport.registry import RECORD_KINDS, REFUSAL_REASONS
+from rpcps.transport.registry import Refusal as StoreRefusal
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,27 @@ def refusal_counter(registry: CollectorRegistry) -> Counter:
     for kind in transport.REFUSAL_KINDS:
         counter.labels(kind)
     return counter
+
+
+def store_refusal_counter(registry: CollectorRegistry) -> Counter:
+    """``rpcps_store_records_refused_total{record,reason}``, the same series in every role that reads
+    the group's store (docs/METRICS.md): records there it ignored (``rpcps.transport.registry``)."""
+    counter = Counter(
+        "rpcps_store_records_refused",
+        "Records in the group's store (shard views, replica records, dead members) this process ignored: unsigned, "
+        "wrongly signed, malformed or stale, by record and reason (each distinct text once).",
+        ["record", "reason"],
+        registry=registry,
+    )
+    for record in RECORD_KINDS:
+        for reason in REFUSAL_REASONS:
+            counter.labels(record, reason)
+    return counter
+
+
+def counting_store_refusals(counter: Counter) -> Callable[[StoreRefusal], None]:
+    """An ``on_refused`` callback for ``Registry.authenticate`` (the registry logs each refusal)."""
+    return lambda refusal: counter.labels(refusal.record, refusal.reason).inc()
 
 
 def counting(counter: Counter) -> Callable[[transport.Refusal], None]:

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from rpcps import endpoints, transport
-from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStarting
+from rpcps.errors import ERROR_TYPES, RegistrationRefused, RpcpsError, ServerStarting
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof, View
 from rpcps.sparse.spec import SparsePull, SparsePush
+from rpcps.transport.registry import ViewReading
 
 
 def unwrap(value: Any) -> Any:
@@ -42,6 +43,42 @@ def shard_view(shard: int) -> View | None:
     """The shard's view as the group's store has it now (None: no server has claimed it yet)."""
     record = transport.group_registry().view(shard)
     return record.view if record is not None else None
+
+
+UNVERIFIED_VIEW_S = 10.0
+"""How long a process that never verified a view waits on views it cannot verify before it gives up
+(exit 5, not retried): a primary puts its own view back over a stranger's within a heartbeat, so
+a view that stays unverifiable this long was signed with another job secret than this process's.
+A process that verified one before (a worker failing over) waits out its usual timeouts instead."""
+
+
+class _UnverifiedView:
+    """Tells a process with the wrong job secret (or one where the job has none) from a passing
+    forgery: the first waits forever otherwise, with nothing but the registry's refusal in its log."""
+
+    def __init__(self, shard: int, has_secret: bool) -> None:
+        self.shard = shard
+        self.has_secret = has_secret
+        self.since: float | None = None
+
+    def check(self, reading: ViewReading) -> View | None:
+        """The reading's view; raises RegistrationRefused once only unverifiable views were seen for long."""
+        if reading.record is not None or reading.refused not in ("bad_signature", "unsigned"):
+            self.since = None
+            return reading.record.view if reading.record is not None else None
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since < UNVERIFIED_VIEW_S or transport.group_registry().verified_any():
+            return None  # one that verified a view before has the job's secret: a stranger is writing, wait
+        why = (
+            "is signed with another job secret than this process's --job-secret-file" if reading.refused == "bad_signature"
+            else "is not signed, but this process was given --job-secret-file" if self.has_secret
+            else "cannot be verified without --job-secret-file"
+        )
+        raise RegistrationRefused(
+            f"shard {self.shard}'s view in the group's store {why} (for {UNVERIFIED_VIEW_S:.0f}s): give every process of the "
+            "job the same secret file; if they have it, someone outside the job keeps writing the store (docs/SECURITY.md)"
+        )
 
 
 def _max_lag(primary: str) -> int:
@@ -68,9 +105,10 @@ class ServerClient:
         self.shard = shard
         self.secret = secret
         deadline = time.monotonic() + wait_s
+        unverified = _UnverifiedView(shard, secret is not None)
         while True:
             try:
-                view = shard_view(shard)
+                view = unverified.check(transport.group_registry().read_view(shard))
                 if view is None or view.epoch <= newer_than:
                     raise ShardUnavailable(f"no server has claimed shard {shard} yet" if view is None else
                                            f"shard {shard} has not failed over from epoch {newer_than} yet")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rpcps.rpc_policy import refusal_counter
+from rpcps.rpc_policy import refusal_counter, store_refusal_counter
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -66,6 +66,7 @@ class WorkerMetrics:
         )
         self.last_step = Gauge("rpcps_worker_last_step_timestamp_seconds", "When the latest step finished.", registry=r)
         self.rpc_refused = refusal_counter(r)
+        self.store_refused = store_refusal_counter(r)
 
         self.total_compute_s = 0.0
         self.total_comm_s = 0.0

@@ -20,6 +20,7 @@ from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import rejoin_or_give_up
 from rpcps.summary import write_summary
+from rpcps.transport.registry import require_secret_off_loopback
 from worker.client import ServerClient
 from worker.config import DEFAULT_METRICS_PORT, WorkerRunConfig
 from worker.device import pick_device
@@ -64,6 +65,8 @@ def run_worker(config: WorkerRunConfig) -> int:
     plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
     options = config.transport
     secret = JobSecret.from_file(options.job_secret_file) if options.job_secret_file else None
+    assert config.ps is not None  # WorkerRunConfig requires it
+    require_secret_off_loopback(config.ps.is_loopback, secret, config.ps)
     # The size limit follows the model, which is loaded after joining (see below).
     rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused), extra_calls=replica_endpoints.WORKER_ENDPOINTS)
     name: str | None = None
@@ -77,6 +80,10 @@ def run_worker(config: WorkerRunConfig) -> int:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.
             raise transport.PeerUnreachable(str(e)) from e
+        # Views are verified before this worker follows one (a stranger's points it at the stranger).
+        transport.group_registry().authenticate(
+            secret, name, trust_unsigned=config.ps.is_loopback, on_refused=rpc_policy.counting_store_refusals(metrics.store_refused)
+        )
         store_host = transport.store_host()
         first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s, secret=secret)
         clients = [first] + [

@@ -275,6 +275,7 @@ class Trainer:
         self._rejects_in_a_row = 0
         self._stop = threading.Event()
         self._moved: set[int] = set()
+        self._hints_ignored: set[tuple[int, int]] = set()
         """Shards whose new primary announced itself (``view_changed``) while this worker used an older one."""
         logger.info(
             "slot %d registered with %d shard(s), mode %s, on %s; %d parameters; resuming at step %d of %d",
@@ -544,8 +545,9 @@ class Trainer:
 
     def _move_confirmed(self, link: ShardLink) -> bool:
         """Whether the store's view of ``link``'s shard is newer than the one in use. Anyone who reaches
-        this worker may call ``view_changed``; the view in the store is written only by compare-and-set
-        from the shard's replicas, so a stranger's announcement alone never moves a worker."""
+        this worker may call ``view_changed``, and anyone who reaches the store may write a view there:
+        only a view the registry verifies (signed with the job secret, not older than one seen,
+        ``rpcps.transport.registry``) moves a worker, so a stranger's announcement never does."""
         try:
             now = shard_view(link.index)
         except transport.StoreUnavailable:
@@ -553,7 +555,13 @@ class Trainer:
         if now is not None and now.epoch > link.client.view.epoch:
             return True
         self._moved.discard(link.index)
-        logger.warning("shard %d: an announced new view is not in the store; ignored", link.index)
+        hint = (link.index, link.client.view.epoch)
+        if hint not in self._hints_ignored:  # a stranger may send it over and over: say it once per view in use
+            self._hints_ignored.add(hint)
+            logger.warning(
+                "shard %d: a new view was announced, but the store holds no newer view this worker can verify; ignored "
+                "(further announcements for this view are ignored silently)", link.index,
+            )
         return False
 
     def _fail_over(self, link: ShardLink, error: Exception) -> None:

@@ -12,7 +12,9 @@ A starting server has joined the group under a fresh name and reads its shard's 
   after its lease), an absence longer than ``absent_grace_s``: such a primary may still be alive
   behind a cut link, holding its store lease, and must be given time to notice and stop.
 
-A view whose standby is still a live member waits: that standby promotes itself.
+A view whose standby is still a live member waits: that standby promotes itself. A view this
+process cannot verify (unsigned or wrongly signed where the job has a secret, or a replay of an
+older one, ``rpcps.transport.registry``) is waited out too: it is no one's to follow or replace.
 """
 
 from __future__ import annotations
@@ -95,7 +97,13 @@ def _try_claim(
     now: float,
     attach_only: bool,
 ) -> Claim | None:
-    record = registry.view(shard)
+    reading = registry.read_view(shard)
+    record = reading.record
+    if reading.refused is not None:
+        # Not a view of this job (a stranger's, or a replay): neither attach to it nor write over it.
+        # The shard's live primary puts its own view back within a heartbeat (ps.replication.primary);
+        # with none, an operator must (the store was written by someone outside the job).
+        return None
     if attach_only:
         return Claim(record, attach_to=record.view.primary) if record is not None and record.view.primary in members else None
     if record is None:

@@ -21,7 +21,12 @@
   standby promotes only after ``replica_lease_s`` without acknowledging one, counted from its
   acknowledgement, which comes later); alone, ``store_lease_s - 1 s`` from the last read of an
   unchanged view. A primary that learns of a newer epoch (a ``Fenced`` answer, a failed
-  compare-and-set, a newer view) steps down: it applies nothing more and restarts itself.
+  compare-and-set, a newer view) steps down: it applies nothing more and restarts itself (from a
+  snapshot of its exact state when no standby was in its view: ``ps.runner``).
+- **A tampered view**: the keeper reads the view every heartbeat. Anything there that does not
+  replace this primary's view (deleted, unsigned or wrongly signed, a replay of an older one:
+  ``rpcps.transport.registry``) is neither followed nor a reason to step down: the primary puts
+  its own view back by compare-and-set (``rpcps_server_store_repairs_total{what="view"}``).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from rpcps.errors import AttachRefused
 from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import peer_text
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
-from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
+from rpcps.transport.registry import Registry, StoreUnavailable, ViewReading, ViewRecord
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +122,8 @@ class Primary:
         """Guards the follower and the view record (never held across a call)."""
         self._follower: _Follower | None = None
         self._view_read_at = time.monotonic()
+        self._last_restored: str | None = None
+        """The stored text this primary last put its view back over (logged once per text)."""
         self._lease_revoked = False
         """A pipe error towards the in-sync standby: no apply until a compare-and-set settles who serves."""
         self._stopped = threading.Event()
@@ -391,19 +398,48 @@ class Primary:
                 if age > self.config.standby_timeout_s:
                     self._fail(follower, f"it left entries unacknowledged for {age:.2f}s")
                     self._drop(follower)
+                    return
+                self._read_view()  # its lease counts from the standby's acks; this puts a tampered view back
                 return
             if follower.ready and follower.acked >= self.log.last_index - _HANDOVER_WITHIN:
                 self._hand_over(follower)
                 return
-        if follower is None or not follower.in_sync:
-            self._read_view()
+        self._read_view()
 
     def _read_view(self) -> None:
-        record = self.registry.view(self.shard)
-        if record is None or record.view.epoch != self.record.view.epoch or record.view.primary != self.name:
-            self._step_down(f"the view is now {record.view if record is not None else 'gone'}")
+        """Renews the store lease on reading this primary's own view; steps down for a view that
+        replaces it; puts its own back over anything else (``_restore``)."""
+        reading = self.registry.read_view(self.shard)
+        record, mine = reading.record, self.record
+        if record is not None and record.raw == mine.raw:
+            self._view_read_at = time.monotonic()
             return
-        self._view_read_at = time.monotonic()
+        if record is not None and (record.view.epoch > mine.view.epoch or record.view.primary != self.name):
+            self._step_down(f"the view is now {record.view}")
+            return
+        self._restore(reading)
+
+    def _restore(self, reading: ViewReading) -> None:
+        """Puts this primary's view back over a stored text that does not replace it: nothing (deleted),
+        a record the registry refused (unsigned, wrongly signed, or a replay of an older epoch), or an
+        earlier view of its own epoch (a replay: within an epoch only this primary changes the view,
+        and any other replica's view has a newer epoch). The lease is not renewed by it: only by
+        reading its own view back, so a primary cut off from the store still stops in time."""
+        if reading.refused is not None:
+            found = f"a record it refused ({reading.refused.replace('_', ' ')})"
+        elif reading.record is not None:
+            found = f"an earlier view of its own epoch ({reading.record.view})"
+        else:
+            found = "nothing (the key was deleted)"
+        if not self.registry.restore_view(self.shard, reading.raw, self.record):
+            return  # changed again meanwhile: the next round reads it
+        self.server.metrics.store_repairs.labels("view").inc()
+        if reading.raw != self._last_restored:
+            self._last_restored = reading.raw
+            logger.error(
+                "shard %d's view in the group's store was replaced by %s: put this primary's view (%s) back; someone "
+                "outside this job writes to the store (docs/SECURITY.md)", self.shard, found, self.record.view,
+            )
 
     def _hand_over(self, follower: _Follower) -> None:
         """Adds a caught-up standby to the view, holding the server's lock for the final few entries."""
@@ -449,11 +485,20 @@ class Primary:
         logger.warning("dropped standby %s (%s); shard %d goes on alone", peer_text(follower.name), follower.failed, self.shard)
 
     def _change_view(self, expected: ViewRecord, new: View) -> ViewRecord | None:
-        """Compare-and-set of the shard's view; a failure caused by a newer epoch steps this primary down."""
+        """Compare-and-set of the shard's view; a failure caused by a newer epoch steps this primary down.
+
+        A failure caused by text that does not replace this primary's view (see ``_restore``) puts
+        that view back and tries once more: a stranger's write must not depose it."""
         record = self.registry.change_view(self.shard, expected, new)
         if record is None:
-            now = self.registry.view(self.shard)
-            self._step_down(f"the view changed under it to {now.view if now is not None else 'nothing'}")
+            now = self.registry.read_view(self.shard)
+            replaced = now.record is not None and (now.record.view.epoch > expected.view.epoch or now.record.view.primary != self.name)
+            if not replaced:
+                self._restore(now)
+                record = self.registry.change_view(self.shard, expected, new)
+        if record is None:
+            now = self.registry.read_view(self.shard)
+            self._step_down(f"the view changed under it to {now.record.view if now.record is not None else now.raw or 'nothing'}")
             return None
         self.record = record
         self._view_read_at = time.monotonic()

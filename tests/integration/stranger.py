@@ -40,15 +40,17 @@ SERVER = f"{endpoints.server_name(0)}_r0"
 """The victim server's RPC name: shard 0 hosting the group's store joins as rank 0."""
 
 
-def join_as_stranger(address: Address, prefix: str) -> None:
+def join_as_stranger(address: Address, prefix: str) -> tuple[str, dist.TCPStore]:
     """Joins the job's RPC group with plain torch as ``<prefix>_r<rank>``: a peer that speaks rpcps's
     wire format (``register_wire_reducers``; without it not even the join is accepted) but has none
-    of its protection."""
+    of its protection. Returns its name and its client of the group's store."""
     store = dist.TCPStore(address.host, address.port, is_master=False)
     rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=TIMEOUT_S, _transports=["uv"], _channels=["basic"])
     pickling.register_wire_reducers()
-    rpc.init_rpc(f"{prefix}_r{rank}", rank=rank, world_size=None, rpc_backend_options=options)
+    name = f"{prefix}_r{rank}"
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
+    return name, store
 
 
 def attempt(run: Callable[[], Any]) -> dict[str, str]:

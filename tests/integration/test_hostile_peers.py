@@ -117,11 +117,13 @@ def test_a_worker_without_the_job_secret_is_refused_with_exit_5(procs: ProcessGr
     none, _ = procs.worker("none", port, 0, 1, "--steps", "5")
     wrong, _ = procs.worker("wrong", port, 0, 1, "--steps", "5", "--job-secret-file", secret(other))
     assert none.wait(90) == 5 and "--job-secret-file" in none.stderr(), none.tail()
-    assert wrong.wait(90) == 5 and "wrong proof" in wrong.stderr(), wrong.tail()
+    # Another secret does not verify the job's signed view of the shard (issue 24): the worker never
+    # learns which process serves it, so it gives up before registering, with the same exit.
+    assert wrong.wait(90) == 5 and "is signed with another job secret than this process's" in wrong.stderr(), wrong.tail()
     assert "Traceback" not in none.stderr() + wrong.stderr()
     metrics = scrape_metrics(ps_metrics)
     assert metrics['rpcps_server_registrations_refused_total{reason="no_proof"}'] == 1
-    assert metrics['rpcps_server_registrations_refused_total{reason="bad_proof"}'] == 1
+    assert metrics['rpcps_server_registrations_refused_total{reason="bad_proof"}'] == 0
     assert metrics["rpcps_server_worker_registrations_total"] == 0
 
 

@@ -180,7 +180,7 @@ def test_a_standby_that_never_attached_refuses_every_append() -> None:
 
 def _announced(store_epoch: int | None, monkeypatch: pytest.MonkeyPatch) -> tuple[bool, set[int]]:
     monkeypatch.setattr(trainer, "shard_view", lambda shard: None if store_epoch is None else View(store_epoch, "p", None))
-    worker = SimpleNamespace(_moved={0})
+    worker = SimpleNamespace(_moved={0}, _hints_ignored=set())
     link = SimpleNamespace(index=0, client=SimpleNamespace(view=View(1, "p", None)))
     return trainer.Trainer._move_confirmed(worker, link), worker._moved  # type: ignore[arg-type]
 
