@@ -43,7 +43,7 @@ from ps.sparse.checkpoint import (
     payload_ranges,
     payload_records,
 )
-from ps.sparse.table import Chain
+from ps.sparse.table import Chain, ClosedFull
 from ps.sparse_checkpoint import as_chains, chain_names, read_chain
 from rpcps.sparse.export_files import TableParts, dense_file, manifest_bytes
 from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
@@ -92,14 +92,14 @@ def chain_slices(chain: Chain, keep: list[tuple[int, int]], slice_rows: int = SL
         upserts = keep_buckets(payload_records(delta), table_id, num_buckets, payload_ranges(meta))
         overlay = apply_delta(overlay, upserts, delta["tombstones"])
         replaced += [delta["tombstones"], upserts.ids]
-    gone = torch.cat(replaced)
+    gone = torch.cat(replaced).unique()  # sorted: each slice is matched by binary search, not a sort of both
     everything = covers_all(keep, num_buckets)
     records = payload_records(full)
 
     def kept(ids: torch.Tensor) -> torch.Tensor:
         mask = torch.ones(ids.numel(), dtype=torch.bool)
         if gone.numel():
-            mask &= ~torch.isin(ids, gone)
+            mask &= gone[torch.searchsorted(gone, ids).clamp_(max=gone.numel() - 1)] != ids
         if not everything:
             mask &= in_ranges(bucket_of(ids, table_id, num_buckets), keep)
         return mask
@@ -176,3 +176,15 @@ def export_files(
             yield part.path, part.data
         entries[table] = {**table_entry(meta), "rows": parts.rows, "with_state": with_state, "parts": parts.parts}
     yield "export.json", manifest_bytes({**info, "file_format": fmt, "dense": name, "tables": entries})
+
+
+def live_tables(closed: dict[str, list[ClosedFull]]) -> dict[str, list[TableSource]]:
+    """Sources over a live server's closed full captures (``ParameterServer.model_export``); each
+    builds its payload when its table's turn comes, so one table's copy is compacted at a time."""
+    return {name: [TableSource(c.meta, _closed_slices(c)) for c in captures] for name, captures in closed.items()}
+
+
+def _closed_slices(closed: ClosedFull) -> Slices:
+    records = payload_records(closed.payload())
+    for lo in range(0, len(records), SLICE_ROWS):
+        yield records.ids[lo : lo + SLICE_ROWS], records.rows[lo : lo + SLICE_ROWS]

@@ -22,6 +22,7 @@ that directory is renamed to ``OUT``. An ``OUT`` that already holds an export is
 and deleted after; anything else at ``OUT`` is refused. A reader sees the old export, the new one,
 or (between the two renames) none, never half of one.
 
+Importing this module does not load torch (``rpcps ctl export`` writes a server's export with it).
 What must not live here: where the rows come from (``ps.sparse_export``) and looking them up
 (``rpcps.sparse.serving``).
 """
@@ -35,11 +36,12 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rpcps.model_file import fsync_dir, load_state_dict, resolve_format, to_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "rpcps-export-v1"
 MANIFEST = "export.json"
@@ -99,6 +101,8 @@ class TableParts:
 
     def __init__(self, name: str, dim: int, width: int, fmt: str, part_rows: int = DEFAULT_PART_ROWS,
                  with_state: bool = False) -> None:
+        import torch  # here, not at the top: ``rpcps ctl`` writes exports it got as bytes and never loads torch
+
         if part_rows < 1:
             raise ValueError(f"part_rows must be >= 1, got {part_rows}")
         self.name, self.dim, self.fmt, self.part_rows = name, dim, fmt, part_rows
@@ -209,6 +213,8 @@ def load_dense(path: str | Path, manifest: dict[str, Any]) -> dict[str, torch.Te
 def load_table(path: str | Path, manifest: dict[str, Any], name: str, verify: bool = True) -> dict[str, torch.Tensor]:
     """One table's ``{"ids", "weight"(, "state")}``, its parts concatenated; raises ExportFormatError
     when a part is missing, fails its checksum (``verify``) or has the wrong shape."""
+    import torch
+
     entry = manifest["tables"][name]
     pieces: list[dict[str, torch.Tensor]] = []
     for part in entry["parts"]:
