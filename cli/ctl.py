@@ -3,7 +3,7 @@
     python trainer_entry.py ctl status|checkpoint|pause|resume|shutdown --addr HOST:PORT
         [--token-file F] [--tls-ca F] [--json] [--timeout-s S]
     python trainer_entry.py ctl export --out model.pt [--format auto|torch|safetensors] --addr HOST:PORT
-    python trainer_entry.py ctl export --out EXPORT_DIR [--optimizer-state] --addr HOST:PORT   (sparse tables)
+    python trainer_entry.py ctl export --out EXPORT_DIR [--optimizer-state on] --addr HOST:PORT   (sparse tables)
 
 Prints a human-readable answer (or one JSON object with ``--json``) on stdout. Any failure, be it an
 unreachable server, a refused token or a failed checkpoint, is one line on stderr and a non-zero

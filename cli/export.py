@@ -1,7 +1,7 @@
 """``rpcps export``: a checkpoint to the model's own ``state_dict`` file (the work is ``ps.export``'s).
 
     rpcps export --checkpoint DIR --out model.pt [--format auto|torch|safetensors]
-    rpcps export --checkpoint DIR --out EXPORT_DIR [--optimizer-state]     (a model with sparse tables)
+    rpcps export --checkpoint DIR --out EXPORT_DIR [--optimizer-state on]     (a model with sparse tables)
 
 Prints one line saying what was written. A directory with nothing valid to export, or a sharded one
 missing a shard, is one line on stderr and exit 2; a failed write exit 1 (``cli.main``).

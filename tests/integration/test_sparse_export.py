@@ -81,7 +81,7 @@ def _sorted(ids: torch.Tensor, *columns: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.timeout(400)
 def test_export_of_a_3_shard_run_equals_the_1_shard_restore_row_for_row(run: Path) -> None:
-    for fmt, extra in [("torch", ()), ("safetensors", ("--optimizer-state",))]:
+    for fmt, extra in [("torch", ()), ("safetensors", ("--optimizer-state", "on"))]:
         out = run / f"export-{fmt}"
         done = _entry("export", "--checkpoint", run / "ckpt", "--out", out, "--format", fmt, *extra)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -139,7 +139,7 @@ def test_ctl_export_of_a_live_server_writes_its_rows_at_one_version(tmp_path: Pa
         refused = run_ctl(handle.address, "export", "--out", str(tmp_path / "model.pt"))
         assert refused.returncode == 2 and "this model has sparse tables: their export is a directory" in refused.stderr
         out = tmp_path / "export"
-        done = run_ctl(handle.address, "export", "--out", str(out), "--optimizer-state", "--json")
+        done = run_ctl(handle.address, "export", "--out", str(out), "--optimizer-state", "on", "--json")
     finally:
         handle.stop(grace_s=0)
     assert done.returncode == 0, done.stderr
