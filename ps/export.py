@@ -39,7 +39,7 @@ from ps.sparse_checkpoint import chain_names
 from ps.sparse_export import checkpoint_tables, export_files
 from rpcps.model_file import save_state_dict
 from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
-from rpcps.sparse.export_files import DEFAULT_PART_ROWS, MANIFEST, check_out, directory_format, write_export
+from rpcps.sparse.export_files import DEFAULT_PART_ROWS, MANIFEST, PartFile, check_out, directory_format, write_export
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +156,10 @@ def export_checkpoint(
     return ExportResult(Path(out), size, exported.versions, exported.snapshots, len(exported.state_dict), rows)
 
 
-def _counting_rows(files: Iterator[tuple[str, bytes]], rows: dict[str, int]) -> Iterator[tuple[str, bytes]]:
+def _counting_rows(files: Iterator[tuple[str, bytes | PartFile]], rows: dict[str, int]) -> Iterator[tuple[str, bytes | PartFile]]:
     """Passes the files on; reads the row count of each table from the manifest (the last file)."""
     for name, data in files:
-        if name == MANIFEST:
+        if name == MANIFEST and isinstance(data, bytes):
             rows.update({table: entry["rows"] for table, entry in json.loads(data)["tables"].items()})
         yield name, data
 

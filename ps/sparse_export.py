@@ -45,7 +45,7 @@ from ps.sparse.checkpoint import (
 )
 from ps.sparse.table import Chain, ClosedFull
 from ps.sparse_checkpoint import as_chains, chain_names, read_chain
-from rpcps.sparse.export_files import TableParts, dense_file, manifest_bytes
+from rpcps.sparse.export_files import PartFile, TableParts, dense_file, manifest_bytes
 from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
 
 SLICE_ROWS = 1 << 18
@@ -55,7 +55,9 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 Slices = Iterator[tuple[torch.Tensor, torch.Tensor]]
-"""(ids int64 [n], rows float32 [n, width]) slices of one table; ids unique across the slices."""
+"""(ids int64 [n], rows float32 [n, width]) slices of one table; ids unique across the slices. A
+slice may be a view of a memory-mapped file that is released when the next one is asked for: copy
+what is kept before that."""
 
 
 @dataclass
@@ -107,7 +109,8 @@ def chain_slices(chain: Chain, keep: list[tuple[int, int]], slice_rows: int = SL
     for lo in range(0, len(records), slice_rows):
         ids, rows = records.ids[lo : lo + slice_rows], records.rows[lo : lo + slice_rows]
         mask = kept(ids)
-        yield ids[mask], rows[mask]  # boolean indexing copies: the mapped pages can go
+        # The consumer copies what it keeps before asking for the next slice; then the pages can go.
+        yield (ids, rows) if bool(mask.all()) else (ids[mask], rows[mask])
         if mapped:
             release_pages(ids)
             release_pages(rows)
@@ -157,10 +160,11 @@ def export_files(
     info: dict[str, Any],
     part_rows: int,
     with_state: bool = False,
-) -> Iterator[tuple[str, bytes]]:
-    """The export directory's files as ``(relative path, bytes)``, one part at a time, the manifest
-    last (rpcps.sparse.export_files.write_export takes them). ``info``: what the manifest says of
-    the source (versions, snapshots)."""
+) -> Iterator[tuple[str, bytes | PartFile]]:
+    """The export directory's files as ``(relative path, bytes or PartFile)``, one part at a time,
+    the manifest last (rpcps.sparse.export_files.write_export takes them). Each PartFile must be
+    written or serialised before the next file is asked for: it fills its manifest entry then, and
+    the next part reuses its buffers. ``info``: what the manifest says of the source."""
     name, data = dense_file(dense, fmt)
     yield name, data
     del data
@@ -171,9 +175,9 @@ def export_files(
         for source in sources:
             for ids, rows in source.slices:
                 for part in parts.add(ids, rows):
-                    yield part.path, part.data
+                    yield part.path, part
         for part in parts.finish():
-            yield part.path, part.data
+            yield part.path, part
         entries[table] = {**table_entry(meta), "rows": parts.rows, "with_state": with_state, "parts": parts.parts}
     yield "export.json", manifest_bytes({**info, "file_format": fmt, "dense": name, "tables": entries})
 

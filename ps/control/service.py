@@ -33,7 +33,7 @@ from ps.control.hooks import CheckpointHook, ReplicaState
 from ps.sparse_export import export_files, live_tables
 from rpcps.errors import NotPrimary
 from rpcps.model_file import to_bytes
-from rpcps.sparse.export_files import DEFAULT_PART_ROWS, SUFFIX
+from rpcps.sparse.export_files import DEFAULT_PART_ROWS, SUFFIX, PartFile
 
 if TYPE_CHECKING:
     import torch
@@ -342,9 +342,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return _file_pieces(version, files)
 
 
-def _file_pieces(version: int, files: Iterator[tuple[str, bytes]]) -> Iterator[control_pb2.ExportModelChunk]:
+def _file_pieces(version: int, files: Iterator[tuple[str, bytes | PartFile]]) -> Iterator[control_pb2.ExportModelChunk]:
     first = True
-    for path, data in files:
+    for path, content in files:
+        data = content.data() if isinstance(content, PartFile) else content
         for i in range(0, max(len(data), 1), EXPORT_PIECE_BYTES):
             head = {"path": path, "total_bytes": len(data), **({"model_version": version} if first else {})} if i == 0 else {}
             yield control_pb2.ExportModelChunk(data=data[i : i + EXPORT_PIECE_BYTES], **head)

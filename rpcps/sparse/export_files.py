@@ -34,9 +34,8 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rpcps.model_file import fsync_dir, load_state_dict, resolve_format, to_bytes
 
@@ -83,20 +82,63 @@ def check_out(out: str | Path) -> Path:
     return out
 
 
-@dataclass(frozen=True)
-class TablePart:
-    """One part file of a table: (relative path, bytes), and its row count."""
+class PartFile:
+    """One part file of a table, serialised only as it is written: ``write`` puts the tensors
+    straight into the file (no copy of them in memory), ``data`` gives its bytes (for a stream).
+    Either fills the part's manifest entry (``bytes``, ``sha256``). Its tensors are the collecting
+    buffers, valid until the next part is asked for: write or serialise it before that."""
 
-    path: str
-    data: bytes
-    rows: int
+    def __init__(self, path: str, tensors: dict[str, torch.Tensor], fmt: str, entry: dict[str, Any]) -> None:
+        self.path, self.tensors, self.fmt, self.entry = path, tensors, fmt, entry
+
+    def write(self, file: Path) -> int:
+        """Writes the file (fsynced); returns its size."""
+        import torch
+
+        if self.fmt == "torch":
+            torch.save(self.tensors, str(file))  # torch's own writer: records straight from the tensors
+            with open(file, "rb+") as f:
+                os.fsync(f.fileno())
+        else:
+            with open(file, "wb") as f:
+                _write_safetensors(f, self.tensors)
+                f.flush()
+                os.fsync(f.fileno())
+        with open(file, "rb") as f:  # hashed from the page cache the write just filled
+            self.entry.update(bytes=os.fstat(f.fileno()).st_size, sha256=hashlib.file_digest(f, "sha256").hexdigest())
+        return int(self.entry["bytes"])
+
+    def data(self) -> bytes:
+        data = to_bytes(self.tensors, self.fmt)
+        self.entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        return data
+
+
+def _write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor]) -> None:
+    """The safetensors format (an 8-byte header length, a JSON header, then the raw little-endian
+    bytes) written from the tensors' memory, in order; ``safetensors.torch.load_file`` reads it."""
+    import torch
+
+    names = {torch.int64: "I64", torch.float32: "F32"}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
+    f.write(len(text).to_bytes(8, "little") + text)
+    for t in tensors.values():
+        f.write(t.contiguous().numpy().data)
 
 
 class TableParts:
     """Collects a table's rows, slice by slice, into part files of ``part_rows`` rows.
 
-    ``add`` takes rows ``[n, width]`` (embedding, then optimizer state) and returns the parts that
-    filled; ``finish`` the last one. At most one part's rows are held at a time.
+    ``add`` takes rows ``[n, width]`` (embedding, then optimizer state) and gives the parts that
+    filled; ``finish`` the last one. One part's rows are held at a time (in buffers of exactly that
+    many rows, which the parts' tensors are: see PartFile).
     """
 
     def __init__(self, name: str, dim: int, width: int, fmt: str, part_rows: int = DEFAULT_PART_ROWS,
@@ -105,41 +147,43 @@ class TableParts:
 
         if part_rows < 1:
             raise ValueError(f"part_rows must be >= 1, got {part_rows}")
-        self.name, self.dim, self.fmt, self.part_rows = name, dim, fmt, part_rows
-        self.columns = width if with_state else dim
+        self.name, self.dim, self.width, self.fmt, self.part_rows = name, dim, width, fmt, part_rows
         self.rows = 0
         self.parts: list[dict[str, Any]] = []
-        self._ids = torch.empty(part_rows, dtype=torch.int64)
-        self._rows = torch.empty(part_rows, self.columns, dtype=torch.float32)
+        self._buffers = {"ids": torch.empty(part_rows, dtype=torch.int64), "weight": torch.empty(part_rows, dim)}
+        if with_state and width > dim:
+            self._buffers["state"] = torch.empty(part_rows, width - dim)
         self._filled = 0
 
-    def add(self, ids: torch.Tensor, rows: torch.Tensor) -> Iterator[TablePart]:
+    def add(self, ids: torch.Tensor, rows: torch.Tensor) -> Iterator[PartFile]:
         done = 0
         while done < ids.numel():
             take = min(ids.numel() - done, self.part_rows - self._filled)
-            self._ids[self._filled : self._filled + take] = ids[done : done + take]
-            self._rows[self._filled : self._filled + take] = rows[done : done + take, : self.columns]
+            at, src = slice(self._filled, self._filled + take), slice(done, done + take)
+            self._buffers["ids"][at] = ids[src]
+            self._buffers["weight"][at] = rows[src, : self.dim]
+            if "state" in self._buffers:
+                self._buffers["state"][at] = rows[src, self.dim :]
             self._filled += take
             done += take
             if self._filled == self.part_rows:
                 yield self._flush()
 
-    def finish(self) -> Iterator[TablePart]:
+    def finish(self) -> Iterator[PartFile]:
         """The last, partly filled part (none when the table ended on a part boundary, unless it is empty)."""
         if self._filled or not self.parts:
             yield self._flush()
 
-    def _flush(self) -> TablePart:
+    def _flush(self) -> PartFile:
         n = self._filled
-        tensors = {"ids": self._ids[:n], "weight": self._rows[:n, : self.dim]}
-        if self.columns > self.dim:
-            tensors["state"] = self._rows[:n, self.dim :]
-        data = to_bytes(tensors, self.fmt)
-        path = part_name(self.name, len(self.parts), self.fmt)
-        self.parts.append({"file": path, "rows": n, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        # A full part is the buffers themselves; a short one (the last) is copied: a view would
+        # carry the whole buffer into torch.save.
+        tensors = {k: b if n == self.part_rows else b[:n].clone() for k, b in self._buffers.items()}
+        entry = {"file": part_name(self.name, len(self.parts), self.fmt), "rows": n}
+        self.parts.append(entry)
         self.rows += n
         self._filled = 0
-        return TablePart(path, data, n)
+        return PartFile(entry["file"], tensors, self.fmt, entry)
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
@@ -150,8 +194,9 @@ def dense_file(state: dict[str, torch.Tensor], fmt: str) -> tuple[str, bytes]:
     return dense_name(fmt), to_bytes(state, fmt)
 
 
-def write_export(files: Iterable[tuple[str, bytes]], out: str | Path) -> int:
-    """Writes ``(relative path, bytes)`` pairs as the directory ``out``, atomically (module docstring).
+def write_export(files: Iterable[tuple[str, bytes | PartFile]], out: str | Path) -> int:
+    """Writes ``(relative path, bytes or PartFile)`` pairs as the directory ``out``, atomically
+    (module docstring), each before asking for the next.
 
     The last pair must be the manifest (``export.json``). Returns the bytes written.
     Raises ExportFormatError (``out`` holds something else; no manifest last) and OSError.
@@ -163,8 +208,11 @@ def write_export(files: Iterable[tuple[str, bytes]], out: str | Path) -> int:
     try:
         (tmp / TABLES_DIR).mkdir(parents=True)
         for relative, data in files:
-            _write_synced(tmp / relative, data)
-            total += len(data)
+            if isinstance(data, PartFile):
+                total += data.write(tmp / relative)
+            else:
+                _write_synced(tmp / relative, data)
+                total += len(data)
             last = relative
         if last != MANIFEST:
             raise ExportFormatError(f"an export ends with its {MANIFEST}; the files ended with {last or 'nothing'}")
