@@ -94,9 +94,17 @@ class PartFile:
     def write(self, file: Path) -> int:
         """Writes the file (fsynced); returns its size."""
         import torch
+        from torch.utils.serialization.config import save as save_config
 
         if self.fmt == "torch":
-            torch.save(self.tensors, str(file))  # torch's own writer: records straight from the tensors
+            # torch's own writer, records straight from the tensors, without the zip CRC-32 (a third
+            # of the time; torch.load does not check it, and the manifest's SHA-256 covers the file).
+            # The switch is process-wide: no other thread of an export saves meanwhile.
+            crc, save_config.compute_crc32 = save_config.compute_crc32, False
+            try:
+                torch.save(self.tensors, str(file))
+            finally:
+                save_config.compute_crc32 = crc
             with open(file, "rb+") as f:
                 os.fsync(f.fileno())
         else:

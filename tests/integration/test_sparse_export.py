@@ -22,6 +22,7 @@ from harness.procs import ENTRY, REPO, ProcessGroup, child_env
 from harness.sparse_eval import model_from_snapshot
 from ps.config import ControlConfig, SparseConfig
 from ps.control.service import start_control_server
+from ps.snapshot_files import list_snapshots, peek_manifest
 from ps.sparse_checkpoint import read_layouts
 from ps.sparse_store import SparseStore
 from rpcps.sparse.export_files import load_table, read_manifest
@@ -65,6 +66,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         assert local.wait(240) == 0, local.tail()
     finally:
         group.reap()
+    kinds = [peek_manifest(list_snapshots(root / "ckpt" / f"shard-{k}-of-3")[0])["sparse"]["kind"] for k in range(3)]
+    assert "delta" in kinds, f"newest snapshots {kinds}: the export must fold a chain (full + deltas); snapshot more often"
     yield root
 
 
