@@ -4,7 +4,7 @@
    (dim ``--dim``, the default row-wise Adagrad), a full snapshot, ``--deltas`` more snapshots after
    Zipf pushes (deltas, so the export folds a chain), all with the product's commit protocol.
 2. Exports it in a fresh child process (``ps.export.export_checkpoint``, what ``rpcps export`` runs)
-   in each ``--format``, and reports: the export's own time and MB/s (bytes written / time), the
+   in each ``--format`` (``--repeats`` times, interleaved), and reports: the export's own time and MB/s (bytes written / time), the
    child's peak RSS (VmHWM) against the table's bytes (ids + embeddings: what the export holds),
    and the child's RSS before the export began (interpreter and torch).
 3. Optionally (``--serve``) loads the export with ``rpcps.sparse.serving.load_rows`` and looks up
@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--deltas", type=int, default=2, help="delta snapshots after the full (the export folds the chain)")
     p.add_argument("--format", action="append", choices=["torch", "safetensors"], help="repeatable; default both")
+    p.add_argument("--repeats", type=int, default=2, help="exports per format, interleaved (take the best: the box is shared)")
     p.add_argument("--serve", action="store_true", help="also load the export for serving and time lookups")
     args = p.parse_args()
     run_in_scratch(args.dir, lambda: run(args))
@@ -105,9 +106,11 @@ def run(args: argparse.Namespace) -> None:
     table_bytes = rows * (8 + 4 * args.dim)
     print(f"built in {time.perf_counter() - began:.0f} s; torch {torch.__version__}; table bytes (ids + embeddings) "
           f"{table_bytes / 1e6:.0f} MB; sparse.pt of the full {_full_size(args.dir / 'ckpt') / 1e6:.0f} MB", flush=True)
+    served_once: set[str] = set()
     print("| format | export s | written MB | MB/s | child RSS before MB | peak RSS MB | peak / table bytes |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for fmt in args.format or ["torch", "safetensors"]:
+    formats = args.format or ["torch", "safetensors"]
+    for fmt in [f for _ in range(args.repeats) for f in formats]:  # interleaved: a disturbance hits both
         out = args.dir / f"export-{fmt}"
         child = subprocess.run([sys.executable, "-c", _CHILD, str(args.dir / "ckpt"), str(out), fmt], env=child_env(),
                                capture_output=True, text=True, check=True)
@@ -115,7 +118,8 @@ def run(args: argparse.Namespace) -> None:
         assert sum(r["rows"].values()) == rows, r["rows"]
         print(f"| {fmt} | {r['seconds']:.2f} | {r['bytes'] / 1e6:.0f} | {r['bytes'] / r['seconds'] / 1e6:.0f} | "
               f"{r['before'] / 1e6:.0f} | {r['hwm'] / 1e6:.0f} | {r['hwm'] / table_bytes:.2f} |", flush=True)
-        if args.serve:
+        if args.serve and out.name not in served_once:
+            served_once.add(out.name)
             served = subprocess.run([sys.executable, "-c", _SERVE, str(out), TABLE, str(args.dim)], env=child_env(),
                                     capture_output=True, text=True, check=True)
             s = json.loads(served.stdout.strip().splitlines()[-1])
