@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,15 @@ def child_env(extra_pythonpath: str | None = None) -> dict[str, str]:
 
 STEADY_FROM, STEADY_TO = 0.15, 0.85
 """The steady part of a run: from the moment it had made 15 % of its final count to 85 %."""
+
+
+def run_in_scratch(directory: Path, run: Callable[[], None]) -> None:
+    """Creates ``directory`` (it must not exist yet), runs ``run``, then removes it whatever happened."""
+    directory.mkdir(parents=True, exist_ok=False)
+    try:
+        run()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def emit_json(obj: Any) -> None:

@@ -28,7 +28,6 @@ Single process; the directory is removed at the end. Peak memory is about 6x the
 from __future__ import annotations
 
 import argparse
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.common import run_in_scratch
 from bench.sparse_core import Zipf
 from harness.inprocess import InProcessServer, pack
 from ps.checkpointer import Checkpointer
@@ -133,11 +133,7 @@ def main() -> None:
     p.add_argument("--deltas", type=int, default=4)
     p.add_argument("--sparse-full-every-deltas", type=int, default=3)
     args = p.parse_args()
-    args.dir.mkdir(parents=True, exist_ok=False)
-    try:
-        run(args)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
+    run_in_scratch(args.dir, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> None:

@@ -51,11 +51,17 @@ class ExportConfig:
         None, help="what to export: a --checkpoint-dir (its newest valid snapshot), the root of a sharded one, "
         "or one step-N snapshot directory", metavar="DIR",
     )
-    out: str | None = setting(None, help="the file to write", metavar="PATH")
+    out: str | None = setting(
+        None, help="the file to write; for a model with sparse tables, the directory (the state_dict and every "
+        "table's ids and rows, docs/SPARSE.md)", metavar="PATH",
+    )
     file_format: str = setting(
-        "auto", flag="--format", help="torch (torch.load(weights_only=True)), safetensors, or auto (by --out's suffix)",
+        "auto", flag="--format", help="torch (torch.load(weights_only=True)), safetensors, or auto (by --out's suffix; "
+        "torch for a directory)",
         choices=lambda: FORMATS,
     )
+    optimizer_state: bool = setting(False, help="sparse tables: also export each row's optimizer state")
+    part_rows: int = setting(1 << 20, help="sparse tables: rows per part file (bounds the memory of writing and reading)")
     process: ProcessOptions = field(default_factory=ProcessOptions)
 
     def __post_init__(self) -> None:
@@ -65,6 +71,8 @@ class ExportConfig:
             raise ValueError("out is required: --out PATH")
         if self.file_format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}, got {self.file_format!r}")
+        if self.part_rows < 1:
+            raise ValueError(f"part_rows must be >= 1, got {self.part_rows}")
 
 
 @dataclass(kw_only=True, frozen=True)

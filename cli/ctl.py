@@ -3,6 +3,7 @@
     python trainer_entry.py ctl status|checkpoint|pause|resume|shutdown --addr HOST:PORT
         [--token-file F] [--tls-ca F] [--json] [--timeout-s S]
     python trainer_entry.py ctl export --out model.pt [--format auto|torch|safetensors] --addr HOST:PORT
+    python trainer_entry.py ctl export --out EXPORT_DIR [--optimizer-state on] --addr HOST:PORT   (sparse tables)
 
 Prints a human-readable answer (or one JSON object with ``--json``) on stdout. Any failure, be it an
 unreachable server, a refused token or a failed checkpoint, is one line on stderr and a non-zero
@@ -11,9 +12,11 @@ exit status: 1 for a failed call, 2 for bad local input (a token or CA file that
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 # gRPC's C core logs connection failures to stderr on its own; the one line this module prints says
@@ -28,6 +31,7 @@ from ps.control import control_pb2 as pb
 from ps.control.auth import bearer_metadata, read_token
 from ps.control.control_pb2_grpc import ControlStub
 from rpcps.model_file import resolve_format, write_bytes
+from rpcps.sparse.export_files import ExportFormatError, write_export
 
 ACTIONS = ("status", "checkpoint", "pause", "resume", "shutdown", "export")
 EXIT_CALL_FAILED = 1
@@ -49,12 +53,15 @@ def run(action: str, config: CtlConfig, as_json: bool = False) -> int:
         with channel:
             if action == "export":
                 assert config.out is not None
-                result = export_model(channel, metadata, config.timeout_s, config.out, config.file_format)
+                result = export_model(channel, metadata, config.timeout_s, config.out, config.file_format, config.optimizer_state)
             else:
                 result = call(action, channel, metadata, config.timeout_s)
     except OSError as e:
         print(f"{prefix}: error: cannot write {config.out}: {e}", file=sys.stderr)
         return EXIT_CALL_FAILED
+    except ExportFormatError as e:  # the server's model needs a directory --out
+        print(f"{prefix}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except grpc.RpcError as e:
         message = describe_error(addr, e.code(), e.details(), config.timeout_s, tls=config.tls_ca is not None)  # type: ignore[attr-defined]
         print(f"{prefix}: {message}", file=sys.stderr)
@@ -97,16 +104,38 @@ def call(action: str, channel: Any, metadata: tuple[tuple[str, str], ...], timeo
     raise ValueError(f"unknown action {action!r}; choose one of {list(ACTIONS)}")
 
 
-def export_model(channel: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float, out: str, fmt: str) -> dict[str, Any]:
-    """Streams the server's current model into ``out`` (written whole or not at all)."""
+def export_model(
+    channel: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float, out: str, fmt: str, optimizer_state: bool = False
+) -> dict[str, Any]:
+    """Streams the server's current model into ``out`` (written whole or not at all): one file, or
+    for a model with sparse tables a directory (rpcps/sparse/export_files.py)."""
     resolved = resolve_format(out, fmt)
-    pieces = ControlStub(channel).ExportModel(pb.ExportModelRequest(format=resolved), metadata=metadata, timeout=timeout_s)
+    request = pb.ExportModelRequest(format=resolved, optimizer_state=optimizer_state)
+    pieces = ControlStub(channel).ExportModel(request, metadata=metadata, timeout=timeout_s)
     first = next(pieces)
+    if first.path:
+        written = write_export(_export_files(first, pieces), out)
+        return {"path": out, "format": resolved, "model_version": first.model_version, "bytes": written}
     data = b"".join([first.data, *(piece.data for piece in pieces)])
     if len(data) != first.total_bytes:
         raise OSError(f"the server announced {first.total_bytes} bytes but sent {len(data)}")
     write_bytes(data, out)
     return {"path": out, "format": resolved, "model_version": first.model_version, "bytes": len(data)}
+
+
+def _export_files(first: Any, pieces: Iterator[Any]) -> Iterator[tuple[str, bytes]]:
+    """(path, bytes) of each file of a directory export, from its pieces (each file's first names it)."""
+    path, size, parts = first.path, first.total_bytes, [first.data]
+    for piece in itertools.chain(pieces, [None]):  # one file's pieces in memory at a time
+        if piece is not None and not piece.path:
+            parts.append(piece.data)
+            continue
+        data = b"".join(parts)
+        if len(data) != size:
+            raise OSError(f"the server announced {size} bytes of {path} but sent {len(data)}")
+        yield path, data
+        if piece is not None:
+            path, size, parts = piece.path, piece.total_bytes, [piece.data]
 
 
 def status_dict(r: Any) -> dict[str, Any]:

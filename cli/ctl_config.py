@@ -24,11 +24,15 @@ class CtlConfig:
     token_file: str | None = setting(None, help="file holding the token the server requires (its --control-token-file)", metavar="PATH")
     tls_ca: str | None = setting(None, help="PEM certificate that signed the server's --tls-cert; turns TLS on", metavar="PATH")
     timeout_s: float = setting(30.0, help="deadline of the call")
-    out: str | None = setting(None, help="with export: the file to write the trained model's state_dict to", metavar="PATH")
+    out: str | None = setting(
+        None, help="with export: the file to write the trained model's state_dict to; for a model with sparse tables, "
+        "the directory (the state_dict and every table's ids and rows, docs/SPARSE.md)", metavar="PATH",
+    )
     file_format: str = setting(
         "auto", flag="--format", help="with export: torch, safetensors, or auto (safetensors for a .safetensors --out)",
         choices=lambda: FORMATS,
     )
+    optimizer_state: bool = setting(False, help="with export of a model with sparse tables: also each row's optimizer state")
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

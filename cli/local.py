@@ -29,6 +29,7 @@ import torch
 from cli import ctl
 from cli.config import LocalConfig, StoreConfig
 from evaluator.config import EvaluatorRunConfig
+from evaluator.scoring import check_model_spec
 from ps.checkpointer import shard_checkpoint_config
 from ps.config import ServerRunConfig
 from rpcps import threads
@@ -453,6 +454,8 @@ def run_local(config: LocalConfig) -> int:
     # A directory of another --shards would be refused by every server, each restarted until local
     # gives up: say it once, before starting anything (ResumeRefused names what to do).
     shard_checkpoint_config(config.server.checkpoint, 0, config.server.core.shard_count)
+    if config.evaluator.eval_data is not None:
+        check_model_spec(config.evaluator.model)  # an evaluator that cannot score this model: say so before starting
     supervisor = Supervisor(config)
 
     def on_signal(*_: object) -> None:

@@ -23,7 +23,7 @@ import torch
 from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
-from evaluator.scoring import Batch, Scorer, checked, load_batches, load_scorer
+from evaluator.scoring import Batch, Scorer, check_scorable, checked, load_batches, load_scorer
 from rpcps import memory, plugins, rpc_policy, signals, transport
 from rpcps.errors import SignatureMismatch
 from rpcps.jobsecret import JobSecret
@@ -98,6 +98,7 @@ class Evaluation:
         assert config.eval_data is not None  # EvaluatorRunConfig requires it
         self.device = pick_device(config.eval_device)
         self.model = plugins.load_model(config.model).to(self.device)
+        check_scorable(self.model, config.model)
         self.batches: list[Batch] = load_batches(config.eval_data)
         self.scorer: Scorer = load_scorer(config.eval_fn, config.loss)
         self.metrics = metrics

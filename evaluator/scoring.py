@@ -10,9 +10,32 @@ import torch
 
 from rpcps import plugins
 from rpcps.model_device import model_device
+from rpcps.sparse.spec import declared_tables
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Scorer = Callable[[torch.nn.Module, list[Batch]], dict[str, float]]
+
+
+class CannotScore(ValueError):
+    """A model the sidecar evaluator cannot score (the message says what to do instead)."""
+
+
+def check_scorable(model: torch.nn.Module, spec: str) -> None:
+    """Raises CannotScore for a model with sparse tables: their rows live on the servers, and the
+    evaluator, which holds no worker slot, has no read-only way to fetch them (a pull creates rows
+    and counts towards admission). Refused at start rather than scoring garbage."""
+    tables = declared_tables(model)
+    if tables:
+        raise CannotScore(
+            f"the sidecar evaluator cannot score --model {spec} yet: it has {len(tables)} sparse tables, whose rows live "
+            "on the servers; drop --eval-data, and score a checkpoint instead: `rpcps export --checkpoint DIR --out EXPORT_DIR`, "
+            "then rpcps.sparse.serving.load_export(model, EXPORT_DIR) in any process (docs/SPARSE.md)"
+        )
+
+
+def check_model_spec(spec: str) -> None:
+    """``check_scorable`` for ``--model spec`` (``rpcps local`` asks before starting anything)."""
+    check_scorable(plugins.load_model(spec), spec)
 
 
 def load_batches(spec: str) -> list[Batch]:

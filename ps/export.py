@@ -7,6 +7,10 @@ checkpoint is exported whole: each shard's newest valid snapshot gives its param
 buffers. Parameters the model does not train (``requires_grad=False``) never reach the server and are
 not in the file: such a model loads it with ``strict=False`` and keeps those from its factory.
 
+A model with sparse tables is exported as a directory instead (rpcps/sparse/export_files.py): the
+same state_dict plus every table's ids and rows, which ``ps.sparse_export`` streams out of each
+server's chain of snapshots, and ``rpcps.sparse.serving.load_export`` reads back.
+
 Used by ``rpcps export`` (``cli.export``), the control plane's ``ExportModel`` (through
 ``ParameterServer.model_state``) and from Python::
 
@@ -19,8 +23,10 @@ Reading never changes the checkpoint directory (an invalid snapshot is skipped, 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +34,12 @@ from typing import Any
 import torch
 
 from ps.snapshot_files import MANIFEST_FILE, InvalidSnapshot, list_snapshots, load_snapshot
+from ps.sparse.checkpoint import InvalidPayload
+from ps.sparse_checkpoint import chain_names
+from ps.sparse_export import checkpoint_tables, export_files
 from rpcps.model_file import save_state_dict
 from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
+from rpcps.sparse.export_files import DEFAULT_PART_ROWS, MANIFEST, PartFile, check_out, directory_format, write_export
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,10 @@ class Exported:
     versions: tuple[int, ...]
     """The model version of each shard's snapshot (one entry when unsharded)."""
     snapshots: tuple[Path, ...]
+    manifests: tuple[dict[str, Any], ...] = ()
+    """Each snapshot's verified manifest, in shard order."""
+    sparse: bool = False
+    """The snapshots hold sparse tables (their rows are exported by ``ps.sparse_export``)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,8 @@ class ExportResult:
     versions: tuple[int, ...]
     snapshots: tuple[Path, ...]
     tensors: int
+    tables: dict[str, int] | None = None
+    """Rows exported per sparse table; None for a model without them (``path`` is then one file)."""
 
 
 def named_state(layout: FlatLayout, masters: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -102,20 +118,50 @@ def read_checkpoint(path: str | Path) -> Exported:
         {name: state[name] for name in order},
         tuple(int(m["version"]) for m in manifests),
         tuple(where for _, _, where in parts),
+        tuple(manifests),
+        any(chain_names(m) or snapshot.get("sparse") for m, snapshot, _ in parts),
     )
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "auto") -> ExportResult:
-    """Writes the model held by ``checkpoint`` (see ``read_checkpoint``) to ``out`` as a state_dict.
+def export_checkpoint(
+    checkpoint: str | Path, out: str | Path, fmt: str = "auto", with_state: bool = False, part_rows: int = DEFAULT_PART_ROWS
+) -> ExportResult:
+    """Writes the model held by ``checkpoint`` (see ``read_checkpoint``) to ``out``: a state_dict
+    file, or for a model with sparse tables a directory with the state_dict and every table's rows
+    (rpcps/sparse/export_files.py; ``with_state`` adds their optimizer state, ``part_rows`` bounds a
+    part file).
 
-    ``fmt``: ``torch``, ``safetensors`` or ``auto`` (by ``out``'s suffix). Raises ExportError,
-    ValueError (format) and OSError (writing).
+    ``fmt``: ``torch``, ``safetensors`` or ``auto`` (by ``out``'s suffix; torch for a directory).
+    Raises ExportError, ValueError (format; a file path for a sparse model) and OSError (writing).
     """
     exported = read_checkpoint(checkpoint)
-    size = save_state_dict(exported.state_dict, out, fmt)
-    logger.info("exported %d tensors from %s (version %s) to %s", len(exported.state_dict),
-                ", ".join(map(str, exported.snapshots)), "/".join(map(str, exported.versions)), out)
-    return ExportResult(Path(out), size, exported.versions, exported.snapshots, len(exported.state_dict))
+    sources = ", ".join(map(str, exported.snapshots))
+    versions = "/".join(map(str, exported.versions))
+    if not exported.sparse:
+        size = save_state_dict(exported.state_dict, out, fmt)
+        logger.info("exported %d tensors from %s (version %s) to %s", len(exported.state_dict), sources, versions, out)
+        return ExportResult(Path(out), size, exported.versions, exported.snapshots, len(exported.state_dict))
+    check_out(out)
+    try:
+        tables = checkpoint_tables(list(zip(exported.snapshots, exported.manifests)))
+    except (InvalidSnapshot, InvalidPayload) as e:
+        raise ExportError(f"{checkpoint}: its sparse tables cannot be read: {e}") from None
+    info = {"model_versions": list(exported.versions), "source": [str(p) for p in exported.snapshots]}
+    resolved = directory_format(fmt)
+    files = export_files(exported.state_dict, tables, resolved, info, part_rows, with_state)
+    rows: dict[str, int] = {}
+    size = write_export(_counting_rows(files, rows), out)
+    logger.info("exported %d tensors and %d sparse tables (%d rows) from %s (version %s) to %s",
+                len(exported.state_dict), len(rows), sum(rows.values()), sources, versions, out)
+    return ExportResult(Path(out), size, exported.versions, exported.snapshots, len(exported.state_dict), rows)
+
+
+def _counting_rows(files: Iterator[tuple[str, bytes | PartFile]], rows: dict[str, int]) -> Iterator[tuple[str, bytes | PartFile]]:
+    """Passes the files on; reads the row count of each table from the manifest (the last file)."""
+    for name, data in files:
+        if name == MANIFEST and isinstance(data, bytes):
+            rows.update({table: entry["rows"] for table, entry in json.loads(data)["tables"].items()})
+        yield name, data
 
 
 def _candidates(root: Path) -> list[list[Path]]:

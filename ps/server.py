@@ -42,6 +42,7 @@ from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer, load_state
 from ps.pull_copies import PullCopies
 from ps.replication.log import ReplicationLog, Sequenced
+from ps.sparse.table import ClosedFull
 from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
 from rpcps.errors import NotPrimary
@@ -406,6 +407,28 @@ class ParameterServer:
         with self.lock:
             version, masters, buffers = self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
         return version, named_state(self.layout, masters, buffers)
+
+    def model_export(self) -> tuple[int, dict[str, torch.Tensor], dict[str, list[ClosedFull]]]:
+        """``model_state`` and, at the same version, a full capture of every sparse table, closed and
+        ready to stream (``ps.sparse_export.live_tables``). The tables are copied in slices under each
+        table's own lock first; the closing step under the server's lock copies the rows changed
+        since the last delta snapshot (docs/SPARSE.md, "Export and serving")."""
+        store = self.sparse
+        captures = {} if store is None else {
+            name: [table.begin_full(lo, hi) for lo, hi in store.ranges] for name, table in store.tables.items()
+        }
+        try:
+            for parts in captures.values():
+                for capture in parts:
+                    capture.copy_slices()
+            with self.lock:
+                version, masters, buffers = self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
+                closed = {name: [capture.close() for capture in parts] for name, parts in captures.items()}
+        finally:
+            for parts in captures.values():
+                for capture in parts:
+                    capture.abort()  # a no-op for the closed ones
+        return version, named_state(self.layout, masters, buffers), closed
 
     def master_tensors(self) -> dict[str, torch.Tensor]:
         """Named copies of the current parameters (for evaluation and tests)."""

@@ -37,6 +37,8 @@ from typing import IO, Any
 
 import torch
 
+from rpcps.model_file import fsync_dir
+
 FORMAT = "rpcps-snapshot-v1"
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -251,11 +253,14 @@ def load_snapshot(path: Path, verify: Signer | None = None) -> tuple[dict[str, A
     return manifest, load_file(path / STATE_FILE)
 
 
-def load_file(path: Path) -> Any:
+def load_file(path: Path, mmap: bool = False) -> Any:
     """One file of a snapshot, loaded with ``weights_only=True`` (no code runs); raises InvalidSnapshot.
-    Check it against its manifest first (``read_manifest``)."""
+    Check it against its manifest first (``read_manifest``). ``mmap``: its tensors are mapped from the
+    file, read-only, instead of read into memory (pages load as they are touched)."""
     try:
         with open_regular(path) as f:
+            if mmap:  # torch maps by path; open_regular has checked it is a regular file, not a link
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             return torch.load(f, map_location="cpu", weights_only=True)
     except InvalidSnapshot:
         raise
@@ -290,9 +295,3 @@ def _sha256(source: Path | IO[bytes]) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

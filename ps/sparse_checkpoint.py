@@ -218,8 +218,9 @@ def chain_names(manifest: dict[str, Any]) -> list[str]:
     return chain
 
 
-def read_chain(snapshot: Path, manifest: dict[str, Any], verify: Signer | None = None) -> TableChains:
-    """The sparse tables of a verified snapshot: its own ``sparse.pt`` and every link before it.
+def read_chain(snapshot: Path, manifest: dict[str, Any], verify: Signer | None = None, mmap: bool = False) -> TableChains:
+    """The sparse tables of a verified snapshot: its own ``sparse.pt`` and every link before it
+    (``mmap``: their tensors mapped from the files, read-only; ``snapshot_files.load_file``).
 
     Raises:
         BrokenChain: a link is missing, fails its checksum, belongs to another chain, or its payloads
@@ -238,7 +239,7 @@ def read_chain(snapshot: Path, manifest: dict[str, Any], verify: Signer | None =
                 theirs = read_manifest(link, verify)
                 if chain_names(theirs) != names[: i + 1] or theirs[MANIFEST_KEY].get("chain_id") != chain_id:
                     raise InvalidSnapshot(f"it belongs to another chain ({theirs[MANIFEST_KEY]})")
-            files.append(_load_sparse_file(link))
+            files.append(_load_sparse_file(link, mmap))
         except InvalidSnapshot as e:
             raise BrokenChain(snapshot, link, str(e)) from None
     try:
@@ -285,8 +286,8 @@ def _newest_chains(directory: Path, verify: Signer | None) -> TableChains:
     raise InvalidSnapshot(f"no usable snapshot of sparse tables in {directory}: {'; '.join(problems) or 'none written'}")
 
 
-def _load_sparse_file(link: Path) -> dict[str, Any]:
-    data = load_file(link / SPARSE_FILE)
+def _load_sparse_file(link: Path, mmap: bool = False) -> dict[str, Any]:
+    data = load_file(link / SPARSE_FILE, mmap)
     if not isinstance(data, dict) or data.get("kind") not in ("full", "delta") or not isinstance(data.get("tables"), dict):
         raise InvalidSnapshot(f"{link / SPARSE_FILE} is not a sparse checkpoint file")
     return data

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rpcps.model_device import model_device
 from rpcps.sparse.hashing import derive_key, keyed_hash, standard_normal
 from rpcps.sparse.spec import TableSpec
 from worker.sparse_embedding import SparseEmbeddingBagCollection
@@ -196,12 +197,14 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def evaluate(model: nn.Module, batches: list[tuple[CtrBatch, torch.Tensor]]) -> dict[str, float]:
-    """AUC and log loss of ``model`` (its sparse modules attached to a row source) on ``batches``."""
+    """AUC and log loss of ``model`` (its sparse modules attached to a row source) on ``batches``,
+    computed where the model is (batches are moved there); the model's mode is restored."""
+    device, was_training = model_device(model), model.training
     model.eval()
     with torch.no_grad():
-        scores = torch.cat([model(x) for x, _ in batches])
+        scores = torch.cat([model(x.to(device)).cpu() for x, _ in batches])
     labels = torch.cat([y for _, y in batches])
-    model.train()
+    model.train(was_training)
     return {"auc": auc(scores, labels), "logloss": float(F.binary_cross_entropy_with_logits(scores, labels))}
 
 

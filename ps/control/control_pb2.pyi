@@ -151,17 +151,23 @@ class ShutdownResponse(_message.Message):
     def __init__(self, changed: _Optional[bool] = ...) -> None: ...
 
 class ExportModelRequest(_message.Message):
-    __slots__ = ("format",)
+    __slots__ = ("format", "optimizer_state", "part_rows")
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    PART_ROWS_FIELD_NUMBER: _ClassVar[int]
     format: str
-    def __init__(self, format: _Optional[str] = ...) -> None: ...
+    optimizer_state: bool
+    part_rows: int
+    def __init__(self, format: _Optional[str] = ..., optimizer_state: _Optional[bool] = ..., part_rows: _Optional[int] = ...) -> None: ...
 
 class ExportModelChunk(_message.Message):
-    __slots__ = ("data", "model_version", "total_bytes")
+    __slots__ = ("data", "model_version", "total_bytes", "path")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     model_version: int
     total_bytes: int
-    def __init__(self, data: _Optional[bytes] = ..., model_version: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    path: str
+    def __init__(self, data: _Optional[bytes] = ..., model_version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...

@@ -113,6 +113,8 @@ class ControlServicer:
         file's size. The client writes the file. FAILED_PRECONDITION on one shard of several (it holds
         only part of the model: `rpcps export --checkpoint` exports a sharded checkpoint whole);
         INVALID_ARGUMENT for an unknown format or one whose package the server lacks.
+        A model with sparse tables is exported as a directory (rpcps/sparse/export_files.py): its files
+        follow one another, each starting with a piece that carries its path and size, export.json last.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -30,14 +30,18 @@ from ps.config import ControlConfig
 from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
 from ps.control.hooks import CheckpointHook, ReplicaState
+from ps.sparse_export import export_files, live_tables
 from rpcps.errors import NotPrimary
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.model_file import to_bytes
+from rpcps.sparse.export_files import DEFAULT_PART_ROWS, SUFFIX, PartFile
 
 if TYPE_CHECKING:
     import torch
 
     from ps.server import ServerStatus
+    from ps.sparse.table import ClosedFull
+    from ps.sparse_store import SparseStore
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,11 @@ class Steerable(Protocol):
     def status(self) -> ServerStatus: ...
 
     def model_state(self) -> tuple[int, dict[str, torch.Tensor]]: ...
+
+    def model_export(self) -> tuple[int, dict[str, torch.Tensor], dict[str, list[ClosedFull]]]: ...
+
+    @property
+    def sparse(self) -> SparseStore | None: ...
 
 
 class ControlMetrics:
@@ -307,6 +316,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 "`rpcps ctl checkpoint` every shard, then `rpcps export --checkpoint ROOT` exports it whole",
             )
         fmt = request.format or "torch"
+        if self.server.sparse is not None:
+            return self._export_directory(fmt, request)
         version, state = self.server.model_state()
         try:
             # Serialised before the first piece is sent, so a failure is a clean status, not half a file.
@@ -317,6 +328,29 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         pieces = [data[i : i + EXPORT_PIECE_BYTES] for i in range(0, len(data), EXPORT_PIECE_BYTES)] or [b""]
         first = control_pb2.ExportModelChunk(data=pieces[0], model_version=version, total_bytes=len(data))
         return iter([first, *(control_pb2.ExportModelChunk(data=piece) for piece in pieces[1:])])
+
+    def _export_directory(self, fmt: str, request: control_pb2.ExportModelRequest) -> Iterator[control_pb2.ExportModelChunk]:
+        """A model with sparse tables: the export directory's files, one after another, built while
+        they are sent (one part file in memory at a time, beside the tables' closed capture)."""
+        if fmt not in SUFFIX:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"format must be torch or safetensors, got {fmt!r}")
+        if request.part_rows < 0:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"part_rows must be >= 0, got {request.part_rows}")
+        version, state, closed = self.server.model_export()
+        logger.info("exporting the model of version %d with %d sparse tables (%s) on request", version, len(closed), fmt)
+        files = export_files(state, live_tables(closed), fmt, {"model_versions": [version], "source": ["live server"]},
+                             request.part_rows or DEFAULT_PART_ROWS, request.optimizer_state)
+        return _file_pieces(version, files)
+
+
+def _file_pieces(version: int, files: Iterator[tuple[str, bytes | PartFile]]) -> Iterator[control_pb2.ExportModelChunk]:
+    first = True
+    for path, content in files:
+        data = content.data() if isinstance(content, PartFile) else content
+        for i in range(0, max(len(data), 1), EXPORT_PIECE_BYTES):
+            head = {"path": path, "total_bytes": len(data), **({"model_version": version} if first else {})} if i == 0 else {}
+            yield control_pb2.ExportModelChunk(data=data[i : i + EXPORT_PIECE_BYTES], **head)
+            first = False
 
 
 class ControlServer:

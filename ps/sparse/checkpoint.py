@@ -115,7 +115,7 @@ def keep_buckets(
     records: RowRecords, table_id: int, num_buckets: int, ranges: list[tuple[int, int]]
 ) -> RowRecords:
     """The records whose bucket falls in ``ranges`` (no hashing when they cover every bucket)."""
-    if _covers_all(ranges, num_buckets):
+    if covers_all(ranges, num_buckets):
         return records
     return records.select(in_ranges(bucket_of(records.ids, table_id, num_buckets), ranges))
 
@@ -160,7 +160,7 @@ def compact(full: dict[str, Any], deltas: list[dict[str, Any]]) -> dict[str, Any
     """
     check_chain(full, deltas)
     meta = full["meta"]
-    table_id, num_buckets, ranges = int(meta["table_id"]), int(meta["num_buckets"]), _ranges(meta)
+    table_id, num_buckets, ranges = int(meta["table_id"]), int(meta["num_buckets"]), payload_ranges(meta)
     records = payload_records(full)
     for delta in deltas:
         upserts = keep_buckets(payload_records(delta), table_id, num_buckets, ranges)
@@ -184,11 +184,13 @@ def _check_meta(payload: dict[str, Any], kind: str) -> dict[str, Any]:
     return meta
 
 
-def _ranges(meta: dict[str, Any]) -> list[tuple[int, int]]:
+def payload_ranges(meta: dict[str, Any]) -> list[tuple[int, int]]:
+    """The bucket ranges a payload may hold rows of."""
     return [(int(lo), int(hi)) for lo, hi in meta["bucket_ranges"]]
 
 
-def _covers_all(ranges: list[tuple[int, int]], num_buckets: int) -> bool:
+def covers_all(ranges: list[tuple[int, int]], num_buckets: int) -> bool:
+    """True when the ranges cover every bucket (no filtering needed)."""
     edge = 0
     for lo, hi in sorted(ranges):
         if lo > edge:

@@ -70,10 +70,10 @@ from ps.sparse.eviction import SAMPLE_ROWS, EvictionConfig, EvictionPlan
 from ps.sparse.index import IdIndex, IndexConfig, check_ids
 from ps.sparse.pull_memo import PullMemo
 from ps.sparse.row_image import RowImage
-from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_optim import ROW_OPTIMIZERS, RowOptimizer
 from ps.sparse.slab import LIVE, RowSlab
 from rpcps.sparse.hashing import derive_key
+from rpcps.sparse.row_init import RowInitConfig, initial_rows
 from rpcps.sparse.sharding import DEFAULT_BUCKETS
 
 logger = logging.getLogger(__name__)

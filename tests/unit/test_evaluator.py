@@ -17,7 +17,7 @@ from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
 from evaluator.runner import BestModel
-from evaluator.scoring import checked, loss_and_accuracy
+from evaluator.scoring import CannotScore, check_scorable, checked, loss_and_accuracy
 from harness.inprocess import InProcessServer, pack
 from ps.config import OptimizerConfig, ServerCoreConfig
 from rpcps import endpoints
@@ -26,6 +26,7 @@ from rpcps.errors import SignatureMismatch
 from rpcps.messages import ErrorReply
 from rpcps.model_file import load_state_dict
 from rpcps.settings import declared, to_argv
+from tests.unit.test_sparse_server import TinyModel
 
 
 def bn_model(seed: int = 0) -> nn.Module:
@@ -178,3 +179,9 @@ def test_local_starts_the_evaluator_with_a_command_line_that_reproduces_its_conf
     child = EvaluatorRunConfig(ps=Address("127.0.0.1", 4000), metrics_port=0, evaluator=config.evaluator)
     assert parse(["evaluate", *to_argv(child, declared(EvaluatorRunConfig))])[1] == child
     assert parse(["local", "--model", "m:f"])[1].evaluator.eval_data is None  # no --eval-data: no evaluator
+
+
+def test_a_model_with_sparse_tables_is_refused_with_what_to_do_instead() -> None:
+    check_scorable(nn.Linear(2, 1), "m:linear")  # a dense model is scorable
+    with pytest.raises(CannotScore, match=r"cannot score --model m:tiny yet: it has 2 sparse tables.*load_export"):
+        check_scorable(TinyModel(), "m:tiny")

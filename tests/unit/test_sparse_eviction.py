@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ps.sparse.eviction import EvictionConfig, EvictionPlan
-from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_optim import SGD
 from ps.sparse.table import SparseTable, TableConfig
+from rpcps.sparse.row_init import RowInitConfig, initial_rows
 
 
 def _table(eviction: EvictionConfig, time_fn: Callable[[], float] = time.time, **kwargs: object) -> SparseTable:

@@ -1,14 +1,14 @@
-"""ps.sparse.row_init: a new row's value depends on (seed, table id, id) only."""
+"""rpcps.sparse.row_init: a new row's value depends on (seed, table id, id) only."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ps.sparse.row_init import _CHUNK_ROWS, _INIT_SALT, RowInitConfig, initial_rows
 from ps.sparse.row_optim import SGD
 from ps.sparse.table import SparseTable, TableConfig
 from rpcps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream_at, uniform01
+from rpcps.sparse.row_init import _CHUNK_ROWS, _INIT_SALT, RowInitConfig, initial_rows
 
 _IDS = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 987654321987, 42], dtype=torch.int64)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.sparse.row_init import RowInitConfig, initial_rows
+from rpcps.sparse.row_init import RowInitConfig, initial_rows
 from rpcps.sparse.sharding import BucketManifest, BucketRange, bucket_of, in_ranges
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from ps.sparse.row_init import RowInitConfig, initial_rows
 from ps.sparse.row_optim import SGD, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
+from rpcps.sparse.row_init import RowInitConfig, initial_rows
 
 
 def _table(**overrides: Any) -> SparseTable:
