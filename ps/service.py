@@ -142,6 +142,7 @@ class WorkerService:
         loss: float | None = None,
         have_version: int | None = None,
         sparse: Any = None,
+        absent: Any = 0,
     ) -> Future:
         """Admits one push and hands it to the mode; the future gives its PushReply (or raises).
 
@@ -149,9 +150,10 @@ class WorkerService:
         ``pull(slot, incarnation, have_version)`` gives then): one call per step instead of a push
         and a pull, the per-call cost that dominates small models. ``sparse`` is the push's sparse
         part (``rpcps.sparse.spec``): checked with the dense part and applied in the same update, so
-        the (slot, step) deduplication covers both.
+        the (slot, step) deduplication covers both. ``absent`` is the push's presence mask: the
+        parameters that got no gradient, which the update leaves as they are (``ps.presence``).
         """
-        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
+        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse, absent)
         if have_version is None:
             return answered
         if answered.done():  # applied already (async modes): no callback and second future needed
@@ -167,7 +169,8 @@ class WorkerService:
             return reply
 
     def _submit(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None, sparse: Any
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None, sparse: Any,
+        absent: Any = 0,
     ) -> Future:
         self._check_serving()
         started = time.perf_counter()
@@ -179,7 +182,7 @@ class WorkerService:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
             chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
-                grads = self.admission.check(slot, seq, chunks)
+                grads = self.admission.check(slot, seq, chunks, absent)
                 if buffers is not None and not isinstance(grads, SkipNonfinite):
                     buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
                 checked = self._check_sparse(slot, seq, sparse)
@@ -189,18 +192,19 @@ class WorkerService:
                 if isinstance(skip, SkipNonfinite):
                     return self._skipped(record, seq, skip.where)
             assert not isinstance(checked, SkipNonfinite)
-            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers, checked)
+            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers, checked, absent)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
 
     def push(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None,
+        absent: int = 0,
     ) -> PushReply:
         """``submit`` waited for (in-process callers; in 'sync' mode it blocks until the round closes).
 
         Raises the error an RPC caller would get as an ``ErrorReply``."""
-        reply = self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse).wait()
+        reply = self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse, absent=absent).wait()
         if isinstance(reply, ErrorReply):
             raise ERROR_TYPES.get(reply.kind, RpcpsError)(reply.message)
         return reply

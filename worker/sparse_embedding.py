@@ -101,13 +101,11 @@ class SparseEmbeddingBagCollection(nn.Module):
 
     def take_grads(self) -> SparsePush:
         """``{table: (unique ids, fp32 grads summed per id)}`` of the last training forward, after
-        its backward; clears them. Ids whose gradient is all zeros are kept (the server counts them)."""
+        its backward; clears them. Ids whose gradient is all zeros are kept (the server counts them);
+        a table whose rows got no gradient at all (its output did not reach the loss) is left out, so
+        its rows do not move (no gradient, no move: ``ps.presence``)."""
         pending, self._pending = self._pending, {}
-        grads: SparsePush = {}
-        for name, (ids, weight) in pending.items():
-            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-            grads[name] = (ids, grad.detach())
-        return grads
+        return {name: (ids, weight.grad.detach()) for name, (ids, weight) in pending.items() if weight.grad is not None}
 
 
     def take_lookup_counts(self) -> tuple[int, int]:

@@ -132,6 +132,8 @@ class _InFlight:
     """What goes on the wire: the buffers themselves, or their top-k (indices, values)."""
     sparse: SparsePush | None = None
     """This shard's sparse rows of the step (models with sparse tables only)."""
+    absent: int = 0
+    """The presence mask: bit i set when this shard's parameter i got no gradient (``ps.presence``)."""
     future: Any = None
     sent: float = 0.0
     attempts: int = 1
@@ -409,13 +411,18 @@ class Trainer:
             if buffers is None:
                 comm += self._wait_for_free_slot(link)
                 buffers = link.free.pop()
-                link.stager.stage(buffers)
+                absent = link.stager.stage(buffers)
                 link.stager.wait()
+            else:
+                absent = link.stager.absent_bound(buffers)
+            if link.topk is not None:
+                # Error feedback carries earlier steps' gradient of every parameter: none is absent.
+                absent = 0
             payload = link.topk.compress(buffers) if link.topk is not None else buffers
             if link.index == 0 and self.model_buffers:  # shard 0 holds the model's buffers
                 payload = [*payload, *self.model_buffers.for_push()]
             part = None if sparse is None else sparse[link.index]
-            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload, sparse=part))
+            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload, sparse=part, absent=absent))
         if self.mode == Mode.SYNC:
             comm += self._drain_timed()
         if count and started is not None:
@@ -653,6 +660,7 @@ class Trainer:
             self.slot, link.registration.incarnation, item.seq, item.base_version, item.payload or item.buffers, item.loss,
             link.version if self._wants_params(item.seq) else None,
             item.sparse,
+            item.absent,
         )
 
     def _wait_for_free_slot(self, link: ShardLink) -> float:
