@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -143,7 +144,12 @@ class Supervisor:
                 transport=server.transport,
                 worker=replace(config.worker, worker_index=i, num_workers=config.workers),
             )
-            self.workers.append(self._child(name, "worker", child, metrics_port))
+            worker = self._child(name, "worker", child, metrics_port)
+            if config.worker_script is not None:
+                # The script's own code may name other defaults: --steps is what this supervisor checks.
+                script = shlex.split(config.worker_script)
+                worker.argv = [sys.executable, *script, *worker.argv[3:], "--steps", str(config.worker.steps)]
+            self.workers.append(worker)
         self.evaluators: list[Child] = []
         if config.evaluator.eval_data is not None:
             metrics_port = free_port()

@@ -43,6 +43,7 @@ from rpcps.messages import (
     ErrorReply,
     FinishReply,
     Mark,
+    Mode,
     Observation,
     PullReply,
     PushReply,
@@ -78,6 +79,8 @@ class WorkerService:
         """Set once resume is done when the server checkpoints; None: nothing is durable."""
         self.mode = mode or make_mode(server, server.config)
         self.admission = Admission(server.layout, server.signature, server.wire, server.config.on_nonfinite)
+        self._all_absent = (1 << len(server.layout.slots)) - 1
+        """The presence mask of a push without any gradient: a skipped step."""
         self.metrics = server.metrics
         server.on_applied(self.metrics.count_applied)
         self.metrics.watch_workers(lambda: [(w.slot, w.live, w.last_push_age_s) for w in server.status().workers])
@@ -192,6 +195,8 @@ class WorkerService:
                 if isinstance(skip, SkipNonfinite):
                     return self._skipped(record, seq, skip.where)
             assert not isinstance(checked, SkipNonfinite)
+            if absent and absent == self._all_absent and checked is None and self.mode.mode != Mode.SYNC:
+                return self._skipped_by_worker(record, seq)
             return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers, checked, absent)
         finally:
             self.metrics.in_flight.dec()
@@ -422,6 +427,13 @@ class WorkerService:
     def _skipped(self, record: WorkerRecord, seq: int, where: str) -> Future:
         self.metrics.count_skipped()
         logger.warning("skipped push %d from worker %d: NaN/Inf in %r", seq, record.slot, where)
+        return self._mark(record, seq, PushReply(PushStatus.SKIPPED, self.server.version, 0))
+
+    def _skipped_by_worker(self, record: WorkerRecord, seq: int) -> Future:
+        """A push with no gradient for any parameter (a worker's ``skip()``): recorded as processed, no
+        update (a sync round counts it as a contribution of zeros instead: the others wait for it)."""
+        self.metrics.count_skipped()
+        logger.info("worker %d skipped step %d (no gradient for any parameter)", record.slot, seq)
         return self._mark(record, seq, PushReply(PushStatus.SKIPPED, self.server.version, 0))
 
     def _mark(self, record: WorkerRecord, seq: int, reply: Any) -> Future:
