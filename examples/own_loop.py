@@ -8,10 +8,10 @@ Start the server with the same model, then this script once per worker:
     python examples/own_loop.py --ps 127.0.0.1:29500 --worker-index 0 --num-workers 2 --steps 200 &
     python examples/own_loop.py --ps 127.0.0.1:29500 --worker-index 1 --num-workers 2 --steps 200
 
-or let torchrun number the workers (RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT name the slot and the
-server), or let ``rpcps local`` start everything:
+or let torchrun number the workers (RANK and WORLD_SIZE name the slot; torchrun's MASTER_ADDR/PORT
+are its own store, so ``--ps`` names the server), or let ``rpcps local`` start everything:
 
-    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29500 examples/own_loop.py --steps 200
+    torchrun --standalone --nproc-per-node 2 examples/own_loop.py --ps 127.0.0.1:29500 --steps 200
     rpcps local --workers 2 --steps 200 --model rpcps.examples.charlm_hf:model --optimizer adam --lr 1e-3 \\
         --worker-script examples/own_loop.py
 

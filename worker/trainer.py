@@ -445,6 +445,8 @@ class Trainer:
         blocked (its pull), counted as communication, not compute."""
         for p in self.params:
             p.grad = None
+        for module in self.sparse_modules:
+            module.drop_grads()  # rows of forwards made between steps are no part of this one
         bound: dict[int, list[torch.Tensor]] = {}
         for link in shards:
             if link.stager.direct:
@@ -485,8 +487,8 @@ class Trainer:
         mask names every parameter, which the server records without an update (``ps.presence``)."""
         state: _OpenStep = step._state
         comm = state.blocked
-        if self.sparse_modules:
-            self._sparse_parts()  # dropped: a skipped step moves no row either
+        for module in self.sparse_modules:
+            module.drop_grads()  # a skipped step moves no row either
         for link in state.shards:
             buffers = state.bound.get(link.index)
             if buffers is None:
@@ -506,6 +508,8 @@ class Trainer:
         state: _OpenStep = step._state
         for p in self.params:
             p.grad = None
+        for module in self.sparse_modules:
+            module.drop_grads()
         for link in state.shards:
             buffers = state.bound.get(link.index)
             if buffers is not None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import collections
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from harness.faults import ChaosPlan, Kill, run_chaos
-from harness.procs import REPO
+from harness.procs import REPO, ProcessGroup
+from tests.integration.conftest import model_version
 
 pytestmark = pytest.mark.integration
 
@@ -68,3 +70,25 @@ def test_bounded_mode_replays_steps_and_the_script_logs_each_step_once(tmp_path:
     for slot, counts in _step_lines(tmp_path / "run", 2).items():
         assert sorted(counts) == list(range(30)), f"worker{slot} did not log every step"
         assert [s for s, n in counts.items() if n > 1] == [], f"worker{slot} logged a replayed step twice"
+
+
+SERVER = ("--model", "rpcps.examples.charlm_hf:model", "--optimizer", "adam", "--optimizer-args", '{"lr": 0.001}')
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["by-hand", "torchrun"])
+def test_the_example_starts_by_hand_and_under_torchrun(launcher: str, procs: ProcessGroup, tmp_path: Path) -> None:
+    """The same script, two launchers: slots from --worker-index/--num-workers, or from torchrun's
+    RANK/WORLD_SIZE (``--ps`` names the server: torchrun's MASTER_PORT is its own store)."""
+    _, port, mport = procs.ps("ps", *SERVER, "--checkpoint-dir", str(tmp_path / "ckpt"))
+    common = ("--ps", f"127.0.0.1:{port}", "--steps", "6", "--batch-size", "2", "--log-every", "1", "--metrics-port", "0")
+    if launcher == "by-hand":
+        workers = [procs.start(f"w{i}", [*common, "--worker-index", str(i), "--num-workers", "2"], script=SCRIPT) for i in (0, 1)]
+    else:
+        run = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT))
+        workers = [procs.start("torchrun", common, program=run)]
+    for worker in workers:
+        assert worker.wait(180) == 0, worker.tail()
+    assert model_version(mport) == 12, "2 slots x 6 steps, each applied once"
+    logged = "".join(w.stdout() for w in workers)
+    assert sorted(int(s) for s in STEP_LINE.findall(logged)) == sorted([*range(6), *range(6)])

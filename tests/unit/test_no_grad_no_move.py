@@ -15,7 +15,9 @@ from ps.presence import check_absent
 from ps.replication.log import Sequenced
 from rpcps.errors import PushRejected
 from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.sparse.spec import TableSpec
 from worker.device import GradientStager
+from worker.sparse_embedding import SparseEmbeddingBagCollection
 
 ADAM_WD = OptimizerConfig(name="adam", kwargs={"lr": 1e-2, "weight_decay": 0.1})
 UNUSED = (2, 3)
@@ -163,3 +165,23 @@ def test_the_stager_reports_parameters_without_grad_when_staging() -> None:
     stager, buffers = _stager(model)
     model(torch.randn(5, 4)).sum().backward()
     assert stager.stage(buffers) == _absent((2, 3))
+
+
+class _Rows:
+    """A RowSource whose rows are 1.0 (the values do not matter here, only the gradients)."""
+
+    def pull(self, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: torch.ones(len(ids), 2) for name, ids in request.items()}
+
+
+def test_sparse_rows_sum_over_micro_batches_and_a_table_without_gradient_is_left_out() -> None:
+    tables = SparseEmbeddingBagCollection([TableSpec(name="a", table_id=0, dim=2), TableSpec(name="b", table_id=1, dim=2)])
+    tables.attach(_Rows())
+    for ids in ([1, 2], [2, 3]):  # two micro-batches, one bag each; table b's output is not used
+        out = tables({"a": (torch.tensor(ids), torch.tensor([0])), "b": (torch.tensor([7]), torch.tensor([0]))})
+        out["a"].sum().backward()
+    grads = tables.take_grads()
+    assert set(grads) == {"a"}, "rows that got no gradient are not pushed (they would move)"
+    ids, rows = grads["a"]
+    assert ids.tolist() == [1, 2, 3] and rows[:, 0].tolist() == [1.0, 2.0, 1.0]
+    assert tables.take_grads() == {}
