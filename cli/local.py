@@ -67,11 +67,15 @@ class Child:
     done: bool = False
     next_start: float = 0.0
     log_file: Any = field(default=None, repr=False)
+    env: dict[str, str] | None = None
+    """The child's environment (None: this process's)."""
 
     def start(self) -> None:
         if self.log_file is None:
             self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
-        self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+        )
         logger.info("started %s (pid %d), log %s", self.name, self.process.pid, self.log_path)
 
     def alive(self) -> bool:
@@ -149,6 +153,9 @@ class Supervisor:
                 # The script's own code may name other defaults: --steps is what this supervisor checks.
                 script = shlex.split(config.worker_script)
                 worker.argv = [sys.executable, *script, *worker.argv[3:], "--steps", str(config.worker.steps)]
+                # The script imports the rpcps these servers run (its own folder comes first on sys.path).
+                path = os.pathsep.join(p for p in (str(_ENTRY.parent), os.environ.get("PYTHONPATH", "")) if p)
+                worker.env = {**os.environ, "PYTHONPATH": path}
             self.workers.append(worker)
         self.evaluators: list[Child] = []
         if config.evaluator.eval_data is not None:
