@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=10, help="print a step line every N steps")
     parser.add_argument("--clip", type=float, default=1.0, help="clip the gradient norm to this")
     parser.add_argument("--batch-size", type=int, default=32, help="windows of 128 bytes per micro-batch")
+    parser.add_argument("--init-scale", type=float, default=2.0**16, help="fp16: the GradScaler's first loss scale")
     # rpcps's own flags (--ps, --steps, ...) are read by connect(); leave them to it.
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [own_loop pid %(process)d] %(name)s: %(message)s")
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     with connect(net, slot_data, accumulate=ACCUMULATE, steps=200) as training:
         device = training.device
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-        scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
+        scaler = torch.amp.GradScaler(device.type, init_scale=args.init_scale) if args.precision == "fp16" else None
         optimizer = training.optimizer  # pushes on step(); the real optimizer is the server's
         for step in training:
             total = 0.0

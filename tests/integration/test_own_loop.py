@@ -10,6 +10,7 @@ refused as stale and come back as replays: the script logs each step once.
 from __future__ import annotations
 
 import collections
+import json
 import re
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness.faults import ChaosPlan, Kill, run_chaos
-from harness.procs import REPO, ProcessGroup
+from harness.procs import REPO, ProcessGroup, try_scrape
 from tests.integration.conftest import model_version
 
 pytestmark = pytest.mark.integration
@@ -73,6 +74,22 @@ def test_bounded_mode_replays_steps_and_the_script_logs_each_step_once(tmp_path:
 
 
 SERVER = ("--model", "rpcps.examples.charlm_hf:model", "--optimizer", "adam", "--optimizer-args", '{"lr": 0.001}')
+
+
+@pytest.mark.timeout(240)
+def test_fp16_steps_a_grad_scaler_skips_are_recorded_and_change_nothing(procs: ProcessGroup, tmp_path: Path) -> None:
+    """A loss scale that overflows fp16 makes the GradScaler skip steps: the script ends them with
+    ``step.skip()``, the server records them (no update), and the slot still finishes durable."""
+    _, port, mport = procs.ps("ps", *SERVER, "--checkpoint-dir", str(tmp_path / "ckpt"))
+    worker = procs.start("w0", ["--ps", f"127.0.0.1:{port}", "--steps", "6", "--batch-size", "2", "--metrics-port", "0",
+                                "--precision", "fp16", "--init-scale", "1e30", "--summary-json", str(tmp_path / "w0.json")],
+                         script=SCRIPT)
+    assert worker.wait(180) == 0, worker.tail()
+    metrics = try_scrape(mport)
+    skipped = metrics["rpcps_server_pushes_skipped_total"]
+    assert skipped >= 1, "the scale must overflow at least once, or the skip path is not exercised"
+    assert metrics["rpcps_server_model_version"] + skipped == 6, "each step applied or skipped, once"
+    assert json.loads((tmp_path / "w0.json").read_text())["durable"] is True
 
 
 @pytest.mark.timeout(240)
