@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from dataclasses import dataclass, field
 
 from evaluator.config import EvaluatorConfig
@@ -28,6 +30,13 @@ class LocalConfig:
     run_dir: str | None = setting(None, help="directory for the children's logs and summaries", metavar="DIR")
     max_restarts: int = setting(3, help="restarts of a crashed child before giving up")
     port: int = setting(0, help="the server's port; 0 picks a free one")
+    worker_script: str | None = setting(
+        None,
+        help="run this Python script (and the arguments after it, in one quoted string) as each worker instead of "
+        "the built-in loop: a training loop of your own on worker.api (docs/API.md); it gets the worker flags, and "
+        "the servers use --model",
+        metavar="'PATH [ARGS]'",
+    )
     process: ProcessOptions = field(default_factory=ProcessOptions)
     server: ServerRunConfig = field(default_factory=ServerRunConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
@@ -41,6 +50,10 @@ class LocalConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.worker_script is not None:
+            words = shlex.split(self.worker_script)
+            if not words or not os.path.isfile(words[0]):
+                raise ValueError(f"worker_script {self.worker_script!r} does not start with a file's path")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -67,11 +68,15 @@ class Child:
     done: bool = False
     next_start: float = 0.0
     log_file: Any = field(default=None, repr=False)
+    env: dict[str, str] | None = None
+    """The child's environment (None: this process's)."""
 
     def start(self) -> None:
         if self.log_file is None:
             self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
-        self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+        )
         logger.info("started %s (pid %d), log %s", self.name, self.process.pid, self.log_path)
 
     def alive(self) -> bool:
@@ -144,7 +149,15 @@ class Supervisor:
                 transport=server.transport,
                 worker=replace(config.worker, worker_index=i, num_workers=config.workers),
             )
-            self.workers.append(self._child(name, "worker", child, metrics_port))
+            worker = self._child(name, "worker", child, metrics_port)
+            if config.worker_script is not None:
+                # The script's own code may name other defaults: --steps is what this supervisor checks.
+                script = shlex.split(config.worker_script)
+                worker.argv = [sys.executable, *script, *worker.argv[3:], "--steps", str(config.worker.steps)]
+                # The script imports the rpcps these servers run (its own folder comes first on sys.path).
+                path = os.pathsep.join(p for p in (str(_ENTRY.parent), os.environ.get("PYTHONPATH", "")) if p)
+                worker.env = {**os.environ, "PYTHONPATH": path}
+            self.workers.append(worker)
         self.evaluators: list[Child] = []
         if config.evaluator.eval_data is not None:
             metrics_port = free_port()

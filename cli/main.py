@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from cli.options import add_settings, resolve
+from rpcps.options import add_settings, resolve
 from rpcps.settings import Declared, build, declared
 
 

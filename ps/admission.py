@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ps.presence import check_absent
 from rpcps.errors import PushRejected
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.wire import Chunk, check_chunk, to_dense_fp32, values_of
@@ -54,9 +55,15 @@ class Admission:
         self.wire = wire
         self.skip_nonfinite = on_nonfinite == "skip"
 
-    def check(self, slot: int, seq: int, chunks: Any) -> list[torch.Tensor] | SkipNonfinite:
-        """The fp32 gradient chunks of a valid push, or SkipNonfinite; raises Refused."""
+    def check(self, slot: int, seq: int, chunks: Any, absent: Any = 0) -> list[torch.Tensor] | SkipNonfinite:
+        """The fp32 gradient chunks of a valid push, or SkipNonfinite; raises Refused.
+
+        ``absent`` is the push's presence mask (``ps.presence``): an int with a bit per parameter."""
         self._check_layout(slot, seq, chunks)
+        if absent:
+            problem = check_absent(absent, len(self.layout.slots))
+            if problem is not None:
+                raise Refused(f"push {seq} from worker {slot} {problem}", RejectReason.SHAPE)
         nonfinite = _first_nonfinite([values_of(c) for c in chunks])
         if nonfinite is None:
             return [to_dense_fp32(c, n) for c, n in zip(chunks, self.layout.chunk_numels)]

@@ -58,7 +58,7 @@ class ServerMetrics:
         self.duplicates = Counter(
             "rpcps_server_pushes_duplicate", "Retried pushes recognised and not applied twice.", registry=r
         )
-        self.skipped = Counter("rpcps_server_pushes_skipped", "Non-finite pushes dropped (--on-nonfinite skip).", registry=r)
+        self.skipped = Counter("rpcps_server_pushes_skipped", "Non-finite pushes dropped (--on-nonfinite skip), and steps a worker skipped.", registry=r)
         self.pulls = Counter("rpcps_server_pulls_served", "Parameter pulls answered.", ["result"], registry=r)
         # The children, looked up once: every push of a small model answers with a pull.
         self.pulls_full, self.pulls_unchanged = self.pulls.labels("full"), self.pulls.labels("unchanged")

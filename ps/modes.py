@@ -41,14 +41,15 @@ class ConsistencyMode(Protocol):
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None, absent: int = 0,
     ) -> Future:
         """Sequences (now or with its round) an admitted push: ``chunks`` as received, ``grads`` their
         fp32 form, ``buffers`` the model buffers it carried. The future gives its PushReply once the
         update is applied.
 
         ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``, in this process
-        only: a server with sparse tables refuses to start with a standby, and in sync mode."""
+        only: a server with sparse tables refuses to start with a standby, and in sync mode.
+        ``absent``: the parameters the push has no gradient for (``ps.presence``)."""
         ...
 
     def drop_locked(self, slot: int) -> None:
@@ -76,7 +77,7 @@ class AsyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None, absent: int = 0,
     ) -> Future:
         server = self.server
         reply: Future = Future()
@@ -90,7 +91,9 @@ class AsyncMode:
             if refusal is not None:
                 return done(refusal)
             staleness = server.log.last_version - base_version
-            update = server.sequence_update_locked(chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers, sparse=sparse)
+            update = server.sequence_update_locked(
+                chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers, sparse=sparse, absent=absent
+            )
             update.replies.append((reply, PushReply(PushStatus.APPLIED, update.entry.version, staleness)))  # type: ignore[union-attr]
             applied = server.apply_committed_locked()
         answer(applied)
@@ -118,7 +121,7 @@ class SyncMode:
 
     def submit(
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
-        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None,
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None, absent: int = 0,
     ) -> Future:
         del chunks  # a round ships its mean, not the pushes it averages
         if sparse:
@@ -136,7 +139,9 @@ class SyncMode:
             if refusal is not None:
                 return done(refusal)
             live = {r.slot for r in server.workers.live()}
-            self.rounds.add(live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records))
+            self.rounds.add(
+                live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records), absent
+            )
             record.last_seen = time.monotonic()
             closed = self._close_locked(time.monotonic())
         answer(closed)
@@ -162,6 +167,8 @@ class SyncMode:
             on_release=lambda: self.rounds.recycle(round_.sums),
             # In arrival order, the last contribution's buffers are the newest.
             buffers=next((c.buffers for c in reversed(contributions) if c.buffers is not None), None),
+            # A parameter moves when any contribution had a gradient for it (its mean counts the others' as 0).
+            absent=round_.absent,
         )
         version = update.entry.version  # type: ignore[union-attr]
         update.replies.extend((c.reply, PushReply(PushStatus.APPLIED, version, 0)) for c in round_.contributions.values())

@@ -40,6 +40,7 @@ from ps.dedup import SequenceTracker
 from ps.export import named_state
 from ps.metrics import ServerMetrics
 from ps.optim import build_optimizer, load_state
+from ps.presence import HeldSlices
 from ps.pull_copies import PullCopies
 from ps.replication.log import ReplicationLog, Sequenced
 from ps.sparse.table import ClosedFull
@@ -215,13 +216,15 @@ class ParameterServer:
         on_release: Callable[[], None] | None = None,
         buffers: list[torch.Tensor] | None = None,
         sparse: CheckedPush | None = None,
+        absent: int = 0,
     ) -> Sequenced:
         """Under the lock: the next optimizer step, from ``grads`` (the fp32 form of ``chunks``); with
         ``buffers``, the model buffers that become the server's with it; with ``sparse``, the sparse
-        rows it changes (applied here only: not shipped to a standby, see ``ps.runner``)."""
+        rows it changes (applied here only: not shipped to a standby, see ``ps.runner``); ``absent``, the
+        parameters it leaves as they are (``ps.presence``)."""
         self._check_primary_locked()
         log = self.log
-        entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers)
+        entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers, absent)
         sequenced = Sequenced(entry, grads, on_release=on_release, sparse=sparse)
         log.append(sequenced)
         return sequenced
@@ -275,7 +278,10 @@ class ParameterServer:
         started = time.perf_counter()
         for master, grad in zip(self._masters, grads):
             master.grad = grad
+        held = HeldSlices(self.layout, self._masters, self.optimizer, update.absent) if update.absent else None
         self.optimizer.step()
+        if held is not None:
+            held.restore()
         for master in self._masters:
             master.grad = None
         if self.schedule is not None:

@@ -44,6 +44,7 @@ from rpcps.messages import (
     ErrorReply,
     FinishReply,
     Mark,
+    Mode,
     Observation,
     PullReply,
     PushReply,
@@ -79,6 +80,8 @@ class WorkerService:
         """Set once resume is done when the server checkpoints; None: nothing is durable."""
         self.mode = mode or make_mode(server, server.config)
         self.admission = Admission(server.layout, server.signature, server.wire, server.config.on_nonfinite)
+        self._all_absent = (1 << len(server.layout.slots)) - 1
+        """The presence mask of a push without any gradient: a skipped step."""
         self.metrics = server.metrics
         server.on_applied(self.metrics.count_applied)
         self.metrics.watch_workers(lambda: [(w.slot, w.live, w.last_push_age_s) for w in server.status().workers])
@@ -143,6 +146,7 @@ class WorkerService:
         loss: float | None = None,
         have_version: int | None = None,
         sparse: Any = None,
+        absent: Any = 0,
     ) -> Future:
         """Admits one push and hands it to the mode; the future gives its PushReply (or raises).
 
@@ -150,9 +154,10 @@ class WorkerService:
         ``pull(slot, incarnation, have_version)`` gives then): one call per step instead of a push
         and a pull, the per-call cost that dominates small models. ``sparse`` is the push's sparse
         part (``rpcps.sparse.spec``): checked with the dense part and applied in the same update, so
-        the (slot, step) deduplication covers both.
+        the (slot, step) deduplication covers both. ``absent`` is the push's presence mask: the
+        parameters that got no gradient, which the update leaves as they are (``ps.presence``).
         """
-        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse)
+        answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse, absent)
         if have_version is None:
             return answered
         if answered.done():  # applied already (async modes): no callback and second future needed
@@ -168,7 +173,8 @@ class WorkerService:
             return reply
 
     def _submit(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None, sparse: Any
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None, sparse: Any,
+        absent: Any = 0,
     ) -> Future:
         self._check_serving()
         started = time.perf_counter()
@@ -180,7 +186,7 @@ class WorkerService:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
             chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
-                grads = self.admission.check(slot, seq, chunks)
+                grads = self.admission.check(slot, seq, chunks, absent)
                 if buffers is not None and not isinstance(grads, SkipNonfinite):
                     buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
                 checked = self._check_sparse(slot, seq, sparse)
@@ -190,18 +196,21 @@ class WorkerService:
                 if isinstance(skip, SkipNonfinite):
                     return self._skipped(record, seq, skip.where)
             assert not isinstance(checked, SkipNonfinite)
-            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers, checked)
+            if absent and absent == self._all_absent and checked is None and self.mode.mode != Mode.SYNC:
+                return self._skipped_by_worker(record, seq)
+            return self.mode.submit(record, seq, loss, base_version, chunks, grads, buffers, checked, absent)
         finally:
             self.metrics.in_flight.dec()
             self.metrics.push_seconds.observe(time.perf_counter() - started)
 
     def push(
-        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None
+        self, slot: int, incarnation: str, seq: int, base_version: int, chunks: Any, loss: float | None = None, sparse: Any = None,
+        absent: int = 0,
     ) -> PushReply:
         """``submit`` waited for (in-process callers; in 'sync' mode it blocks until the round closes).
 
         Raises the error an RPC caller would get as an ``ErrorReply``."""
-        reply = self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse).wait()
+        reply = self.submit(slot, incarnation, seq, base_version, chunks, loss, sparse=sparse, absent=absent).wait()
         if isinstance(reply, ErrorReply):
             raise ERROR_TYPES.get(reply.kind, RpcpsError)(reply.message)
         return reply
@@ -419,6 +428,13 @@ class WorkerService:
     def _skipped(self, record: WorkerRecord, seq: int, where: str) -> Future:
         self.metrics.count_skipped()
         logger.warning("skipped push %d from worker %d: NaN/Inf in %r", seq, record.slot, where)
+        return self._mark(record, seq, PushReply(PushStatus.SKIPPED, self.server.version, 0))
+
+    def _skipped_by_worker(self, record: WorkerRecord, seq: int) -> Future:
+        """A push with no gradient for any parameter (a worker's ``skip()``): recorded as processed, no
+        update (a sync round counts it as a contribution of zeros instead: the others wait for it)."""
+        self.metrics.count_skipped()
+        logger.info("worker %d skipped step %d (no gradient for any parameter)", record.slot, seq)
         return self._mark(record, seq, PushReply(PushStatus.SKIPPED, self.server.version, 0))
 
     def _mark(self, record: WorkerRecord, seq: int, reply: Any) -> Future:

@@ -36,6 +36,9 @@ class SyncRound:
     """Contributions required before the timeout: min_workers, lowered when expected workers die."""
     opened: float = field(default_factory=time.monotonic)
     contributions: dict[int, SyncContribution] = field(default_factory=dict)
+    absent: int = -1
+    """Parameters no contribution had a gradient for (``ps.presence``): the AND of their masks
+    (-1, every bit, until the first contribution)."""
 
     def missing(self) -> set[int]:
         return self.expected - set(self.contributions)
@@ -58,7 +61,9 @@ class RoundKeeper:
         self._spare_sums: list[torch.Tensor] | None = None
         """The previous round's sum buffers, reused so a round does not allocate the model's size anew."""
 
-    def add(self, live_slots: set[int], contribution: SyncContribution, chunks: list[torch.Tensor], known_slots: int = 0) -> bool:
+    def add(
+        self, live_slots: set[int], contribution: SyncContribution, chunks: list[torch.Tensor], known_slots: int = 0, absent: int = 0
+    ) -> bool:
         """Adds a gradient to the open round (opening one if none). False: the slot waits for the next.
 
         ``known_slots`` counts the slots that ever registered: min_workers holds only until that many
@@ -82,6 +87,7 @@ class RoundKeeper:
         for total, grad in zip(round_.sums, chunks):
             total.add_(grad)
         round_.contributions[contribution.slot] = contribution
+        round_.absent &= absent
         return True
 
     def drop(self, slot: int) -> None:

@@ -64,6 +64,7 @@ class WorkerApi(Protocol):
         loss: float | None,
         have_version: int | None,
         sparse: SparsePush | None,
+        absent: int,
     ) -> Future: ...
 
     def push_named(
@@ -154,12 +155,14 @@ def submit(
     loss: float | None,
     have_version: int | None = None,
     sparse: SparsePush | None = None,
+    absent: int = 0,
 ) -> Future:
     """A push (dense chunks, and this shard's sparse table rows when the model has any); its future
     completes at once, or in 'sync' mode when the round closes. With ``have_version`` the reply also
-    carries the parameters, as a pull from that version would."""
+    carries the parameters, as a pull from that version would. ``absent``: bit i set when the
+    shard's parameter i got no gradient (it does not move)."""
     try:
-        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, have_version, sparse)
+        return _api(ref).submit(slot, incarnation, seq, base_version, chunks, loss, have_version, sparse, absent)
     except RpcpsError as e:
         future: Future = Future()
         future.set_result(ErrorReply(wire_name(e), str(e)))

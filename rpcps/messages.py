@@ -165,6 +165,9 @@ class Update(WireRecord):
     buffers: list[Any] | None = None
     """The model buffers (BatchNorm statistics) that become the server's with this step: the newest
     its pushes carried; None when they carried none."""
+    absent: int = 0
+    """Presence mask: bit i set means the shard's parameter i (signature order) got no gradient in
+    any push of this step, and the step leaves it and its optimizer state as they are (``ps.presence``)."""
 
 
 @dataclass(frozen=True)

@@ -152,11 +152,15 @@ class ServerClient:
         loss: float | None,
         have_version: int | None = None,
         sparse: SparsePush | None = None,
+        absent: int = 0,
     ) -> transport.Pending:
         """Starts a push (with this shard's sparse rows, if any); ``result(pending)`` gives a PushReply.
         In 'sync' mode the reply waits for the round, which closes within the server's round timeout
         (below the RPC timeout). With ``have_version`` the reply brings the parameters too
-        (``PushReply.pulled``)."""
+        (``PushReply.pulled``). ``absent``: the presence mask, bit i set when this shard's parameter i
+        got no gradient this step (the server leaves it as it is)."""
+        if absent:
+            return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version, sparse, absent)
         if sparse is None:  # the dense-only call stays exactly what it was
             return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version)
         return self._call(endpoints.submit, slot, incarnation, seq, base_version, chunks, loss, have_version, sparse)

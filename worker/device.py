@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -59,6 +60,20 @@ class GradientStager:
         self.direct = device.type == "cpu" and all(p.device.type == "cpu" and p.dtype == dtype for p in params)
         """Backward can accumulate straight into the wire buffers (``bind``): CPU parameters of the
         buffers' dtype. Otherwise gradients are computed into their own tensors and ``stage``d."""
+        self._got = bytearray(len(params))
+        """Direct only: per parameter, whether a backward accumulated into it since ``bind`` (a bound
+        ``.grad`` exists whether or not the parameter was used, so its presence says nothing)."""
+        if self.direct:
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(self._hook(i))
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        got = self._got
+
+        def seen(_: torch.Tensor) -> None:
+            got[i] = 1
+
+        return seen
 
     def _views_of(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         made = self._views.get(id(buffers))
@@ -78,33 +93,60 @@ class GradientStager:
                 buffer.zero_()
         for view, p in zip(self._views_of(buffers), self.params):
             p.grad = view
+        self._got[:] = bytes(len(self._got))
+
+    def absent_bound(self, buffers: list[torch.Tensor]) -> int:
+        """After the backward(s) of a ``bind``: the presence mask (bit i set: parameter i got no
+        gradient). A ``.grad`` the caller replaced (``zero_grad(set_to_none=True)`` unbinds the view,
+        and the next backward makes a tensor of its own) is copied into the buffers here."""
+        absent = 0
+        views = self._views_of(buffers)
+        for i, (view, p) in enumerate(zip(views, self.params)):
+            grad = p.grad
+            if grad is view:
+                if not self._got[i]:
+                    absent |= 1 << i
+                continue
+            with torch.no_grad():
+                if grad is None:
+                    view.zero_()
+                    absent |= 1 << i
+                else:
+                    view.copy_(grad)
+        return absent
 
     def new_buffers(self) -> list[torch.Tensor]:
         buffers = self.layout.empty_chunks(pin_memory=self._stream is not None, dtype=self.dtype)
         self._views[id(buffers)] = (buffers, self.layout.views(buffers))
         return buffers
 
-    def stage(self, buffers: list[torch.Tensor]) -> None:
+    def stage(self, buffers: list[torch.Tensor]) -> int:
+        """Copies the parameters' gradients into ``buffers``; returns the presence mask (bit i set:
+        parameter i has no ``.grad``, and its part of the buffers is zeros)."""
         views = self._views_of(buffers)
+        absent = 0
         if self._stream is None:
             with torch.no_grad():
-                for view, p in zip(views, self.params):
+                for i, (view, p) in enumerate(zip(views, self.params)):
                     if p.grad is None:
                         view.zero_()
+                        absent |= 1 << i
                     else:
                         view.copy_(p.grad)
-            return
+            return absent
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream), torch.no_grad():
-            for view, p in zip(views, self.params):
+            for i, (view, p) in enumerate(zip(views, self.params)):
                 if p.grad is None:
                     view.zero_()
+                    absent |= 1 << i
                 else:
                     p.grad.record_stream(self._stream)
                     view.copy_(p.grad, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
+        return absent
 
     def wait(self) -> None:
         if self._event is not None:

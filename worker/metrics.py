@@ -58,6 +58,14 @@ class WorkerMetrics:
             "each is recomputed and sent again.",
             registry=r,
         )
+        self.steps_skipped = Counter(
+            "rpcps_worker_steps_skipped", "Steps the training loop ended with skip() (recorded, nothing applied).", registry=r
+        )
+        self.replays = Counter(
+            "rpcps_worker_replays",
+            "Steps handed to the training loop again (a push refused as stale, or an acknowledged one lost in a failover).",
+            registry=r,
+        )
         self.model_version = Gauge("rpcps_worker_model_version", "Model version the worker computes on.", registry=r)
         self.device_memory = Gauge("rpcps_worker_device_memory_bytes", "GPU memory allocated now (0 on CPU).", registry=r)
         self.device_memory_peak = Gauge("rpcps_worker_device_memory_peak_bytes", "Peak GPU memory allocated (0 on CPU).", registry=r)

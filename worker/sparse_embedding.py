@@ -62,7 +62,9 @@ class SparseEmbeddingBagCollection(nn.Module):
         self.sparse_tables = tuple(tables)
         self.pooling = pooling
         self._source: RowSource | None = None
-        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Per table, (unique ids, leaf rows) of every training forward since ``take_grads``: a step
+        with accumulation makes several."""
         self._lookups = (0, 0)
         """(ids looked up, distinct ids pulled) by training forwards since ``take_lookup_counts``."""
 
@@ -87,12 +89,11 @@ class SparseEmbeddingBagCollection(nn.Module):
             looked_up, distinct = self._lookups
             self._lookups = (looked_up + sum(ids.numel() for ids, _ in features.values()),
                              distinct + sum(u.numel() for u in uniques.values()))
-        self._pending = {}
         out: dict[str, torch.Tensor] = {}
         for name, (_, offsets) in features.items():
             weight = rows[name].requires_grad_(track)
             if track:
-                self._pending[name] = (uniques[name], weight)
+                self._pending.setdefault(name, []).append((uniques[name], weight))
             if self.pooling == "none":
                 out[name] = F.embedding(inverses[name], weight)
             else:
@@ -100,14 +101,25 @@ class SparseEmbeddingBagCollection(nn.Module):
         return out
 
     def take_grads(self) -> SparsePush:
-        """``{table: (unique ids, fp32 grads summed per id)}`` of the last training forward, after
-        its backward; clears them. Ids whose gradient is all zeros are kept (the server counts them)."""
+        """``{table: (unique ids, fp32 grads summed per id)}`` of the training forwards since the last
+        call (one per micro-batch), after their backward; clears them. Ids whose gradient is all zeros
+        are kept (the server counts them); rows whose forward got no gradient at all (its output did
+        not reach the loss) are left out, so they do not move (no gradient, no move: ``ps.presence``)."""
         pending, self._pending = self._pending, {}
         grads: SparsePush = {}
-        for name, (ids, weight) in pending.items():
-            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-            grads[name] = (ids, grad.detach())
+        for name, entries in pending.items():
+            got = [(ids, weight.grad.detach()) for ids, weight in entries if weight.grad is not None]
+            if len(got) == 1:
+                grads[name] = got[0]
+            elif got:  # micro-batches: one sum per distinct id across them
+                ids, inverse = torch.unique(torch.cat([i for i, _ in got]), return_inverse=True)
+                rows = torch.cat([g for _, g in got])
+                grads[name] = (ids, torch.zeros(len(ids), rows.shape[1], dtype=rows.dtype).index_add_(0, inverse, rows))
         return grads
+
+    def drop_grads(self) -> None:
+        """Forgets the rows of the forwards so far (a step cleared or skipped)."""
+        self._pending = {}
 
 
     def take_lookup_counts(self) -> tuple[int, int]:

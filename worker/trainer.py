@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -61,6 +61,7 @@ from worker.device import GradientStager, ParameterSink, memory_in_use, pick_dev
 from worker.metrics import WorkerMetrics
 from worker.sparse_client import SparseRouter
 from worker.sparse_embedding import collections_of
+from worker.step import Step, StepEnded
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,8 @@ class DataExhausted(ValueError):
     bare ``StopIteration`` that ``next()`` raises, which names neither the data nor the step."""
 
 
-def open_batches(config: WorkerConfig, start: int) -> Iterator[plugins.Batch]:
-    """The slot's batches from step ``start`` on (``--data``'s ``seek`` when it has one)."""
-    data = plugins.load_data(config.data, config.worker_index, config.num_workers)
+def open_data(data: Iterable[Any], start: int) -> Iterator[Any]:
+    """``data``'s items from position ``start`` on: its ``seek`` when it has one, else read and discard."""
     if hasattr(data, "seek"):
         data.seek(start)
         return iter(data)
@@ -103,8 +103,13 @@ def open_batches(config: WorkerConfig, start: int) -> Iterator[plugins.Batch]:
     return itertools.islice(iter(data), start, None)
 
 
-def next_batch(batches: Iterator[plugins.Batch], step: int, config: WorkerConfig) -> plugins.Batch:
-    """The batch of step ``step``.
+def open_batches(config: WorkerConfig, start: int) -> Iterator[plugins.Batch]:
+    """The slot's batches from step ``start`` on (``--data``'s ``seek`` when it has one)."""
+    return open_data(plugins.load_data(config.data, config.worker_index, config.num_workers), start)
+
+
+def next_batch(batches: Iterator[Any], step: int, config: WorkerConfig, source: str | None = None) -> Any:
+    """The batch of step ``step``; ``source`` names the data in the error (default: ``--data``).
 
     Raises:
         DataExhausted: ``batches`` ended.
@@ -112,8 +117,9 @@ def next_batch(batches: Iterator[plugins.Batch], step: int, config: WorkerConfig
     try:
         return next(batches)
     except StopIteration:
+        what = source or f"--data {config.data!r}"
         raise DataExhausted(
-            f"--data {config.data!r} (slot {config.worker_index} of {config.num_workers}) ended before step {step} of "
+            f"{what} (slot {config.worker_index} of {config.num_workers}) ended before step {step} of "
             f"--steps {config.steps}: a data factory must return an endless iterable, or one with a batch for every step"
         ) from None
 
@@ -126,16 +132,44 @@ class _InFlight:
     shard: int
     base_version: int
     buffers: list[torch.Tensor]
-    loss: float
-    batch: tuple[torch.Tensor, torch.Tensor]
+    loss: float | None
+    batch: Any
     """Kept so a push refused as stale can be recomputed from the same data."""
     payload: list[Any] | None = None
     """What goes on the wire: the buffers themselves, or their top-k (indices, values)."""
     sparse: SparsePush | None = None
     """This shard's sparse rows of the step (models with sparse tables only)."""
+    absent: int = 0
+    """The presence mask: bit i set when this shard's parameter i got no gradient (``ps.presence``)."""
     future: Any = None
     sent: float = 0.0
     attempts: int = 1
+
+
+@dataclass
+class _OpenStep:
+    """The trainer's bookkeeping of a step handed out and not ended yet (``Step._state``)."""
+
+    shards: list[ShardLink]
+    bound: dict[int, list[torch.Tensor]]
+    """Per shard index, the window buffers its parameters' ``.grad`` are views of (direct staging)."""
+    started: float
+    blocked: float
+
+
+def _samples(batch: Any, accumulate: int) -> int:
+    """Examples in a step's batch, for the samples counter: the leading size of its first tensor."""
+    first: Any = batch
+    for _ in range(4):
+        if isinstance(first, torch.Tensor):
+            return (first.shape[0] if first.dim() else 1) * accumulate
+        if isinstance(first, dict):
+            first = next(iter(first.values()), None)
+        elif isinstance(first, (list, tuple)):
+            first = first[0] if first else None
+        else:
+            return 0
+    return 0
 
 
 @dataclass
@@ -217,12 +251,13 @@ class Trainer:
         rpc_name: str,
         metrics: WorkerMetrics,
         stats: WorkerStats | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
+        """Registers ``model`` (``--model``'s when None; moved to ``--device``) with every shard."""
         self.config = config
         self.metrics = metrics
         self.device = pick_device(config.device)
-        self.model = plugins.load_model(config.model).to(self.device)
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = plugins.load_loss(config.loss)
+        self.model = (model if model is not None else plugins.load_model(config.model)).to(self.device)
         self.signature = ModelSignature.of_module(self.model)
         self.model_buffers = ModelBuffers(self.model, self.signature)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -274,6 +309,8 @@ class Trainer:
         )
         self._rejects_in_a_row = 0
         self._stop = threading.Event()
+        self.current: Step | None = None
+        """The step handed out and not ended yet."""
         self._moved: set[int] = set()
         self._hints_ignored: set[tuple[int, int]] = set()
         """Shards whose new primary announced itself (``view_changed``) while this worker used an older one."""
@@ -295,40 +332,67 @@ class Trainer:
     def registration(self) -> Registration:
         return self.shards[0].registration
 
-    def run(self) -> dict[str, Any]:
+    def steps(self, data: Iterable[Any], accumulate: int = 1, source: str | None = None) -> Iterator[Step]:
+        """The slot's steps from where the servers resumed it, each to be ended by ``push`` or ``skip``.
+
+        ``data`` is positioned at the resumed step (``accumulate`` items per step); parameters are
+        refreshed only between steps. A push refused as stale, or an acknowledged step lost with a
+        failed primary, comes back as a replay (same index and batch). After the last step the
+        window is drained, and steps that must be computed again meanwhile are handed out too.
+        ``source`` names the data in errors.
+        """
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()
         try:
-            batches = open_batches(self.config, self.step)
+            batches = open_data(data, self.step * accumulate)
             first = True
             while not self._stop.is_set():
                 step_started = time.perf_counter()
-                comm = 0.0
                 if self._redo:
-                    item = self._redo.popleft()
-                    comm += self._refresh([self.shards[item.shard]], None)
-                    comm += self._compute_and_send(item.seq, item.batch, [self.shards[item.shard]], count=False)
-                    self.metrics.step_seconds.observe(time.perf_counter() - step_started)
+                    yield from self._replay(self._redo.popleft(), step_started, accumulate)
                     continue
                 if self.step >= self.config.steps:
                     if not self._in_flight:
                         break
                     self._complete_oldest()
                     continue
+                comm = 0.0
                 if first or self.step % self.pull_every == 0:
                     # Pushed parameters may lag by the window (the newest push is still on the wire).
                     comm += self._refresh(self.shards, self.step - self.window + 1 if self.pull_with_push else self.step)
                     first = False
                     if self._stop.is_set():
                         break
-                inputs, targets = next_batch(batches, self.step, self.config)
-                batch = (inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True))
-                comm += self._compute_and_send(self.step, batch, self.shards, count=True, started=step_started, blocked_before=comm)
+                if accumulate == 1:
+                    batch = next_batch(batches, self.step, self.config, source)
+                else:
+                    batch = [next_batch(batches, self.step, self.config, source) for _ in range(accumulate)]
+                yield from self._offer(self._open_step(self.step, batch, self.shards, False, accumulate, step_started, comm))
                 self.step += 1
-            self._drain()
+            while self._in_flight or self._redo:  # drain: every push answered, every refused one recomputed
+                if self._in_flight:
+                    self._complete_oldest()
+                else:
+                    yield from self._replay(self._redo.popleft(), time.perf_counter(), accumulate)
         finally:
             self._stop.set()
+
+    def summary(self) -> dict[str, Any]:
         return self.stats.summary(self.step, 0)
+
+    def _replay(self, item: _InFlight, started: float, accumulate: int) -> Iterator[Step]:
+        """A step computed again for one shard (refused as stale, or lost), on that shard's newest parameters."""
+        link = self.shards[item.shard]
+        self.metrics.replays.inc()
+        comm = self._refresh([link], None)
+        yield from self._offer(self._open_step(item.seq, item.batch, [link], True, accumulate, started, comm))
+
+    def _offer(self, step: Step) -> Iterator[Step]:
+        self.current = step
+        yield step
+        self.current = None
+        if step.ended is None:
+            raise StepEnded(f"step {step.index} was neither pushed nor skipped: end every step with push() or skip()")
 
     def stop(self) -> None:
         self._stop.set()
@@ -375,54 +439,94 @@ class Trainer:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _compute_and_send(
-        self,
-        seq: int,
-        batch: tuple[torch.Tensor, torch.Tensor],
-        shards: list[ShardLink],
-        count: bool,
-        started: float | None = None,
-        blocked_before: float = 0.0,
-    ) -> float:
-        """Forward, backward, and one push per shard in ``shards``. Returns time blocked on the network.
-
-        ``blocked_before`` is what this step already spent blocked (its pull), so the step's
-        accounting counts it as communication, not compute.
-        """
-        inputs, targets = batch
+    def _open_step(
+        self, seq: int, batch: Any, shards: list[ShardLink], replay: bool, accumulate: int, started: float, blocked: float
+    ) -> Step:
+        """A step about to be computed: gradients cleared and, where backward can write straight into
+        the wire buffers, a window slot taken and bound. ``blocked`` is what the step already spent
+        blocked (its pull), counted as communication, not compute."""
         for p in self.params:
             p.grad = None
-        comm = 0.0
+        for module in self.sparse_modules:
+            module.drop_grads()  # rows of forwards made between steps are no part of this one
         bound: dict[int, list[torch.Tensor]] = {}
         for link in shards:
             if link.stager.direct:
                 # The window slot is taken before the forward pass, and backward writes into it. With
                 # prefetched parameters this waits for nothing: the refresh that started the step
                 # already waited for the reply that frees it.
-                comm += self._wait_for_free_slot(link)
+                blocked += self._wait_for_free_slot(link)
                 bound[link.index] = link.free.pop()
                 link.stager.bind(bound[link.index])
-        loss = self.loss_fn(self.model(inputs), targets)
-        loss.backward()
-        loss_value = float(loss.detach())
+        return Step(seq, batch, replay, accumulate, self, _OpenStep(shards, bound, started, blocked))
+
+    def push_step(self, step: Step, loss: float | None) -> None:
+        """One push per shard of ``step`` from the gradients its backward(s) left (``Step.push``)."""
+        state: _OpenStep = step._state
+        comm = state.blocked
         sparse = self._sparse_parts()
-        for link in shards:
-            buffers = bound.get(link.index)
+        for link in state.shards:
+            buffers = state.bound.get(link.index)
             if buffers is None:
                 comm += self._wait_for_free_slot(link)
                 buffers = link.free.pop()
-                link.stager.stage(buffers)
+                absent = link.stager.stage(buffers)
                 link.stager.wait()
+            else:
+                absent = link.stager.absent_bound(buffers)
+            if link.topk is not None:
+                # Error feedback carries earlier steps' gradient of every parameter: none is absent.
+                absent = 0
             payload = link.topk.compress(buffers) if link.topk is not None else buffers
             if link.index == 0 and self.model_buffers:  # shard 0 holds the model's buffers
                 payload = [*payload, *self.model_buffers.for_push()]
             part = None if sparse is None else sparse[link.index]
-            self._send(_InFlight(seq, link.index, link.version, buffers, loss_value, batch, payload, sparse=part))
+            self._send(_InFlight(step.index, link.index, link.version, buffers, loss, step.batch, payload, sparse=part, absent=absent))
+        self._end_step(step, comm, loss)
+
+    def skip_step(self, step: Step) -> None:
+        """Records ``step`` as processed with nothing applied (``Step.skip``): a push whose presence
+        mask names every parameter, which the server records without an update (``ps.presence``)."""
+        state: _OpenStep = step._state
+        comm = state.blocked
+        for module in self.sparse_modules:
+            module.drop_grads()  # a skipped step moves no row either
+        for link in state.shards:
+            buffers = state.bound.get(link.index)
+            if buffers is None:
+                comm += self._wait_for_free_slot(link)
+                buffers = link.free.pop()
+            wire = wire_dtype(link.registration.wire_dtype)
+            payload: list[Any] = [torch.zeros(n, dtype=wire) for n in link.layout.chunk_numels]
+            if link.index == 0 and self.model_buffers:
+                payload += self.model_buffers.for_push()
+            absent = (1 << len(link.params)) - 1
+            self._send(_InFlight(step.index, link.index, link.version, buffers, None, step.batch, payload, absent=absent))
+        self.metrics.steps_skipped.inc()
+        self._end_step(step, comm, None)
+
+    def zero_grad_step(self, step: Step) -> None:
+        """Clears what the step's backward(s) accumulated so far (``Step.zero_grad``)."""
+        state: _OpenStep = step._state
+        for p in self.params:
+            p.grad = None
+        for module in self.sparse_modules:
+            module.drop_grads()
+        for link in state.shards:
+            buffers = state.bound.get(link.index)
+            if buffers is not None:
+                link.stager.bind(buffers)
+
+    def _end_step(self, step: Step, comm: float, loss: float | None) -> None:
+        # The buffers belong to the window now: a caller's zero_grad must not reach them.
+        for p in self.params:
+            p.grad = None
         if self.mode == Mode.SYNC:
             comm += self._drain_timed()
-        if count and started is not None:
-            self._account(started, comm + blocked_before, loss_value, len(inputs))
-        return comm
+        if step.replay:
+            self.metrics.step_seconds.observe(time.perf_counter() - step._state.started)
+        else:
+            self._account(step._state.started, comm, loss, _samples(step.batch, step.accumulate))
 
     def _sparse_parts(self) -> list[SparsePush] | None:
         """Per shard, the sparse tables' summed gradients of this step (None without sparse tables)."""
@@ -665,6 +769,7 @@ class Trainer:
             self.slot, link.registration.incarnation, item.seq, item.base_version, item.payload or item.buffers, item.loss,
             link.version if self._wants_params(item.seq) else None,
             item.sparse,
+            item.absent,
         )
 
     def _wait_for_free_slot(self, link: ShardLink) -> float:
@@ -675,15 +780,6 @@ class Trainer:
         while self._in_flight and self._in_flight[0].future.done():
             self._complete_oldest()
         return time.perf_counter() - started
-
-    def _drain(self) -> None:
-        while self._in_flight or self._redo:
-            if self._in_flight:
-                self._complete_oldest()
-            else:
-                item = self._redo.popleft()
-                self._refresh([self.shards[item.shard]], None)
-                self._compute_and_send(item.seq, item.batch, [self.shards[item.shard]], count=False)
 
     def _drain_timed(self) -> float:
         started = time.perf_counter()
@@ -739,14 +835,15 @@ class Trainer:
             self.stats.applied += 1
             self.stats.staleness_sum += reply.staleness
 
-    def _account(self, step_started: float, comm: float, loss: float, samples: int) -> None:
+    def _account(self, step_started: float, comm: float, loss: float | None, samples: int) -> None:
         elapsed = time.perf_counter() - step_started
         self.stats.steps += 1
-        self.stats.note_loss(loss)
         m = self.metrics
+        if loss is not None:
+            self.stats.note_loss(loss)
+            m.loss.set(loss)
         m.steps.inc()
         m.samples.inc(samples)
-        m.loss.set(loss)
         m.step_seconds.observe(elapsed)
         m.add_time(max(elapsed - comm, 0.0), comm)
         m.last_step.set_to_current_time()

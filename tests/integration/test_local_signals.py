@@ -35,7 +35,7 @@ def test_local_stops_cleanly_on_sigint(procs: ProcessGroup, tmp_path: Path) -> N
     # The children were stopped, not killed: each logged its own orderly end.
     assert "ps.runner: stopping" in (run_dir / "ps.log").read_text()
     for i in range(2):
-        assert "worker.runner: done:" in (run_dir / f"worker{i}.log").read_text()
+        assert "worker.api: done:" in (run_dir / f"worker{i}.log").read_text()
 
 
 def _targets(run_dir: Path) -> list[dict] | None:

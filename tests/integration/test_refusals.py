@@ -12,7 +12,7 @@ from harness.procs import REPO, ProcessGroup, scrape_metrics
 
 pytestmark = pytest.mark.integration
 
-EXIT_REFUSED = 5  # worker/runner.py
+EXIT_REFUSED = 5  # worker/api.py
 
 
 @pytest.mark.timeout(150)
