@@ -24,7 +24,7 @@ def _assert_one_clear_error(stderr: str, role: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "code", "message"),
     [
-        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 0, got -1"),
+        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 1, got -1"),
         (["ps", "--optimizer", "nope"], 2, "argument --optimizer: 'nope' is not one of ['adagrad', 'adam'"),
         (["ps", "--metrics-port", "0", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'], 2,
          "optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', 'momentum'"),
