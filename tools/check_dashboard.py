@@ -191,7 +191,7 @@ def rpcps_families() -> list[Metric]:
     server.watch_sparse(lambda: {"table": table})
     coordinator = CoordinatorMetrics.create(listen="")
     coordinator.watch_group(lambda: (1, {0: (1, True)}))
-    ReplicationMetrics(server.registry, 1)
+    ReplicationMetrics(server.registry, 2)  # a shard with a standby: a single one exports no replication series
     build_info(server.registry, "ps", {})
     worker = WorkerMetrics(CollectorRegistry())
     build_info(worker.registry, "worker", {})
