@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Self
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +76,39 @@ class RepeatedFailure:
         if self._key is not None:
             logger.info("%s works again after %d failure(s) in a row", self.name, self.count)
         self._key, self.count = None, 0
+
+
+class WaitNotice:
+    """Says what a process waits for at once, then every ``every_s`` while it still waits.
+
+    For waits inside calls that say nothing until they give up (joining a server that is not up yet
+    waits up to --connect-timeout-s): whoever watches the log sees at once what the process is doing,
+    instead of a minute of silence and then an error.
+
+    Use as a context manager around the wait::
+
+        with WaitNotice("the parameter server at host:29500", limit_s=60):
+            join(...)
+    """
+
+    def __init__(self, what: str, limit_s: float, every_s: float = 5.0) -> None:
+        self.what = what
+        self.limit_s = limit_s
+        self.every_s = every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="wait-notice", daemon=True)
+
+    def __enter__(self) -> Self:
+        logger.info("waiting for %s (up to %.0fs)", self.what, self.limit_s)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=1.0)
+
+    def _loop(self) -> None:
+        waited = 0.0
+        while not self._done.wait(self.every_s):
+            waited += self.every_s
+            logger.info("still waiting for %s: %.0fs of %.0fs", self.what, waited, self.limit_s)

@@ -17,6 +17,7 @@ from rpcps import memory, plugins, replica_endpoints, rpc_policy, signals, threa
 from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics
+from rpcps.periodic import WaitNotice
 from rpcps.reexec import rejoin_or_give_up
 from rpcps.summary import write_summary
 from worker.client import ServerClient
@@ -71,7 +72,8 @@ def run_worker(config: WorkerRunConfig) -> int:
     try:
         assert config.ps is not None  # WorkerRunConfig requires it
         try:
-            name = transport.join(config.ps, f"worker{config.worker.worker_index}", config.transport)
+            with WaitNotice(f"the parameter server at {config.ps}", config.transport.connect_timeout_s):
+                name = transport.join(config.ps, f"worker{config.worker.worker_index}", config.transport)
         except transport.JoinFailed as e:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.

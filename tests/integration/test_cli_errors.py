@@ -50,6 +50,18 @@ def test_unreachable_server_fails_with_one_line(procs: ProcessGroup) -> None:
     _assert_one_clear_error(worker.stderr(), "worker", f"no parameter server answered at 127.0.0.1:{port} within 2s")
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_waiting_for_its_server_says_so_at_once_and_every_few_seconds(procs: ProcessGroup) -> None:
+    port = free_port()  # nothing listens there
+    worker, _ = procs.worker("worker0", port, 0, 1, "--connect-timeout-s", "6")
+    assert worker.wait(45) == 1
+    lines = worker.stderr().splitlines()
+    waits = [i for i, line in enumerate(lines) if f"waiting for the parameter server at 127.0.0.1:{port}" in line]
+    assert waits and waits[0] < 5, f"the first lines must say what the worker waits for:\n{worker.stderr()}"
+    assert any(f"still waiting for the parameter server at 127.0.0.1:{port}: 5s of 6s" in line for line in lines), worker.stderr()
+    _assert_one_clear_error(worker.stderr(), "worker", f"no parameter server answered at 127.0.0.1:{port} within 6s")
+
+
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     with socket.socket() as s:
