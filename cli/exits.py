@@ -27,15 +27,15 @@ def restartable(code: int) -> bool:
 
 
 def describe(code: int) -> str:
-    """An exit status for people: "exit 2 (a bad flag ...)", "killed by SIGKILL"."""
+    """How a child ended, for people: "exited with 2 (a bad flag ...)", "was killed by SIGKILL"."""
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return f"killed by {name}"
+        return f"was killed by {name}"
     reason = FINAL_EXITS.get(code)
-    return f"exit {code}" + (f" ({reason})" if reason else "")
+    return f"exited with {code}" + (f" ({reason})" if reason else "")
 
 
 def error_lines(log_path: Path, limit: int = 3) -> list[str]:

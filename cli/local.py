@@ -347,7 +347,7 @@ class Supervisor:
                 why = exits.error_lines(child.log_path)
                 if not exits.restartable(code) or child.restarts >= max_restarts:
                     verdict = "a restart cannot fix that" if not exits.restartable(code) else "out of restarts"
-                    print(f"rpcps local: {child.name} exited with {exits.describe(code)}; {verdict}", file=sys.stderr)
+                    print(f"rpcps local: {child.name} {exits.describe(code)}; {verdict}", file=sys.stderr)
                     for line in why:
                         print(f"  {child.name}: {line}", file=sys.stderr)
                     print(f"  (its whole log: {child.log_path})", file=sys.stderr, flush=True)
@@ -357,7 +357,7 @@ class Supervisor:
                 delay = min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
                 child.next_start = now + delay
                 cause = f": {why[-1]}" if why else ""
-                print(f"rpcps local: {child.name} exited with {exits.describe(code)}{cause}; "
+                print(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "
                       f"restart {child.restarts}/{max_restarts} in {delay:.1f}s", flush=True)
             if now >= child.next_start:
                 child.start()

@@ -97,7 +97,8 @@ def final_line(summary: dict[str, Any], evaluator: dict[str, Any] | None) -> str
         text += f", {trained / summary['wall_seconds']:.1f} updates/s" if summary["wall_seconds"] > 0 else ""
     scores = (evaluator or {}).get("last")
     if scores:
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, int | float))
+        ordered = sorted(scores.items(), key=lambda kv: kv[0] != "loss")  # the loss first, as in the progress lines
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in ordered if isinstance(v, int | float))
         text += f"; held-out {shown} at version {_int(evaluator.get('model_version'))}"  # type: ignore[union-attr]
     return text
 

@@ -11,9 +11,9 @@ from cli import exits, progress
 def test_exits_a_restart_cannot_fix_are_final() -> None:
     assert not exits.restartable(2) and not exits.restartable(5)
     assert exits.restartable(1) and exits.restartable(3) and exits.restartable(-signal.SIGKILL)
-    assert exits.describe(-signal.SIGKILL) == "killed by SIGKILL"
-    assert exits.describe(2).startswith("exit 2 (a bad flag or setting")
-    assert exits.describe(7) == "exit 7"
+    assert exits.describe(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert exits.describe(2).startswith("exited with 2 (a bad flag or setting")
+    assert exits.describe(7) == "exited with 7"
 
 
 def test_error_lines_are_the_ones_that_state_the_error(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def test_resume_is_read_from_the_servers_newest_resume_line() -> None:
 
 def test_the_last_line_counts_the_model_version_and_shows_the_held_out_score() -> None:
     summary = {"wall_seconds": 10.0, "model_version": 8000, "updates_this_run": 5016, "initial_loss": 2.0, "final_loss": 0.5}
-    evaluator = {"model_version": 8000, "last": {"loss": 0.25, "accuracy": 0.9}}
+    evaluator = {"model_version": 8000, "last": {"accuracy": 0.9, "loss": 0.25}}
     assert progress.final_line(summary, evaluator) == (
         "rpcps local: done in 10.0s: model version 8000 (5016 updates in this run), loss 2.0000 -> 0.5000, "
         "501.6 updates/s; held-out loss 0.2500, accuracy 0.9000 at version 8000"
