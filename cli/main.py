@@ -15,6 +15,7 @@ import argparse
 import difflib
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -146,7 +147,14 @@ def _unrecognized(unknown: list[str], parser: argparse.ArgumentParser) -> str:
     return message + (f"; did you mean {close[0]}?" if close else "")
 
 
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before anything imports torch (its C++ logging reads this once): torch RPC's C++ layer warns of
+    # every pipe a peer closes, at every normal shutdown too. rpcps reports lost peers itself, in one
+    # line each; whoever wants torch's own lines back sets TORCH_CPP_LOG_LEVEL=WARNING (or INFO).
+    os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
     args, config = parse(argv)
     run = _load(ROLES[args.role].run)
     if args.role == "ctl":
