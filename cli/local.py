@@ -100,10 +100,11 @@ class Supervisor:
         self.port = config.port or free_port()
         self.interrupted = False
         self.exit_code = 1
+        """What ``run`` returns when it fails: a child's own status when a restart could not fix it."""
         self._start_version: int | None = None
         """Shard 0's model version when this run began (a resumed run starts from its snapshot's)."""
         self._last_version: tuple[float, int] | None = None
-        """What ``run`` returns when it fails: a child's own status when a restart could not fix it."""
+        """(when, version) of the previous progress line: its rate is counted from there."""
         self._end_deadline: float | None = None
         self.control_port = free_port()
         store = Address("127.0.0.1", self.port)
