@@ -92,7 +92,8 @@ def final_line(summary: dict[str, Any], evaluator: dict[str, Any] | None) -> str
     text = f"rpcps local: done in {summary['wall_seconds']:.1f}s: model version {_int(version)}"
     if trained is not None and trained != version:
         text += f" ({trained} updates in this run)"
-    text += f", loss {_num(summary.get('initial_loss'))} -> {_num(summary.get('final_loss'))}"
+    if summary.get("initial_loss") is not None or summary.get("final_loss") is not None:  # a run that trained nothing has none
+        text += f", loss {_num(summary.get('initial_loss'))} -> {_num(summary.get('final_loss'))}"
     if trained:
         text += f", {trained / summary['wall_seconds']:.1f} updates/s" if summary["wall_seconds"] > 0 else ""
     scores = (evaluator or {}).get("last")

@@ -70,5 +70,5 @@ def test_the_last_line_counts_the_model_version_and_shows_the_held_out_score() -
         "501.6 updates/s; held-out loss 0.2500, accuracy 0.9000 at version 8000"
     )
     idle = {"wall_seconds": 7.1, "model_version": 600, "updates_this_run": 0, "initial_loss": None, "final_loss": None}
-    assert progress.final_line(idle, None) == "rpcps local: done in 7.1s: model version 600 (0 updates in this run), loss - -> -"
+    assert progress.final_line(idle, None) == "rpcps local: done in 7.1s: model version 600 (0 updates in this run)"
     assert "already holds 300 steps for each of the 2 worker(s)" in progress.nothing_left("/tmp/d", 300, 2, 600)
