@@ -205,7 +205,7 @@ def format_status(d: dict[str, Any]) -> str:
         f"live workers  {len(d['workers'])}",
     ]
     replica = d.get("replica")
-    if replica is not None:
+    if replica is not None and (replica["configured"] > 1 or replica["standby"] is not None):  # a lone shard has no replica set
         standby = replica["standby"] or "none"
         if replica["standby"] is None and replica["configured"] > 1:
             standby += f" (WARNING: started with --replicas {replica['configured']}; a crash now falls back to the newest checkpoint)"
