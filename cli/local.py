@@ -70,13 +70,15 @@ class Child:
     """Where this incarnation's part of the log begins (every incarnation appends to one file)."""
     announced: bool = False
     """Whether local said what this incarnation resumed from (servers)."""
+    serving: bool = False
+    """Whether this incarnation's log says it serves (servers): restored, its version the model's."""
 
     def start(self) -> None:
         if self.log_file is None:
             self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         self.log_file.flush()
         self.log_offset = self.log_path.stat().st_size
-        self.announced = False
+        self.announced = self.serving = False
         self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
         logger.info("started %s (pid %d), log %s", self.name, self.process.pid, self.log_path)
 
@@ -261,14 +263,14 @@ class Supervisor:
                 failed = not self._supervise()
                 if failed:
                     break
+                self._read_server_logs()
                 if time.monotonic() - last_progress >= self.config.server.progress_s:
                     last_progress = time.monotonic()
-                    self._announce_resumes()
                     self._print_progress(started)
                 time.sleep(0.2)
         finally:
             self._stop_all()
-        self._announce_resumes()
+        self._read_server_logs()
         summary = self._summary(time.monotonic() - started)
         write_summary(self.config.process.summary_json, summary)
         if self.interrupted:
@@ -396,10 +398,11 @@ class Supervisor:
             if c.log_file is not None:
                 c.log_file.close()
 
-    def _announce_resumes(self) -> None:
-        """Says on the console, once per server incarnation, which version and snapshot it resumed from."""
+    def _read_server_logs(self) -> None:
+        """Follows each server incarnation's log until it serves: says on the console, once, which version
+        and snapshot it resumed from, and learns the version this run started from."""
         for server in self.servers:
-            if server.announced or server.process is None:
+            if server.serving or server.process is None:
                 continue
             try:
                 with open(server.log_path, "rb") as f:
@@ -408,18 +411,19 @@ class Supervisor:
             except OSError:
                 continue
             found = progress.resumed_from(tail)
-            if found is not None:
+            if found is not None and not server.announced:
                 server.announced = True
                 print(progress.resume_notice(server.name, *found), flush=True)
+            if progress.serving(tail):
+                server.serving = True
                 if server is self.servers[0] and self._start_version is None:
-                    self._start_version = found[0]
+                    self._start_version = found[0] if found is not None else 0
 
     def _print_progress(self, started: float) -> None:
-        server = try_scrape(self._shard0_primary().metrics_port)
+        primary = self._shard0_primary()
+        server = try_scrape(primary.metrics_port) if primary.serving else {}  # before it serves, its version is a default 0
         now = time.monotonic()
         version = int(server["rpcps_server_model_version"]) if "rpcps_server_model_version" in server else None
-        if version is not None and self._start_version is None:
-            self._start_version = max(int(server.get("rpcps_server_resumed_from_version", 0)), 0)
         rate = None
         if version is not None:
             if self._last_version is not None and version >= self._last_version[1] and now > self._last_version[0]:

@@ -16,6 +16,8 @@ from typing import Any
 
 RESUMED_LINE = re.compile(r"resumed from (\S+) at version (\d+)")
 """The server's log line when it resumes from a snapshot (ps/runner.py ``_restore``): it names the snapshot."""
+SERVING_LINE = re.compile(r"\bserving on \S+ as ")
+"""The server's log line once it serves (ps/runner.py): restored if it resumed, its version no longer a default 0."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,11 @@ def held_out(scrape: dict[str, float]) -> tuple[float, int] | None:
     if scrape.get("rpcps_evaluator_evaluations_total", 0) <= 0 or "rpcps_evaluator_loss" not in scrape:
         return None
     return scrape["rpcps_evaluator_loss"], int(scrape.get("rpcps_evaluator_model_version", 0))
+
+
+def serving(log_tail: str) -> bool:
+    """Whether a server's log says it serves (before that, its /metrics version is a default, not the model's)."""
+    return SERVING_LINE.search(log_tail) is not None
 
 
 def resumed_from(log_tail: str) -> tuple[int, str] | None:
