@@ -103,6 +103,11 @@ def test_a_normal_run_logs_quietly_exports_only_its_series_and_a_rerun_says_noth
     assert local.alive(), local.tail()
     assert "rpcps_server_model_version" in metrics
     assert [k for k in metrics if k.startswith(("rpcps_sparse_", "rpcps_replica"))] == [], "a dense single-server job"
+    port = children["worker0"]["metrics_port"]
+    worker = wait_until(lambda: (m := try_scrape(port)).get("rpcps_worker_steps_total", 0) > 0 and m or not local.alive(), 30,
+                        "a training step on worker0's /metrics")
+    assert local.alive(), local.tail()
+    assert [k for k in worker if k.startswith("rpcps_worker_sparse_")] == [], "a worker of a dense model"
     assert local.wait(120) == 0, local.tail()
 
     out = local.stdout()
