@@ -234,7 +234,7 @@ def format_status(d: dict[str, Any]) -> str:
         f"live workers  {len(d['workers'])}",
     ]
     replica = d.get("replica")
-    if replica is not None:
+    if replica is not None and (replica["configured"] > 1 or replica["standby"] is not None):  # a lone shard has no replica set
         standby = replica["standby"] or "none"
         if replica["standby"] is None and replica["configured"] > 1:
             standby += f" (WARNING: started with --replicas {replica['configured']}; a crash now falls back to the newest checkpoint)"
@@ -242,9 +242,12 @@ def format_status(d: dict[str, Any]) -> str:
             f"replica       {replica['role']}, epoch {replica['epoch']}, {replica['failovers']} failover(s) by this process",
             f"  primary     {replica['primary']}",
             f"  standby     {standby}",
-            f"  lag         {replica['lag_updates']:.0f} updates / {replica['lag_seconds']:.3f}s",
-            f"  replication {_replication_line(replica)}",
         ]
+        if replica["standby"] is not None:  # lag and mode describe copies to a standby: none without one
+            lines += [
+                f"  lag         {replica['lag_updates']:.0f} updates / {replica['lag_seconds']:.3f}s",
+                f"  replication {_replication_line(replica)}",
+            ]
     for w in d["workers"]:
         age = w["last_push_age_seconds"]
         lines.append(f"  slot {w['slot']:<5} last push {'never' if age is None else format_age(age) + ' ago'}")

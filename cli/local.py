@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from cli import ctl
+from cli import ctl, exits, progress
 from cli.config import LocalConfig, StoreConfig
 from evaluator.config import EvaluatorRunConfig
 from evaluator.scoring import check_model_spec
 from ps.checkpointer import shard_checkpoint_config
 from ps.config import ServerRunConfig
-from rpcps import threads
+from rpcps import plugins, threads
 from rpcps.address import Address
 from rpcps.messages import Mode
 from rpcps.ports import free_port
@@ -70,10 +70,19 @@ class Child:
     log_file: Any = field(default=None, repr=False)
     env: dict[str, str] | None = None
     """The child's environment (None: this process's)."""
+    log_offset: int = 0
+    """Where this incarnation's part of the log begins (every incarnation appends to one file)."""
+    announced: bool = False
+    """Whether local said what this incarnation resumed from (servers)."""
+    serving: bool = False
+    """Whether this incarnation's log says it serves (servers): restored, its version the model's."""
 
     def start(self) -> None:
         if self.log_file is None:
             self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
+        self.log_file.flush()
+        self.log_offset = self.log_path.stat().st_size
+        self.announced = self.serving = False
         self.process = subprocess.Popen(
             self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
         )
@@ -98,6 +107,12 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.port = config.port or free_port()
         self.interrupted = False
+        self.exit_code = 1
+        """What ``run`` returns when it fails: a child's own status when a restart could not fix it."""
+        self._start_version: int | None = None
+        """Shard 0's model version when this run began (a resumed run starts from its snapshot's)."""
+        self._last_version: tuple[float, int] | None = None
+        """(when, version) of the previous progress line: its rate is counted from there."""
         self._end_deadline: float | None = None
         self.control_port = free_port()
         store = Address("127.0.0.1", self.port)
@@ -262,25 +277,25 @@ class Supervisor:
                 failed = not self._supervise()
                 if failed:
                     break
+                self._read_server_logs()
                 if time.monotonic() - last_progress >= self.config.server.progress_s:
                     last_progress = time.monotonic()
                     self._print_progress(started)
                 time.sleep(0.2)
         finally:
             self._stop_all()
+        self._read_server_logs()
         summary = self._summary(time.monotonic() - started)
         write_summary(self.config.process.summary_json, summary)
         if self.interrupted:
             print("rpcps local: interrupted; all children stopped", flush=True)
             return 130
         if failed:
-            return 1
-        print(
-            f"rpcps local: done in {summary['wall_seconds']:.1f}s: {summary['updates_applied']} updates, "
-            f"loss {_fmt(summary['initial_loss'])} -> {_fmt(summary['final_loss'])}, "
-            f"{summary['updates_per_second']:.1f} updates/s",
-            flush=True,
-        )
+            return self.exit_code
+        if summary["steps"] == 0:
+            print(progress.nothing_left(self.config.server.checkpoint.directory, self.config.worker.steps,
+                                       len(self.workers), summary["model_version"]), flush=True)
+        print(progress.final_line(summary, summary["evaluator"]), flush=True)
         return 0
 
     def _check_end(self) -> str:
@@ -346,12 +361,21 @@ class Supervisor:
                     child.done = True
                     continue
                 max_restarts = self.config.max_restarts
-                if child.restarts >= max_restarts:
-                    print(f"rpcps local: {child.name} exited with {code} and is out of restarts; see {child.log_path}", file=sys.stderr)
+                why = exits.error_lines(child.log_path)
+                if not exits.restartable(code) or child.restarts >= max_restarts:
+                    verdict = "a restart cannot fix that" if not exits.restartable(code) else "out of restarts"
+                    print(f"rpcps local: {child.name} {exits.describe(code)}; {verdict}", file=sys.stderr)
+                    for line in why:
+                        print(f"  {child.name}: {line}", file=sys.stderr)
+                    print(f"  (its whole log: {child.log_path})", file=sys.stderr, flush=True)
+                    self.exit_code = code if code in exits.FINAL_EXITS else 1
                     return False
                 child.restarts += 1
-                child.next_start = now + min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
-                print(f"rpcps local: {child.name} exited with {code}; restart {child.restarts}/{max_restarts}", flush=True)
+                delay = min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
+                child.next_start = now + delay
+                cause = f": {why[-1]}" if why else ""
+                print(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "
+                      f"restart {child.restarts}/{max_restarts} in {delay:.1f}s", flush=True)
             if now >= child.next_start:
                 child.start()
                 self.write_children()
@@ -388,29 +412,52 @@ class Supervisor:
             if c.log_file is not None:
                 c.log_file.close()
 
+    def _read_server_logs(self) -> None:
+        """Follows each server incarnation's log until it serves: says on the console, once, which version
+        and snapshot it resumed from, and learns the version this run started from."""
+        for server in self.servers:
+            if server.serving or server.process is None:
+                continue
+            try:
+                with open(server.log_path, "rb") as f:
+                    f.seek(server.log_offset)
+                    tail = f.read().decode("utf-8", "replace")
+            except OSError:
+                continue
+            found = progress.resumed_from(tail)
+            if found is not None and not server.announced:
+                server.announced = True
+                print(progress.resume_notice(server.name, *found), flush=True)
+            if progress.serving(tail):
+                server.serving = True
+                if server is self.servers[0] and self._start_version is None:
+                    self._start_version = found[0] if found is not None else 0
+
     def _print_progress(self, started: float) -> None:
-        server = try_scrape(self._shard0_primary().metrics_port)
-        steps = losses = 0.0
-        n = 0
-        for w in self.workers:
-            m = try_scrape(w.metrics_port)
-            if "rpcps_worker_steps_total" in m:
-                steps += m["rpcps_worker_steps_total"]
-                losses += m.get("rpcps_worker_loss", 0.0)
-                n += 1
-        elapsed = time.monotonic() - started
-        updates = server.get("rpcps_server_updates_applied_total", 0.0)  # shard 0's: every shard steps alike
-        held_out = ""
+        primary = self._shard0_primary()
+        server = try_scrape(primary.metrics_port) if primary.serving else {}  # before it serves, its version is a default 0
+        now = time.monotonic()
+        version = int(server["rpcps_server_model_version"]) if "rpcps_server_model_version" in server else None
+        rate = None
+        if version is not None:
+            if self._last_version is not None and version >= self._last_version[1] and now > self._last_version[0]:
+                rate = (version - self._last_version[1]) / (now - self._last_version[0])
+            self._last_version = (now, version)
+        held = self._slot_progress() if version is not None else None
+        scores = None
         for e in self.evaluators:
-            m = try_scrape(e.metrics_port)
-            if "rpcps_evaluator_loss" in m:
-                held_out = f", held-out loss {m['rpcps_evaluator_loss']:.4f} at version {int(m['rpcps_evaluator_model_version'])}"
-        print(
-            f"[{elapsed:6.1f}s] steps {int(steps)}, updates {int(updates)} ({updates / elapsed:.1f}/s), "
-            f"loss {losses / n if n else float('nan'):.4f}, live workers {int(server.get('rpcps_server_live_workers', 0))}"
-            f"{held_out}",
-            flush=True,
+            scores = progress.held_out(try_scrape(e.metrics_port)) or scores
+        line = progress.Progress(
+            elapsed_s=now - started,
+            version=version,
+            rate=rate,
+            steps_held=sum(held.values()) if held is not None else None,
+            steps_total=self.config.worker.steps * len(self.workers),
+            loss=progress.worker_loss([try_scrape(w.metrics_port) for w in self.workers]),
+            live_workers=int(server["rpcps_server_live_workers"]) if "rpcps_server_live_workers" in server else None,
+            held_out=scores,
         )
+        print(line.line(), flush=True)
 
     def _summary(self, wall: float) -> dict[str, Any]:
         shards = [read_summary(s.summary_path) for s in self.servers]
@@ -421,6 +468,8 @@ class Supervisor:
         firsts = [w["initial_loss"] for w in done if w.get("initial_loss") is not None]
         lasts = [w["final_loss"] for w in done if w.get("final_loss") is not None]
         updates = server.get("updates_applied", sum(w.get("updates_applied", 0) for w in done))
+        version = server.get("model_version")
+        start = self._start_version or 0
         return run_summary(
             "local",
             initial_loss=sum(firsts) / len(firsts) if firsts else server.get("initial_loss"),
@@ -432,6 +481,8 @@ class Supervisor:
             wall_seconds=wall,
             max_staleness=max((s.get("max_staleness", 0) for s in shards), default=0),
             restarts={c.name: c.restarts for c in self.children},
+            model_version=version,
+            updates_this_run=None if version is None else version - start,
             server=server,
             shards=shards,
             workers=workers,
@@ -459,16 +510,21 @@ def _thread_shares(config: LocalConfig) -> tuple[ProcessOptions, ProcessOptions]
     return replace(process, threads=server_threads), replace(process, threads=worker_threads)
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
 def run_local(config: LocalConfig) -> int:
     # A directory of another --shards would be refused by every server, each restarted until local
-    # gives up: say it once, before starting anything (ResumeRefused names what to do).
+    # gives up: say it once, before starting anything (ResumeRefused names what to do). The same for
+    # a --model, --data or --loss that names nothing usable: every child would fail on it.
     shard_checkpoint_config(config.server.checkpoint, 0, config.server.core.shard_count)
+    plugins.check_specs(config.worker.model, config.worker.data, config.worker.loss)
     if config.evaluator.eval_data is not None:
         check_model_spec(config.evaluator.model)  # an evaluator that cannot score this model: say so before starting
+        plugins.resolve_callable(config.evaluator.eval_data, "eval-data")
+        if config.evaluator.eval_fn is not None:
+            plugins.resolve_callable(config.evaluator.eval_fn, "eval-fn")
+    if config.server.checkpoint.directory is None:
+        print("rpcps local: checkpointing is off (no --checkpoint-dir): a server crash loses all training", flush=True)
+    else:
+        print(f"rpcps local: checkpoints in {config.server.checkpoint.directory}", flush=True)
     supervisor = Supervisor(config)
 
     def on_signal(*_: object) -> None:

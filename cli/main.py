@@ -12,8 +12,10 @@ Nothing but ``trainer_entry.py`` calls ``main``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,15 +103,17 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(role: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser; only ``role``'s subcommand gets its options (the others only their help line)."""
+    # allow_abbrev=False: a prefix such as --worker would otherwise be taken silently as --workers.
     parser = _Parser(
         prog="rpcps",
+        allow_abbrev=False,
         description="rpcps: a fault-tolerant parameter server for PyTorch on torch.distributed.rpc. "
         "Precedence of settings: flag > RPCPS_* environment variable > torchrun's variables > default.",
     )
     sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE", parser_class=_Parser)
     parsers = {}
     for name, spec in ROLES.items():
-        p = sub.add_parser(name, help=spec.help, description=spec.help)
+        p = sub.add_parser(name, help=spec.help, description=spec.help, allow_abbrev=False)
         if name == role:
             if name == "ctl":
                 p.add_argument("action", choices=_load("cli.ctl:ACTIONS"), help="what to ask the server")
@@ -123,8 +127,10 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Any]:
     """The role's arguments and its validated config; exits 2 with one line for a bad flag or value."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, parsers = build_parser(argv[0] if argv and argv[0] in ROLES else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     spec, sub = ROLES[args.role], parsers[args.role]
+    if unknown:  # said by the role's parser, so the line points to the role's own --help
+        sub.error(_unrecognized(unknown, sub))
     settings = spec.settings()
     try:
         return args, build(_load(spec.config), resolve(args, settings, sub))
@@ -132,7 +138,23 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Any]:
         sub.exit(2, f"{sub.prog}: error: {e}\n")
 
 
+def _unrecognized(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """"unrecognized arguments: ...", with the nearest real flag for the first unknown one."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flags = [s for action in parser._actions for s in action.option_strings]  # argparse keeps no public list of them
+    first = next((u.split("=", 1)[0] for u in unknown if u.startswith("--")), None)
+    close = difflib.get_close_matches(first, flags, n=1) if first else []
+    return message + (f"; did you mean {close[0]}?" if close else "")
+
+
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before anything imports torch (its C++ logging reads this once): torch RPC's C++ layer warns of
+    # every pipe a peer closes, at every normal shutdown too. rpcps reports lost peers itself, in one
+    # line each; whoever wants torch's own lines back sets TORCH_CPP_LOG_LEVEL=WARNING (or INFO).
+    os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
     args, config = parse(argv)
     run = _load(ROLES[args.role].run)
     if args.role == "ctl":

@@ -30,6 +30,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.model_file import save_state_dict
+from rpcps.periodic import WaitNotice
 from rpcps.reexec import rejoin_or_give_up
 from rpcps.summary import write_summary
 from worker.client import ServerClient
@@ -145,7 +146,8 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
     trimmer: memory.Trimmer | None = None
     try:
         try:
-            name = transport.join(config.ps, "evaluator", config.transport)
+            with WaitNotice(f"the parameter server at {config.ps}", config.transport.connect_timeout_s):
+                name = transport.join(config.ps, "evaluator", config.transport)
         except transport.JoinFailed as e:
             raise transport.PeerUnreachable(str(e)) from e
         store_host = transport.store_host()

@@ -40,7 +40,7 @@ def check_model_spec(spec: str) -> None:
 
 def load_batches(spec: str) -> list[Batch]:
     """Calls the ``--eval-data`` factory once and keeps its batches (the held-out set does not change)."""
-    factory = plugins.resolve(spec, "eval-data")
+    factory = plugins.resolve_callable(spec, "eval-data")
     batches = list(factory())
     if not batches:
         raise plugins.PluginError(f"--eval-data {spec!r} gave no batches")
@@ -50,10 +50,7 @@ def load_batches(spec: str) -> list[Batch]:
 def load_scorer(eval_fn: str | None, loss: str) -> Scorer:
     if eval_fn is None:
         return loss_and_accuracy(plugins.load_loss(loss))
-    fn = plugins.resolve(eval_fn, "eval-fn")
-    if not callable(fn):
-        raise plugins.PluginError(f"--eval-fn {eval_fn!r} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return plugins.resolve_callable(eval_fn, "eval-fn")  # type: ignore[return-value]
 
 
 def loss_and_accuracy(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Scorer:

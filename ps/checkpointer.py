@@ -456,6 +456,8 @@ def shard_checkpoint_config(config: CheckpointConfig, shard_index: int, shard_co
     if config.directory is None:
         return config
     root = Path(config.directory)
+    if root.exists() and not root.is_dir():  # else the first file looked for inside it would be named instead
+        raise ResumeRefused(f"--checkpoint-dir {root} is a file, not a directory: point it at a directory (it is created if missing)")
     mine = layout_dir(root, shard_index, shard_count)
     name = "unsharded" if shard_count == 1 else mine.name
     try:

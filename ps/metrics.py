@@ -132,29 +132,6 @@ class ServerMetrics:
             "Updates applied while the newest checkpoint was written (a crash just before a commit loses them too).",
             registry=r,
         )
-        self.sparse_capture_seconds = Histogram(
-            "rpcps_sparse_checkpoint_pause_seconds",
-            "Time a snapshot held the server's lock to copy the sparse tables (updates wait that long): the touched rows "
-            "of a delta, or the close of a full prepared off the request path.",
-            buckets=_LATENCY_BUCKETS + (30.0, 60.0),
-            registry=r,
-        )
-        self.sparse_full_snapshots = Counter(
-            "rpcps_sparse_full_snapshots",
-            "Snapshots holding a full copy of the sparse tables, by how it was copied: sliced (off the request path) or "
-            "locked (under the server's lock: the first snapshot, or the one after a lost delta).",
-            ["capture"],
-            registry=r,
-        )
-        for capture in ("sliced", "locked"):
-            self.sparse_full_snapshots.labels(capture)
-        self.sparse_chain_deltas = Gauge(
-            "rpcps_sparse_checkpoint_chain_deltas",
-            "Deltas on top of the full in the newest snapshot's sparse chain (a restore reads them all).",
-            registry=r,
-        )
-        self._sparse_stats: Callable[[], dict[str, TableStats]] = dict
-        r.register(_SparseCollector(lambda: self._sparse_stats()))
         self.checkpoint_behind = Counter(
             "rpcps_checkpoint_behind",
             "Checkpoint writes during which more updates were applied than --checkpoint-every-updates.",
@@ -206,8 +183,32 @@ class ServerMetrics:
             self.staleness.observe(staleness)
 
     def watch_sparse(self, stats: Callable[[], dict[str, TableStats]]) -> None:
-        """Reads the sparse tables' counters at scrape time (``ps.sparse_store.SparseStore.stats``)."""
-        self._sparse_stats = stats
+        """Registers the sparse tables' series: their snapshots' and, read at scrape time, every table's
+        counters (``ps.sparse_store.SparseStore.stats``). Only a server with sparse tables calls it, so a
+        dense job's /metrics has no ``rpcps_sparse_*`` family."""
+        r = self.registry
+        self.sparse_capture_seconds = Histogram(
+            "rpcps_sparse_checkpoint_pause_seconds",
+            "Time a snapshot held the server's lock to copy the sparse tables (updates wait that long): the touched rows "
+            "of a delta, or the close of a full prepared off the request path.",
+            buckets=_LATENCY_BUCKETS + (30.0, 60.0),
+            registry=r,
+        )
+        self.sparse_full_snapshots = Counter(
+            "rpcps_sparse_full_snapshots",
+            "Snapshots holding a full copy of the sparse tables, by how it was copied: sliced (off the request path) or "
+            "locked (under the server's lock: the first snapshot, or the one after a lost delta).",
+            ["capture"],
+            registry=r,
+        )
+        for capture in ("sliced", "locked"):
+            self.sparse_full_snapshots.labels(capture)
+        self.sparse_chain_deltas = Gauge(
+            "rpcps_sparse_checkpoint_chain_deltas",
+            "Deltas on top of the full in the newest snapshot's sparse chain (a restore reads them all).",
+            registry=r,
+        )
+        r.register(_SparseCollector(stats))
 
     def watch_workers(self, snapshot: Callable[[], Iterable[tuple[int, bool, float | None]]]) -> None:
         """Adds live-worker gauges computed at scrape time from (slot, live, seconds since its last push)."""

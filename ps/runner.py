@@ -174,7 +174,7 @@ def run_server(config: ServerRunConfig) -> int:
     recovery = ListenerRecovery(time.monotonic(), transport.membership.ranks_handed_out)
     control.set_serving(True)
     supervisor.note_serving()
-    logger.info(
+    logger.info(  # rpcps local reads this line (cli/progress.py SERVING_LINE): keep its start
         "serving on %s as %s (send SIGTERM or Ctrl-C to stop)%s",
         config.listen if config.hosts_store else f"the group of {config.store_address}", name,
         "; registrations must prove the job secret" if secret is not None else "",
@@ -398,7 +398,7 @@ def _restore(
             ledger.resumed(info.version)
         server.metrics.resumes.inc()
         server.metrics.resumed_version.set(info.version)
-        logger.info("resumed from %s at version %d", info.path, info.version)
+        logger.info("resumed from %s at version %d", info.path, info.version)  # read by rpcps local (cli/progress.py)
     if checkpoint_config.directory is None:
         logger.warning(
             "checkpointing is off (no --checkpoint-dir): a server crash loses all training, and finishing "

@@ -37,17 +37,36 @@ def resolve(spec: str, what: str) -> Any:
         raise PluginError(f"--{what} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
+def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
+    """``resolve`` for a factory or function: a PluginError names the spec when it is not callable."""
+    target = resolve(spec, what)
+    if not callable(target):
+        raise PluginError(f"--{what} {spec!r} is not callable (it is a {type(target).__name__}); name a function")
+    return target
+
+
 def load_model(spec: str) -> torch.nn.Module:
-    factory = resolve(spec, "model")
-    model = factory()
+    factory = resolve_callable(spec, "model")
+    try:
+        model = factory()
+    except TypeError as e:  # most often a class or function that needs arguments: not a factory
+        raise PluginError(f"--model {spec!r} could not be called with no arguments ({e}); name a factory function") from e
     if not isinstance(model, torch.nn.Module):
         raise PluginError(f"--model {spec!r} returned {type(model).__name__}, expected a torch.nn.Module")
     return model
 
 
 def load_data(spec: str, worker_index: int, num_workers: int) -> Iterable[Batch]:
-    factory = resolve(spec, "data")
-    return factory(worker_index, num_workers)
+    factory = resolve_callable(spec, "data")
+    try:
+        data = factory(worker_index, num_workers)
+    except TypeError as e:
+        raise PluginError(f"--data {spec!r} could not be called as factory(worker_index, num_workers) ({e})") from e
+    if not isinstance(data, Iterable):
+        raise PluginError(
+            f"--data {spec!r} returned {type(data).__name__}, expected an iterable of (inputs, targets) batches"
+        )
+    return data
 
 
 def load_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -55,7 +74,16 @@ def load_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         return BUILTIN_LOSSES[spec]
     if ":" not in spec:
         raise PluginError(f"--loss {spec!r}: use one of {sorted(BUILTIN_LOSSES)} or 'package.module:function'")
-    fn = resolve(spec, "loss")
-    if not callable(fn):
-        raise PluginError(f"--loss {spec!r} is not callable")
-    return fn
+    return resolve_callable(spec, "loss")
+
+
+def check_specs(model: str, data: str, loss: str) -> None:
+    """Fails with a PluginError naming the first bad spec, before a launcher starts any process.
+
+    The model factory is called (its return type is the check); the data factory only resolved and
+    checked callable: calling it may read a whole dataset, and each worker checks what it returns
+    at its start (a bad return is its one-line error and exit 2, which ``local`` shows at once).
+    """
+    load_model(model)
+    resolve_callable(data, "data")
+    load_loss(loss)

@@ -41,12 +41,12 @@ def rejoin_or_give_up(
     Returns ``EXIT_SERVER_LOST`` once ``max_reconnects`` restarts were spent; otherwise does not return.
     ``carry`` holds the environment the fresh process needs (its reconnect count, what it must keep).
     """
+    # One line: an expected loss of the server, whose transport error can carry torch's C++ frames.
+    why = (str(error).splitlines() or [type(error).__name__])[0]
     if reconnects >= max_reconnects:
-        logger.error("lost the server (%s) and gave up after %d reconnects", peer_text(str(error), MESSAGE_LIMIT), reconnects)
+        logger.error("lost the server (%s) and gave up after %d reconnects", peer_text(why, MESSAGE_LIMIT), reconnects)
         return EXIT_SERVER_LOST
-    logger.warning(
-        "lost the server (%s); restarting the %s to rejoin (reconnect %d)", peer_text(str(error), MESSAGE_LIMIT), role, reconnects + 1
-    )
+    logger.warning("lost the server (%s); restarting the %s to rejoin (reconnect %d)", peer_text(why, MESSAGE_LIMIT), role, reconnects + 1)
     transport.shutdown()
     http.shutdown()
     restart_self(carry)

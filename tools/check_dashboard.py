@@ -191,9 +191,10 @@ def rpcps_families() -> list[Metric]:
     server.watch_sparse(lambda: {"table": table})
     coordinator = CoordinatorMetrics.create(listen="")
     coordinator.watch_group(lambda: (1, {0: (1, True)}))
-    ReplicationMetrics(server.registry, 1)
+    ReplicationMetrics(server.registry, 2)  # a shard with a standby: a single one exports no replication series
     build_info(server.registry, "ps", {})
     worker = WorkerMetrics(CollectorRegistry())
+    worker.watch_sparse()  # a worker of a model with sparse tables
     build_info(worker.registry, "worker", {})
     evaluator = EvaluatorMetrics(CollectorRegistry())
     evaluator.metric.labels("loss").set(0)  # a labelled gauge shows its labels once it has a child

@@ -41,6 +41,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.options import add_settings, resolve
+from rpcps.periodic import WaitNotice
 from rpcps.reexec import rejoin_or_give_up
 from rpcps.settings import build, declared
 from rpcps.summary import write_summary
@@ -247,7 +248,8 @@ class Training:
         # The size limit follows the model's size, known once it is registered (see below).
         rpc_policy.protect(on_refusal=rpc_policy.counting(metrics.rpc_refused), extra_calls=replica_endpoints.WORKER_ENDPOINTS)
         try:
-            self._name = transport.join(config.ps, f"worker{config.worker.worker_index}", config.transport)
+            with WaitNotice(f"the parameter server at {config.ps}", config.transport.connect_timeout_s):
+                self._name = transport.join(config.ps, f"worker{config.worker.worker_index}", config.transport)
         except transport.JoinFailed as e:
             # The server answered but the group join failed half-way (e.g. a member that just left
             # was still listed). torch's agent is unusable after that, so retry in a fresh process.

@@ -60,8 +60,8 @@ class WorkerConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if not 0 <= self.worker_index < self.num_workers:
             raise ValueError(f"worker_index must be in [0, {self.num_workers}) for {self.num_workers} workers, got {self.worker_index}")
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.steps < 1:  # 0 used to succeed silently, having trained nothing
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.pull_every < 1:
             raise ValueError(f"pull_every must be >= 1, got {self.pull_every}")
         if not 1 <= self.max_in_flight <= 64:

@@ -44,14 +44,6 @@ class WorkerMetrics:
         self.pushes_resent = Counter(
             "rpcps_worker_pushes_resent", "Unacknowledged pushes sent again to a shard's new primary after a failover.", registry=r
         )
-        self.sparse_ids = Counter(
-            "rpcps_worker_sparse_ids", "Ids looked up in sparse embedding tables by training steps (all tables).", registry=r
-        )
-        self.sparse_unique_ids = Counter(
-            "rpcps_worker_sparse_unique_ids",
-            "Distinct ids those lookups pulled (deduplicated per table and step); unique / looked up is the unique-id ratio.",
-            registry=r,
-        )
         self.pushes_lost = Counter(
             "rpcps_worker_pushes_lost",
             "Acknowledged pushes a failover lost (asynchronous replication: the new primary's version is below theirs); "
@@ -78,6 +70,21 @@ class WorkerMetrics:
 
         self.total_compute_s = 0.0
         self.total_comm_s = 0.0
+
+    def watch_sparse(self) -> None:
+        """Registers the sparse lookup series: only a worker whose model has sparse tables calls it, so a dense
+        job's /metrics has no family that cannot move. Once per process (a second call changes nothing)."""
+        if hasattr(self, "sparse_ids"):
+            return
+        self.sparse_ids = Counter(
+            "rpcps_worker_sparse_ids", "Ids looked up in sparse embedding tables by training steps (all tables).",
+            registry=self.registry,
+        )
+        self.sparse_unique_ids = Counter(
+            "rpcps_worker_sparse_unique_ids",
+            "Distinct ids those lookups pulled (deduplicated per table and step); unique / looked up is the unique-id ratio.",
+            registry=self.registry,
+        )
 
     def add_time(self, compute_s: float, comm_s: float) -> None:
         self.compute_seconds.inc(compute_s)

@@ -287,6 +287,7 @@ class Trainer:
         self.sparse_modules = collections_of(self.model)
         self.router: SparseRouter | None = None
         if self.sparse_modules:
+            self.metrics.watch_sparse()
             self.router = SparseRouter(
                 declared_tables(self.model), clients, [r.incarnation for r in registrations], config.worker_index,
                 wire_dtype(first.wire_dtype), self._with_retries,

@@ -12,8 +12,17 @@ ROLE_CATCHING_UP, ROLE_STANDBY, ROLE_PRIMARY, ROLE_STEPPING_DOWN = 0, 1, 2, 3
 
 
 class ReplicationMetrics:
+    """The series of one server process's replication.
+
+    A shard without standbys (``replicas`` 1) keeps them in a private registry that nothing
+    exports: a dense single-server job's /metrics shows no replica role, lag or failovers that
+    cannot happen. Only refused replication calls stay exported there (a stranger may still try
+    them), as a series per reason that appears with its first refusal.
+    """
+
     def __init__(self, registry: CollectorRegistry, replicas: int) -> None:
-        r = registry
+        exported = replicas > 1
+        r = registry if exported else CollectorRegistry()
         self.configured = Gauge("rpcps_replica_configured", "Server processes per shard this one was started for (--replicas).", registry=r)
         self.configured.set(replicas)
         self.role = Gauge(
@@ -69,10 +78,11 @@ class ReplicationMetrics:
 
         self.refused = Counter(
             "rpcps_replica_refused", "Replication calls refused (no valid job-secret proof or attach id), by reason.", ["reason"],
-            registry=r,
+            registry=registry,
         )
-        for reason in REFUSALS:
-            self.refused.labels(reason)  # every series from the start, at 0 (rate() sees the first refusal)
+        if exported:
+            for reason in REFUSALS:
+                self.refused.labels(reason)  # every series from the start, at 0 (rate() sees the first refusal)
 
     def watch_lag(self, updates: Callable[[], float], seconds: Callable[[], float], unreplicated: Callable[[], float]) -> None:
         """Computes the lag at scrape time from the current role's view of the log."""

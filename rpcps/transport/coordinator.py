@@ -90,6 +90,12 @@ class Janitor:
 
     def _on_failed_ping(self, name: str, error: Exception, now: float) -> None:
         if isinstance(error, PeerUnreachable):
+            if name not in membership.member_names():
+                # It left in order while this sweep pinged it (every normal shutdown races a sweep):
+                # nothing went wrong, and nothing is left to remove.
+                logger.debug("%s left while being pinged: %s", name, str(error).splitlines()[0])
+                self._first_silent.pop(name, None)
+                return
             logger.warning("%s is gone: %s", name, str(error).splitlines()[0])
             try:
                 self.registry.mark_dead(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,7 @@ def _assert_one_clear_error(stderr: str, role: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "code", "message"),
     [
-        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 0, got -1"),
+        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 1, got -1"),
         (["ps", "--optimizer", "nope"], 2, "argument --optimizer: 'nope' is not one of ['adagrad', 'adam'"),
         (["ps", "--metrics-port", "0", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'], 2,
          "optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', 'momentum'"),
@@ -32,8 +33,24 @@ def _assert_one_clear_error(stderr: str, role: str, message: str) -> None:
          "--model 'no_such_module:model': cannot import 'no_such_module'"),
         (["worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"], 2,
          "worker_index must be in [0, 2) for 2 workers, got 2"),
+        (["local", "--steps", "0"], 2, "steps must be >= 1, got 0"),
+        (["local", "--worker", "2"], 2, "unrecognized arguments: --worker 2; did you mean --workers? (see `rpcps local --help`)"),
+        (["worker", "--ps", "127.0.0.1:1", "--stesp", "5"], 2,
+         "unrecognized arguments: --stesp 5; did you mean --steps? (see `rpcps worker --help`)"),
+        (["local", "--model", "rpcps.tasks:nope"], 2, "--model 'rpcps.tasks:nope': module 'rpcps.tasks' has no attribute 'nope'"),
+        (["local", "--model", "rpcps.plugins:BUILTIN_MODEL"], 2, "--model 'rpcps.plugins:BUILTIN_MODEL' is not callable (it is a str)"),
+        (["ps", "--metrics-port", "0", "--model", "torch.nn:Linear"], 2,
+         "--model 'torch.nn:Linear' could not be called with no arguments"),
+        (["local", "--data", "rpcps.tasks:nope"], 2, "--data 'rpcps.tasks:nope': module 'rpcps.tasks' has no attribute 'nope'"),
+        (["local", "--data", "rpcps.plugins:BUILTIN_DATA"], 2, "--data 'rpcps.plugins:BUILTIN_DATA' is not callable (it is a str)"),
+        (["local", "--loss", "no_such_module:loss"], 2, "--loss 'no_such_module:loss': cannot import 'no_such_module'"),
+        (["local", "--loss", "rpcps.plugins:BUILTIN_MODEL"], 2, "--loss 'rpcps.plugins:BUILTIN_MODEL' is not callable (it is a str)"),
     ],
-    ids=["negative-steps", "unknown-optimizer", "unknown-optimizer-setting", "unimportable-model", "worker-index"],
+    ids=[
+        "negative-steps", "unknown-optimizer", "unknown-optimizer-setting", "unimportable-model", "worker-index", "zero-steps",
+        "flag-prefix", "flag-typo", "model-not-found", "model-not-callable", "model-not-a-factory", "data-not-found",
+        "data-not-callable", "loss-not-found", "loss-not-callable",
+    ],
 )
 @pytest.mark.timeout(60)
 def test_bad_settings_fail_with_one_line(procs: ProcessGroup, argv: list[str], code: int, message: str) -> None:
@@ -43,11 +60,33 @@ def test_bad_settings_fail_with_one_line(procs: ProcessGroup, argv: list[str], c
 
 
 @pytest.mark.timeout(60)
+def test_a_checkpoint_dir_that_is_a_file_is_refused_by_name(procs: ProcessGroup, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    path.write_text("not a directory")
+    proc = procs.start("cli", ["local", "--steps", "5", "--checkpoint-dir", path])
+    assert proc.wait(45) == 2
+    _assert_one_clear_error(proc.stderr(), "local", f"--checkpoint-dir {path} is a file, not a directory")
+    assert proc.stdout() == "", "nothing may start"
+
+
+@pytest.mark.timeout(60)
 def test_unreachable_server_fails_with_one_line(procs: ProcessGroup) -> None:
     port = free_port()  # nothing listens there
     worker, _ = procs.worker("worker0", port, 0, 1, "--connect-timeout-s", "2")
     assert worker.wait(45) == 1
     _assert_one_clear_error(worker.stderr(), "worker", f"no parameter server answered at 127.0.0.1:{port} within 2s")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_waiting_for_its_server_says_so_at_once_and_every_few_seconds(procs: ProcessGroup) -> None:
+    port = free_port()  # nothing listens there
+    worker, _ = procs.worker("worker0", port, 0, 1, "--connect-timeout-s", "6")
+    assert worker.wait(45) == 1
+    lines = worker.stderr().splitlines()
+    waits = [i for i, line in enumerate(lines) if f"waiting for the parameter server at 127.0.0.1:{port}" in line]
+    assert waits and waits[0] < 5, f"the first lines must say what the worker waits for:\n{worker.stderr()}"
+    assert any(f"still waiting for the parameter server at 127.0.0.1:{port}: 5s of 6s" in line for line in lines), worker.stderr()
+    _assert_one_clear_error(worker.stderr(), "worker", f"no parameter server answered at 127.0.0.1:{port} within 6s")
 
 
 @pytest.fixture

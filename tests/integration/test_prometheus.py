@@ -151,10 +151,11 @@ def test_every_dashboard_query_evaluates_on_live_data(monitored: Monitored) -> N
     queries, problems = checker.dashboard_queries(path, dashboard)
     assert problems == []
     # Empty by design: the checkpoint age only exists once a checkpoint was written; this dense run
-    # without replicas has no coordinator (`rpcps store`) and no sparse tables.
+    # without replicas has no coordinator (`rpcps store`), no sparse tables and no replication series.
     may_be_empty = set() if monitored.checkpointing else {"Newest checkpoint age"}
-    may_be_empty |= {"(coordinator)", "variable $store_job", *panels_in_row(dashboard, "Sparse tables")}
-    assert len(may_be_empty) > 3, "the dashboard's sparse row is gone or renamed: update this test"
+    sparse, replication = panels_in_row(dashboard, "Sparse tables"), panels_in_row(dashboard, "Replication")
+    assert sparse and replication, "the dashboard's sparse or replication row is gone or renamed: update this test"
+    may_be_empty |= {"(coordinator)", "variable $store_job", *sparse, *replication}
 
     def empty() -> list[str]:
         return [q.where for q in queries if not monitored.prom.query(q.expr) and not any(t in q.where for t in may_be_empty)]

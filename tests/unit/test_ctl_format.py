@@ -114,6 +114,9 @@ def test_status_shows_the_replica_set_and_warns_when_a_shard_runs_without_its_st
     assert "  replication sync (a push is acknowledged once the standby holds it)" in text
     alone = format_status(status_dict(_status(replica=pb.ReplicaStatus(role="primary", epoch=4, primary="ps0_r9", configured=2))))
     assert "standby     none (WARNING: started with --replicas 2" in alone
+    assert "replication" not in alone and "lag" not in alone, "no replication mode or lag on a shard without a standby"
+    single = format_status(status_dict(_status(replica=pb.ReplicaStatus(role="primary", epoch=1, primary="ps0_r0", configured=1))))
+    assert "replica" not in single and "standby" not in single, "a --replicas 1 shard says nothing of replication"
     assert status_dict(_status())["replica"] is None and "replica" not in format_status(status_dict(_status()))
 
 

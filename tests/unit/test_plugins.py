@@ -79,3 +79,22 @@ def test_bad_loss_specs_are_explained(plugin_dir: Path) -> None:
         plugins.load_loss("l1")
     with pytest.raises(PluginError, match="--loss 'my_plugin_mod:NOT_CALLABLE' is not callable"):
         plugins.load_loss("my_plugin_mod:NOT_CALLABLE")
+
+
+def test_targets_that_are_not_factories_are_refused_by_name(plugin_dir: Path) -> None:
+    with pytest.raises(PluginError, match=r"--model 'my_plugin_mod:NOT_CALLABLE' is not callable \(it is a int\)"):
+        plugins.load_model("my_plugin_mod:NOT_CALLABLE")
+    with pytest.raises(PluginError, match=r"--model 'torch.nn:Linear' could not be called with no arguments"):
+        plugins.load_model("torch.nn:Linear")
+    with pytest.raises(PluginError, match=r"--data 'my_plugin_mod:model' could not be called as factory\(worker_index, num_workers\)"):
+        plugins.load_data("my_plugin_mod:model", 0, 1)
+    with pytest.raises(PluginError, match="--data 'my_plugin_mod:NOT_CALLABLE' is not callable"):
+        plugins.check_specs("my_plugin_mod:model", "my_plugin_mod:NOT_CALLABLE", "mse")
+
+
+def test_data_that_is_not_iterable_is_refused(plugin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import my_plugin_mod  # type: ignore[import-not-found]
+
+    monkeypatch.setattr(my_plugin_mod, "numbers", lambda worker_index, num_workers: 7, raising=False)
+    with pytest.raises(PluginError, match=r"--data 'my_plugin_mod:numbers' returned int, expected an iterable of \(inputs, targets\)"):
+        plugins.load_data("my_plugin_mod:numbers", 0, 1)

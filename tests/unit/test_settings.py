@@ -132,7 +132,7 @@ def test_ctl_reads_its_address_from_the_environment(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        (["worker", "--ps", "h:1", "--steps", "-1"], "rpcps worker: error: steps must be >= 0, got -1"),
+        (["worker", "--ps", "h:1", "--steps", "-1"], "rpcps worker: error: steps must be >= 1, got -1"),
         (["worker", "--steps", "ten"], "rpcps worker: error: argument --steps: 'ten' is not an integer (see `rpcps worker --help`)"),
         (["ps", "--listen", "nohost"], "rpcps ps: error: argument --listen: 'nohost' is not HOST:PORT (see `rpcps ps --help`)"),
         (["ps", "--mode", "bounded"], "rpcps ps: error: mode 'bounded' needs max_staleness (--max-staleness K)"),
