@@ -22,7 +22,7 @@ from cli.main import parse
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-VENV_TOOLS = ("python", "python3", "rpcps", "torchrun", "pytest", "pip")
+VENV_TOOLS = ("rpcps", "python", "python3", "torchrun", "pytest", "pip")
 """What tools/setup.sh installs into .venv; a bare name runs the system's (or nothing)."""
 ENTRY = "trainer_entry.py"
 PLACEHOLDER = re.compile(r"^(\.\.\.|\[.*|.*\]|[A-Z][A-Z_]*(:\d+)?|.*=?[A-Z]{2,}[A-Z_]*|.*\$.*|.*<.*>.*)$")
