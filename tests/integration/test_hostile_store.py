@@ -78,7 +78,8 @@ def test_a_forged_view_in_the_store_is_ignored_put_back_and_training_loses_nothi
         wait_until(lambda: store.get(VIEW_KEY).decode() == genuine, 10, "the primary to put its view back")
     scraped = try_scrape(metrics)
     assert scraped[_REFUSED.format("unsigned")] == 1 and scraped[_REFUSED.format("bad_signature")] == 1, scraped
-    assert scraped[_REPAIRED] == 2 and scraped["rpcps_replica_stepdowns_total"] == 0
+    # Replication series are exported with --replicas 2 only; the log below says no step-down happened.
+    assert scraped[_REPAIRED] == 2 and scraped.get("rpcps_replica_stepdowns_total", 0) == 0
     assert len(refusal_lines(ps)) == 2, "one log line per forged text"
     finish(procs, ps, metrics, control, workers)
     assert "stepping down" not in ps.stderr() and "resumed from" not in ps.stderr()
@@ -119,7 +120,7 @@ def test_a_stranger_serving_a_fake_primary_and_announcing_it_gets_no_gradient(pr
     assert _event(stranger, "done")["calls"] == {}, "the stranger's fake worker API was called: a worker followed its view"
     scraped = try_scrape(metrics)
     assert scraped[_REFUSED.format("bad_signature")] == 1 and scraped[_REPAIRED] >= 1, scraped
-    assert scraped["rpcps_replica_stepdowns_total"] == 0 and len(refusal_lines(ps)) == 1
+    assert scraped.get("rpcps_replica_stepdowns_total", 0) == 0 and len(refusal_lines(ps)) == 1
     for worker in workers:
         assert "switching to its successor" not in worker.stderr() and "rejoin" not in worker.stderr()
         assert len(refusal_lines(worker)) == 1 and worker.stderr().count("a new view was announced") == 1
