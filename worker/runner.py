@@ -43,7 +43,10 @@ def run_worker(config: WorkerRunConfig) -> int:
     metrics = WorkerMetrics()
     metrics.reconnects.set(reconnects)
     gpu = pick_device(config.worker.device).type == "cuda"
-    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads, gpu=gpu)))
+    threads.HostBudget(
+        "worker", config.process.threads, gpu=gpu,
+        on_change=metrics.thread_budget.show,
+    ).start()
     build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
     http = _serve_metrics(metrics, config)
     stats = WorkerStats.from_carry(os.environ.get(STATS_ENV))

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rpcps import plugins, transport
+from rpcps import plugins, threads, transport
 from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
 from rpcps.partition import partition, partition_digest
@@ -388,6 +388,7 @@ class Trainer:
         accounting counts it as communication, not compute.
         """
         inputs, targets = batch
+        threads.sync()  # the host's budget may have changed since the last step (rpcps.threads)
         for p in self.params:
             p.grad = None
         comm = 0.0
