@@ -71,7 +71,7 @@ def run_server(config: ServerRunConfig) -> int:
     metrics = ServerMetrics()
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
     budget = threads.HostBudget(
-        "server", config.process.threads,
+        "server", config.process.threads, directory=config.process.host_dir,
         on_change=metrics.thread_budget.show,
     )
     budget.start()

@@ -12,8 +12,8 @@ A file is created under a dot-name, locked, filled and only then renamed into pl
 never sees a live process's file unlocked. Updates rewrite the locked file in place with one
 ``pwrite`` of a fixed size; a reader that catches half of one skips that entry for that round.
 
-The directory: ``RPCPS_HOST_DIR`` when set (a volume shared by the containers of one host, e.g.
-Compose), else ``$XDG_RUNTIME_DIR/rpcps`` when that exists, else ``/tmp/rpcps-<uid>``; created
+The directory: ``--host-dir`` (``RPCPS_HOST_DIR``) when set (a volume shared by the containers of one
+host, as the Compose recipe does), else ``$XDG_RUNTIME_DIR/rpcps`` when that exists, else ``/tmp/rpcps-<uid>``; created
 mode 0700. Processes of other users are not seen (their files are not ours to read).
 
 What must not live here: what the entries are used for (rpcps.threads divides the cores).
@@ -33,7 +33,6 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-DIR_ENV = "RPCPS_HOST_DIR"
 RECORD_BYTES = 512
 """Every entry is written padded to this size, in one pwrite."""
 
@@ -71,9 +70,8 @@ class Entry:
 
 
 def default_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The directory when ``--host-dir`` (``RPCPS_HOST_DIR``) does not name one."""
     environ = os.environ if environ is None else environ
-    if environ.get(DIR_ENV):
-        return Path(environ[DIR_ENV])
     runtime = environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return Path(runtime) / "rpcps"

@@ -213,7 +213,7 @@ class HostBudget:
         *,
         gpu: bool = False,
         environ: Mapping[str, str] | None = None,
-        directory: Path | None = None,
+        directory: str | Path | None = None,
         on_change: Callable[[ThreadBudget], None] | None = None,
         poll_s: float = POLL_S,
         limits: Callable[[], cpu_limits.UsableCores] = cpu_limits.usable_cores,
@@ -223,7 +223,7 @@ class HostBudget:
         self._pin = pinned(requested, environ)
         self._kind = "pinned" if self._pin is not None else kind_of(role, gpu=gpu)
         self._cap = GPU_WORKER_THREADS if gpu and self._pin is None else None
-        self._directory = directory if directory is not None else host_registry.default_dir(environ)
+        self._directory = Path(directory) if directory else host_registry.default_dir(environ)
         self._on_change = on_change
         self._poll_s = poll_s
         self._limits = limits

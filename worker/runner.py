@@ -44,7 +44,7 @@ def run_worker(config: WorkerRunConfig) -> int:
     metrics.reconnects.set(reconnects)
     gpu = pick_device(config.worker.device).type == "cuda"
     threads.HostBudget(
-        "worker", config.process.threads, gpu=gpu,
+        "worker", config.process.threads, gpu=gpu, directory=config.process.host_dir,
         on_change=metrics.thread_budget.show,
     ).start()
     build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})

@@ -74,7 +74,6 @@ def test_an_entry_that_does_not_fit_is_refused() -> None:
 
 
 def test_the_directory(tmp_path: Path) -> None:
-    assert default_dir({"RPCPS_HOST_DIR": "/shared/rpcps"}) == Path("/shared/rpcps")
     assert default_dir({"XDG_RUNTIME_DIR": str(tmp_path)}) == tmp_path / "rpcps"
     assert default_dir({"XDG_RUNTIME_DIR": str(tmp_path / "missing")}) == Path(f"/tmp/rpcps-{os.getuid()}")
     HostRegistry(tmp_path / "new", entry()).close()
