@@ -278,7 +278,7 @@ class HostBudget:
             logger.info("intra-op threads: %d (%s)", torch.get_num_threads(), budget.reason)
         elif budget.intra_op != old.intra_op:
             logger.info("intra-op threads: %d -> %d (%s)", old.intra_op, budget.intra_op, budget.reason)
-        else:
+        elif self._pin is None:  # a pinned count says nothing about its neighbours: only the gauge follows them
             logger.info("intra-op threads stay %d (%s)", budget.intra_op, budget.reason)
         if self._registry is not None:
             self._registry.publish(replace(self._registry.entry, threads=budget.intra_op, use=round(self._use, 3)))
