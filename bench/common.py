@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,14 +319,16 @@ def run_by_hand(
     interval_s: float = 0.5,
     scrape_all: bool = False,
     timeout_s: float = 900,
+    server_wrapper: Callable[[list[str]], list[str]] | None = None,
 ) -> HandRun:
     """A server and ``workers`` workers started as separate processes, the way README's "Running it on a
     cluster" starts them on one host: no ``local``, no thread flag, no thread environment.
 
     ``extra`` goes to the server (its optimizer). With ``late_worker_at`` (a fraction of the
     ``workers * steps`` updates), one more worker (slot ``workers``) is started by hand once the server
-    has applied that many. The only flags beyond the README's are ports (so the sampler can find the
-    endpoints) and a summary file per process. Raises if a process fails.
+    has applied that many. ``server_wrapper`` rewrites the server's command line (to run it in a
+    cgroup: harness.cgroups.enter_argv). The only flags beyond the README's are ports (so the sampler
+    can find the endpoints) and a summary file per process. Raises if a process fails.
     """
     from rpcps.ports import free_port
     from rpcps.scrape import try_scrape as scrape
@@ -345,6 +347,8 @@ def run_by_hand(
 
     argvs = {"ps": [sys.executable, entry, "ps", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(ports["ps"]),
                     "--summary-json", str(run_dir / "ps.json"), *common, *extra]}
+    if server_wrapper is not None:
+        argvs["ps"] = server_wrapper(argvs["ps"])
     argvs.update({f"worker{i}": worker_argv(i, steps) for i in range(workers)})
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Any] = {}

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import re
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from harness.cgroups import CgroupUnavailable, cpu_quota_cgroup, enter_argv
 from harness.procs import ENTRY, Proc, ProcessGroup, child_env, try_scrape, wait_until
 from rpcps.cpu_limits import usable_cores
 
@@ -71,46 +71,18 @@ def test_hand_started_processes_share_the_host_and_follow_a_late_worker_and_a_ki
     assert os.listdir(tmp_path / "host") and len(os.listdir(tmp_path / "host")) == 3
 
 
-def _cpu_cgroup_parent() -> tuple[Path, str] | None:
-    """Where this test may make a CPU cgroup (root, a writable v2 with the cpu controller or a v1 cpu hierarchy)."""
-    if os.geteuid() != 0:
-        return None
-    v2 = Path("/sys/fs/cgroup")
-    if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
-        return v2, "v2"
-    for v1 in (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct")):
-        if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
-            return v1, "v1"
-    return None
-
-
 @pytest.fixture
 def one_core_cgroup() -> Iterator[Path]:
-    found = _cpu_cgroup_parent()
-    if found is None:
-        pytest.skip("needs root and a writable CPU cgroup hierarchy (v2 with the cpu controller, or v1 cpu)")
-    parent, version = found
-    group = parent / f"rpcps-test-{uuid.uuid4().hex[:8]}"
     try:
-        group.mkdir()
-        if version == "v2":
-            (group / "cpu.max").write_text("100000 100000\n")
-        else:
-            (group / "cpu.cfs_period_us").write_text("100000\n")
-            (group / "cpu.cfs_quota_us").write_text("100000\n")
-    except OSError as e:
-        pytest.skip(f"cannot make a CPU cgroup here: {e}")
-    yield group
-    # The processes in it are reaped by the procs fixture first (fixtures tear down in reverse order).
-    wait_until(lambda: not (group / "cgroup.procs").read_text().strip(), 30, "the cgroup to empty")
-    group.rmdir()
+        with cpu_quota_cgroup(1.0) as group:
+            yield group  # the procs fixture reaps the processes in it first (fixtures tear down in reverse order)
+    except CgroupUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.mark.timeout(120)
 def test_a_cpu_quota_of_one_core_gives_a_budget_of_one(one_core_cgroup: Path, procs: ProcessGroup, tmp_path: Path) -> None:
-    env = {**host_env(tmp_path), "RPCPS_TEST_CGROUP": str(one_core_cgroup)}
-    enter = ["sh", "-c", 'echo $$ > "$RPCPS_TEST_CGROUP/cgroup.procs" && exec "$@"', "sh", sys.executable, str(ENTRY)]
-    ps, _, metrics = procs.ps("ps", env=env, program=enter)
+    ps, _, metrics = procs.ps("ps", env=host_env(tmp_path), program=enter_argv(one_core_cgroup, [sys.executable, str(ENTRY)]))
     threads, _, usable = wait_until(lambda: gauges(metrics, "server"), 60, "the server's /metrics")
     assert (threads, usable) == (1, 1), ps.tail()
     assert re.search(r"intra-op threads: 1 \(1 usable cores \(affinity \d+, cgroup CPU quota 1 cores\)", ps.stderr()), ps.tail()
