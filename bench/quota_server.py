@@ -44,8 +44,18 @@ def main() -> int:
     with cpu_quota_cgroup(1.0) as group:
         for i in range(args.repeats):
             for name, flags in SIDES.items():
-                run = run_by_hand(root / f"{name.strip('-').replace(' ', '')}-{i}", model=p.model, data=p.data, loss=p.loss,
-                                  workers=2, steps=p.steps, extra=[*SGD_ARGS, *flags], server_wrapper=lambda argv: enter_argv(group, argv))
+                tag = f"{name.strip('-').replace(' ', '')}-{i}"
+                for attempt in range(2):
+                    try:
+                        run = run_by_hand(root / f"{tag}-{attempt}", model=p.model, data=p.data, loss=p.loss, workers=2, steps=p.steps,
+                                          extra=[*SGD_ARGS, *flags], server_wrapper=lambda argv: enter_argv(group, argv))
+                        break
+                    except RuntimeError as e:
+                        # Seen once: a worker gave up opening its store client (2 s) while the throttled
+                        # server was still starting; a fresh run, not a skipped side.
+                        print(f"{name}, repeat {i}: {e}; running it again", flush=True)
+                else:
+                    raise RuntimeError(f"{name} failed twice; logs in {root}")
                 runs[name].append(run.steady_updates_per_s())
                 line = re.search(r"rpcps\.threads: (intra-op threads: .*)", run.logs["ps"])
                 budgets[name] = line.group(1) if line else "?"
