@@ -285,3 +285,125 @@ def print_table(columns: list[str], rows: list[list[str]]) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+@dataclass
+class HandRun:
+    """What ``run_by_hand`` saw: the server's applied updates, each process's log and budget gauges."""
+
+    server_updates: list[tuple[float, float]]
+    """(seconds since start, the server's rpcps_server_updates_applied_total)."""
+    logs: dict[str, str]
+    """Each process's log (ps, worker0, ...)."""
+    host_processes: dict[str, list[tuple[float, float]]]
+    """Each process's rpcps_*_host_processes gauge over time (only with ``scrape_all``)."""
+    intra_op: dict[str, list[tuple[float, float]]]
+    """Each process's rpcps_*_intra_op_threads gauge over time (only with ``scrape_all``)."""
+    late_started_s: float | None
+    """When the late worker was started (seconds since start), if one was."""
+
+    def steady_updates_per_s(self) -> float:
+        return steady_rate(self.server_updates)
+
+    def rate_between(self, t0: float, t1: float) -> float:
+        """Updates per second between two moments (interpolated between samples)."""
+        def at(t: float) -> float:
+            for (a, va), (b, vb) in zip(self.server_updates, self.server_updates[1:]):
+                if a <= t <= b:
+                    return va + (vb - va) * (t - a) / (b - a) if b > a else vb
+            raise ValueError(f"no samples around {t:.1f}s")
+        return (at(t1) - at(t0)) / (t1 - t0)
+
+
+def run_by_hand(
+    run_dir: Path,
+    *,
+    model: str,
+    data: str,
+    loss: str,
+    workers: int,
+    steps: int,
+    extra: Sequence[str] = (),
+    late_worker_at: float | None = None,
+    late_worker_steps: int | None = None,
+    interval_s: float = 0.5,
+    scrape_all: bool = False,
+    timeout_s: float = 900,
+    server_wrapper: Callable[[list[str]], list[str]] | None = None,
+) -> HandRun:
+    """A server and ``workers`` workers started as separate processes, the way README's "Running it on a
+    cluster" starts them on one host: no ``local``, no thread flag, no thread environment.
+
+    ``extra`` goes to the server (its optimizer). With ``late_worker_at`` (a fraction of the
+    ``workers * steps`` updates), one more worker (slot ``workers``) is started by hand once the server
+    has applied that many. ``server_wrapper`` rewrites the server's command line (to run it in a
+    cgroup: harness.cgroups.enter_argv). The only flags beyond the README's are ports (so the sampler
+    can find the endpoints) and a summary file per process. Raises if a process fails.
+    """
+    from rpcps.ports import free_port
+    from rpcps.scrape import try_scrape as scrape
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    total = workers + (1 if late_worker_at is not None else 0)
+    ports = {"ps": free_port(), **{f"worker{i}": free_port() for i in range(total)}}
+    entry = str(REPO / "trainer_entry.py")
+    common = ["--model", model, "--log-level", "INFO"]
+
+    def worker_argv(i: int, n: int) -> list[str]:
+        return [sys.executable, entry, "worker", "--ps", f"127.0.0.1:{port}", "--worker-index", str(i), "--num-workers", str(total),
+                "--steps", str(n), "--data", data, "--loss", loss, "--metrics-port", str(ports[f"worker{i}"]),
+                "--summary-json", str(run_dir / f"worker{i}.json"), *common]
+
+    argvs = {"ps": [sys.executable, entry, "ps", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(ports["ps"]),
+                    "--summary-json", str(run_dir / "ps.json"), *common, *extra]}
+    if server_wrapper is not None:
+        argvs["ps"] = server_wrapper(argvs["ps"])
+    argvs.update({f"worker{i}": worker_argv(i, steps) for i in range(workers)})
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, Any] = {}
+
+    def start(name: str, argv: list[str]) -> None:
+        logs[name] = open(run_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in the finally below
+        procs[name] = subprocess.Popen(argv, cwd=REPO, env=child_env(), stdout=logs[name], stderr=subprocess.STDOUT)
+
+    updates: list[tuple[float, float]] = []
+    host: dict[str, list[tuple[float, float]]] = {}
+    threads: dict[str, list[tuple[float, float]]] = {}
+    late_at: float | None = None
+    started = time.monotonic()
+    try:
+        for name, argv in argvs.items():
+            start(name, argv)
+        deadline = started + timeout_s
+        while any(procs[n].poll() is None for n in procs if n != "ps"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hand-started run did not finish in {timeout_s:.0f}s ({run_dir})")
+            time.sleep(interval_s)  # the sampling interval, not synchronisation: every loop reads the state afresh
+            now = time.monotonic() - started
+            for name in list(procs) if scrape_all else ["ps"]:
+                values = scrape(ports[name]) if procs[name].poll() is None else None
+                if not values:
+                    continue
+                role = "server" if name == "ps" else "worker"
+                if name == "ps" and "rpcps_server_updates_applied_total" in values:
+                    updates.append((now, values["rpcps_server_updates_applied_total"]))
+                if f"rpcps_{role}_host_processes" in values:
+                    host.setdefault(name, []).append((now, values[f"rpcps_{role}_host_processes"]))
+                    threads.setdefault(name, []).append((now, values[f"rpcps_{role}_intra_op_threads"]))
+            if late_worker_at is not None and late_at is None and updates and updates[-1][1] >= late_worker_at * workers * steps:
+                late_at = now
+                start(f"worker{workers}", worker_argv(workers, late_worker_steps or steps))
+            failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"{failed} failed; logs in {run_dir}")
+        procs["ps"].send_signal(signal.SIGTERM)
+        procs["ps"].wait(timeout=120)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for f in logs.values():
+            f.close()
+    return HandRun(updates, {n: (run_dir / f"{n}.log").read_text(errors="replace") for n in procs}, host, threads, late_at)

@@ -3,6 +3,8 @@
 
     python -m bench.vs_example                      # the 5M MLP, batch 64, 2 workers x 300 steps, ~4 min
     python -m bench.vs_example --preset tiny        # the 22k teacher-student MLP, batch 64, 2 workers x 3000 steps
+    python -m bench.vs_example --sides example,local-sgd,hand   # with rpcps started by hand, without local
+    python -m bench.vs_example --preset charlm --workers 1 --sides one,local-sgd   # the byte-level transformer, one worker
 
 In one run, ``--repeats`` times interleaved (the best of each side kept), same model, data, loss and
 number of updates:
@@ -16,6 +18,9 @@ number of updates:
 * **rpcps, SGD**: ``trainer_entry.py local`` on its defaults, only the optimizer matched to the
   example's (``--optimizer sgd --lr 0.05``).
 * **rpcps, defaults**: ``local`` with nothing set but the model, data and loss (Adam).
+* **rpcps by hand, SGD** (``--sides`` with ``hand``): a server and the workers started as separate
+  processes, the way README's "Running it on a cluster" starts them on one host (bench.common.run_by_hand):
+  no ``local``, no thread flag or environment; each process finds its neighbours itself (rpcps.threads).
 
 Nothing here sets threads, transports or any other setting for rpcps: it measures what a user
 who changes nothing gets. Every side is measured the same way (bench.common.steady_rate): updates
@@ -35,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import local_argv, print_table, run_local, run_ranks, steady_rate
+from bench.common import local_argv, print_table, run_by_hand, run_local, run_ranks, steady_rate
 from rpcps.ports import free_port
 
 
@@ -51,6 +56,7 @@ class Preset:
 PRESETS = {
     "5m": Preset("rpcps.tasks:mlp_5m", "bench.big_batch:mlp_5m_data_64", "mse", 300),
     "tiny": Preset("rpcps.tasks:teacher_student_model", "rpcps.tasks:teacher_student_data", "cross_entropy", 3000),
+    "charlm": Preset("rpcps.examples.charlm:model", "rpcps.examples.charlm:data", "cross_entropy", 300),
 }
 SGD_LR = 0.05
 """The example's SGD learning rate (stable on both presets' data)."""
@@ -81,6 +87,16 @@ def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> fl
     return run_local(argv, run_dir, interval_s=0.5, scrape_workers=False).steady_updates_per_s()
 
 
+def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
+    run = run_by_hand(root / tag, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra)
+    return run.steady_updates_per_s()
+
+
+SIDES = ("one", "example", "local-sgd", "local-adam", "hand")
+"""What ``--sides`` may name: the one process, the example design (each of --example-transports),
+``local`` with SGD and with its defaults, and rpcps started by hand with SGD."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vs_example", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="5m")
@@ -88,16 +104,26 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="steps per worker (default: the preset's)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--example-transports", default="default,uv", help="the example design's TensorPipe options: default, uv")
+    parser.add_argument("--sides", default="one,example,local-sgd,local-adam", help=f"comma-separated, of {','.join(SIDES)}")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     if args.steps:
         preset = Preset(preset.model, preset.data, preset.loss, args.steps)
+    wanted = args.sides.split(",")
+    if not set(wanted) <= set(SIDES) or not {"example", "one"} & set(wanted):
+        parser.error(f"--sides must name the example or the one process (what the others are compared with), of {','.join(SIDES)}")
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-vs-"))
-    sides: dict[str, Callable[[int], float]] = {"one process (limit)": lambda i: one_process(preset, args.workers)}
-    for t in args.example_transports.split(","):
+    sides: dict[str, Callable[[int], float]] = {}
+    if "one" in wanted:
+        sides["one process (limit)"] = lambda i: one_process(preset, args.workers)
+    for t in args.example_transports.split(",") if "example" in wanted else []:
         sides[f"example design ({t})"] = lambda i, t=t: example_design(preset, args.workers, t)
-    sides["rpcps defaults, --optimizer sgd"] = lambda i: rpcps(preset, args.workers, root, f"sgd-{i}", SGD_ARGS)
-    sides["rpcps defaults (Adam)"] = lambda i: rpcps(preset, args.workers, root, f"adam-{i}", [])
+    if "local-sgd" in wanted:
+        sides["rpcps defaults, --optimizer sgd"] = lambda i: rpcps(preset, args.workers, root, f"sgd-{i}", SGD_ARGS)
+    if "local-adam" in wanted:
+        sides["rpcps defaults (Adam)"] = lambda i: rpcps(preset, args.workers, root, f"adam-{i}", [])
+    if "hand" in wanted:
+        sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
     runs: dict[str, list[float]] = {name: [] for name in sides}
     started = time.monotonic()
     for i in range(args.repeats):
@@ -105,16 +131,17 @@ def main() -> int:
             runs[name].append(measure(i))
         print(f"repeat {i}: " + ", ".join(f"{name} {r[-1]:.1f}" for name, r in runs.items()), flush=True)
     best = {name: max(r) for name, r in runs.items()}
-    example = max(v for name, v in best.items() if name.startswith("example"))
-    limit = best["one process (limit)"]
+    example = max((v for name, v in best.items() if name.startswith("example")), default=float("nan"))
+    limit = best.get("one process (limit)", float("nan"))
     print(f"\n{preset.model} ({preset.data}, {preset.loss}), {args.workers} workers x {preset.steps} steps, "
           f"steady updates/s (15-85 %), best of {args.repeats}, {time.monotonic() - started:.0f}s")
     print_table(
         ["side", "updates/s", "vs example design", "of one-process limit"],
         [[name, f"{v:.1f}", f"{v / example:.2f}x", f"{v / limit:.2f}"] for name, v in best.items()],
     )
-    sgd, adam = best["rpcps defaults, --optimizer sgd"], best["rpcps defaults (Adam)"]
-    print(f"rpcps Adam / rpcps SGD: {adam / sgd:.2f}; the example design's figure is its best transport")
+    if "rpcps defaults, --optimizer sgd" in best and "rpcps defaults (Adam)" in best:
+        print(f"rpcps Adam / rpcps SGD: {best['rpcps defaults (Adam)'] / best['rpcps defaults, --optimizer sgd']:.2f}")
+    print("the example design's figure is its best transport")
     print("all runs:", json.dumps(runs))
     return 0
 

@@ -25,15 +25,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cli import ctl, exits, progress
 from cli.config import LocalConfig, StoreConfig
 from evaluator.config import EvaluatorRunConfig
 from evaluator.scoring import check_model_spec
 from ps.checkpointer import shard_checkpoint_config
 from ps.config import ServerRunConfig
-from rpcps import plugins, threads
+from rpcps import plugins
 from rpcps.address import Address
 from rpcps.messages import Mode
 from rpcps.ports import free_port
@@ -493,21 +491,12 @@ class Supervisor:
 
 
 def _thread_shares(config: LocalConfig) -> tuple[ProcessOptions, ProcessOptions]:
-    """The process settings of the servers and of the workers, with the machine's cores divided between them.
+    """The process settings of the servers and of the workers: the same, with or without ``--threads``.
 
-    ``--threads`` (or ``OMP_NUM_THREADS``, which the children inherit) wins; otherwise every child
-    gets its share (``rpcps.threads.split_cores``), so the processes of one run never ask for more
-    compute threads than there are cores.
+    Every child divides the usable cores with every other rpcps process on this host itself, and keeps
+    dividing them as processes come and go (rpcps.threads); a count fixed here would pin them.
     """
-    process = config.server.process
-    if process.threads is not None or threads.omp_num_threads() is not None:
-        return process, process
-    device = config.worker.device
-    gpu_workers = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    cores = threads.usable_cores()
-    server_threads, worker_threads = threads.split_cores(cores, config.server.core.shard_count, config.workers, gpu_workers=gpu_workers)
-    logger.info("%d usable cores: %d intra-op threads per server, %d per worker", cores, server_threads, worker_threads)
-    return replace(process, threads=server_threads), replace(process, threads=worker_threads)
+    return config.server.process, config.server.process
 
 
 def run_local(config: LocalConfig) -> int:

@@ -171,8 +171,8 @@ def check_exposure(config: StoreConfig, environ: Mapping[str, str]) -> None:
 def run_store(config: StoreConfig) -> int:
     started = time.monotonic()
     memory.tune_malloc()  # before any thread allocates (rpcps.memory)
-    # It computes little, but --threads is one of its flags like every role's, and the log says the choice.
-    threads.apply(threads.choose(config.process.threads))
+    # It computes little, but it shares the host's cores like every role: the others count it (light).
+    threads.HostBudget("store", config.process.threads, directory=config.process.host_dir).start()
     check_exposure(config, os.environ)
     secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
     stop = threading.Event()

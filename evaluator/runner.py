@@ -24,7 +24,7 @@ from evaluator.config import EvaluatorConfig, EvaluatorRunConfig
 from evaluator.metrics import EvaluatorMetrics
 from evaluator.observer import Observer
 from evaluator.scoring import Batch, Scorer, check_scorable, checked, load_batches, load_scorer
-from rpcps import memory, plugins, rpc_policy, signals, transport
+from rpcps import memory, plugins, rpc_policy, signals, threads, transport
 from rpcps.errors import SignatureMismatch
 from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
@@ -110,6 +110,7 @@ class Evaluation:
     def score(self, version: int) -> None:
         """Scores the model as it is now; a scorer that fails is logged and counted, not fatal."""
         started = time.perf_counter()
+        threads.sync()  # the host's budget may have changed since the last round (rpcps.threads)
         try:
             scores = checked(self.scorer(self.model, self.batches), "the evaluation")
         except Exception as e:  # noqa: BLE001 - the user's scorer may raise anything; the next round retries
@@ -130,6 +131,7 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
     started = time.monotonic()
     reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
     metrics = EvaluatorMetrics()
+    threads.HostBudget("evaluator", config.process.threads, directory=config.process.host_dir).start()  # light: it scores now and then
     build_info(metrics.registry, "evaluator", {"ps": str(config.ps), "model": config.evaluator.model})
     http, _ = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     best = BestModel(config.evaluator, metrics, os.environ.get(BEST_ENV))

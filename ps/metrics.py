@@ -15,6 +15,7 @@ from ps.admission import RejectReason
 from ps.reaper import PING_FAILURES
 from ps.registration_auth import REASONS as REGISTRATION_REFUSALS
 from rpcps.rpc_policy import refusal_counter, store_refusal_counter
+from rpcps.threads import BudgetGauges
 from rpcps.transport.membership import REPAIR_KINDS
 
 if TYPE_CHECKING:
@@ -78,9 +79,7 @@ class ServerMetrics:
         )
         self.version = Gauge("rpcps_server_model_version", "Updates applied to the model since it was created.", registry=r)
         self.in_flight = Gauge("rpcps_server_pushes_in_flight", "Pushes being validated or applied now.", registry=r)
-        self.intra_op_threads = Gauge(
-            "rpcps_server_intra_op_threads", "Intra-op CPU threads the server computes with (--threads).", registry=r
-        )
+        self.thread_budget = BudgetGauges(r, "server")
         self.paused = Gauge("rpcps_server_paused", "1 while the server holds updates (paused by the control plane).", registry=r)
         self.registrations = Counter("rpcps_server_worker_registrations", "Worker registrations (joins and rejoins).", registry=r)
         self.workers_reaped = Counter(

@@ -70,12 +70,17 @@ def run_server(config: ServerRunConfig) -> int:
     signals.on_signals(on_signal)
     metrics = ServerMetrics()
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
-    metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads)))
+    budget = threads.HostBudget(
+        "server", config.process.threads, directory=config.process.host_dir,
+        on_change=metrics.thread_budget.show,
+    )
+    budget.start()
     metrics.crash_restarts.set(supervisor.crash_restarts())
     build_info(metrics.registry, "ps", _flat_config(config))
     http, metrics_port = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
+    server.thread_budget = budget
     if server.sparse is not None and config.replication.replicas > 1:
         # Sparse rows are applied by the primary only (ps.replication ships dense updates): a standby
         # would take over without them.

@@ -46,6 +46,7 @@ from ps.replication.log import ReplicationLog, Sequenced
 from ps.sparse.table import ClosedFull
 from ps.sparse_store import CheckedPush, SparseStore
 from ps.workers import WorkerRecord, WorkerTable
+from rpcps import threads
 from rpcps.errors import NotPrimary
 from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Update
 from rpcps.partition import partition_digest, shard_signature
@@ -111,7 +112,11 @@ class ServerStatus:
     shard_count: int
     workers: tuple[WorkerView, ...]
     intra_op_threads: int
-    """torch's intra-op threads in this process (rpcps.threads chose them at start-up)."""
+    """The intra-op threads this process computes with now (rpcps.threads; they follow the host)."""
+    thread_budget: str = ""
+    """Why (the usable cores and who shares them), or empty before a budget was chosen."""
+    host_processes: int = 1
+    """rpcps processes on this host sharing its cores, this one included."""
 
     @property
     def live_workers(self) -> int:
@@ -160,6 +165,8 @@ class ParameterServer:
         apply now (a primary whose lease ran out). Set by ``ps.replication``."""
         self.workers = WorkerTable(config.max_workers)
         self.started = time.monotonic()
+        self.thread_budget: threads.HostBudget | None = None
+        """The process's thread budget, for status (ps.runner sets it)."""
         self._listeners: list[Callable[[UpdateApplied], None]] = []
         self.pull_bytes = sum(self.layout.chunk_numels) * self.wire.itemsize
         """Parameter bytes a full pull sends (buffers aside)."""
@@ -276,6 +283,7 @@ class ParameterServer:
         """Under the lock: one optimizer step from ``grads`` and the rows of ``sparse``; records every
         contribution. Returns the version."""
         started = time.perf_counter()
+        threads.sync()  # the host's budget may have changed since this RPC thread last computed
         for master, grad in zip(self._masters, grads):
             master.grad = grad
         held = HeldSlices(self.layout, self._masters, self.optimizer, update.absent) if update.absent else None
@@ -473,6 +481,7 @@ class ParameterServer:
             self.stopping = True
 
     def status(self) -> ServerStatus:
+        budget = self.thread_budget.budget if self.thread_budget is not None else None
         with self.lock:
             now = time.monotonic()
             workers = tuple(
@@ -483,7 +492,9 @@ class ParameterServer:
                 version=self.version, mode=self.config.mode, optimizer=self.config.optimizer.name, paused=self.paused,
                 finishing=self.finishing, uptime_s=now - self.started, server_id=self.server_id,
                 shard_index=self.config.shard_index, shard_count=self.config.shard_count, workers=workers,
-                intra_op_threads=torch.get_num_threads(),
+                intra_op_threads=budget.intra_op if budget is not None else torch.get_num_threads(),
+                thread_budget=budget.reason if budget is not None else "",
+                host_processes=budget.sharing if budget is not None else 1,
             )
 
 

@@ -26,9 +26,15 @@ class ProcessOptions:
     )
     threads: int | None = setting(
         None,
-        help="intra-op CPU threads of this process; unset: OMP_NUM_THREADS, else this process's share of the usable "
-        "cores (LOCAL_WORLD_SIZE processes share them; local divides them between its children)",
+        help="intra-op CPU threads of this process, fixed; unset: OMP_NUM_THREADS, else this process's share of the "
+        "usable cores with the other rpcps processes of this host, by what each uses, followed while it runs",
         metavar="N",
+    )
+    host_dir: str | None = setting(
+        None,
+        help="directory where the rpcps processes of this host find each other to share its cores (rpcps.host_registry); "
+        "unset: $XDG_RUNTIME_DIR/rpcps, else /tmp/rpcps-<uid>. Containers of one host share it through a volume",
+        metavar="DIR",
     )
     malloc_trim_s: float = setting(
         3.0,

@@ -1,44 +1,90 @@
-"""How many CPU threads a process computes with (torch's intra-op threads), chosen once at start-up.
+"""How many CPU threads a process computes with (torch's intra-op threads), kept right while it runs.
 
 torch's own default is one intra-op thread per core in every process. A host that runs a server and
 its workers side by side then has several times more compute threads than cores, and idle OpenMP
 threads spin while they wait for work: on 2 cores, a server and two workers on torch's defaults ran
 a 22k-parameter model 7x slower and a 5M one 2.5x slower than with one thread each
-(shared/research/torch-rpc-facts.md). So every role picks its budget here, the same way:
+(shared/research/torch-rpc-facts.md). Every role picks its budget here, the same way:
 
-1. ``--threads N`` (or ``RPCPS_THREADS``), when given;
-2. ``OMP_NUM_THREADS``, when set (torchrun sets it to 1 for multi-process runs);
-3. otherwise the cores this process may run on (``os.sched_getaffinity``) divided by the processes
-   that share them (torchrun's ``LOCAL_WORLD_SIZE``; 1 when unset), and at most
-   ``GPU_WORKER_THREADS`` for a worker that computes on a GPU (its CPU only feeds the device).
+1. ``--threads N`` (or ``RPCPS_THREADS``), when given: pinned for the life of the process;
+2. ``OMP_NUM_THREADS``, when set: pinned too. Except torchrun's own ``OMP_NUM_THREADS=1`` (it sets
+   that for every multi-process run, ``LOCAL_WORLD_SIZE`` > 1 under ``TORCHELASTIC_RUN_ID``), which
+   is ignored: the host budget below does the job it does, without leaving cores idle. Pin one thread
+   under torchrun with ``--threads 1``.
+3. otherwise the **host budget**: the usable cores (rpcps.cpu_limits: the least of the affinity mask
+   and the cgroup CPU quota) shared with every other rpcps process on this host
+   (rpcps.host_registry), by what each uses rather than by head count:
 
-``rpcps local`` knows every process it starts, so it divides the cores itself (``split_cores``) and
-hands each child its share as ``--threads``.
+   * a *light* process (a server, the store, an evaluator, a worker that computes on a GPU) mostly
+     waits or feeds a device. It reserves the cores it has been using lately (a moving average of its
+     CPU time, at least ``MIN_USE``) and computes with about that many threads, never more than an
+     equal split of the cores (a GPU worker: at most ``GPU_WORKER_THREADS``);
+   * a *pinned* process reserves what it uses too, and keeps its threads;
+   * the *compute* processes (CPU workers) share what the others leave, equally, rounded to whole
+     threads with some hysteresis (``HYSTERESIS``) so a neighbour's use wobbling around a boundary
+     does not flip the count every second.
 
-What must not live here: anything about the roles beyond "computes on a GPU or not".
+   On 2 cores: ``local --workers 1`` gives the server (about 5 % of a core) 1 thread and the worker 2;
+   a server and two workers, however started, get 1 each; a third worker started later leaves every
+   process at 1, and the log and gauges say that 4 processes now share the host.
+
+Every process re-reads the registry every ``POLL_S`` and recomputes. torch keeps the intra-op thread
+count per OS thread (OpenMP's ``nthreads-var``), so setting it from the background thread would not
+reach the threads that compute: the threads that compute call ``sync()`` between steps (a worker's
+loop, a server's optimizer step), which applies a new budget on the calling thread, once.
+
+What must not live here: how the cores are counted (rpcps.cpu_limits) or how processes find each
+other (rpcps.host_registry); anything about the roles beyond their kind.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry, Gauge
+
+from rpcps import cpu_limits, host_registry
+from rpcps.host_registry import Entry, HostRegistry
 
 logger = logging.getLogger(__name__)
 
 GPU_WORKER_THREADS = 2
 """A GPU worker's CPU threads: data, staging and the loop; more only compete with its neighbours."""
+POLL_S = 1.0
+"""How often a process re-reads the host's registry and its own CPU use."""
+USE_TAU_S = 3.0
+"""Time constant of the moving average of a process's CPU use."""
+MIN_USE = 0.05
+"""The least a light process reserves, in cores (an idle server still answers heartbeats)."""
+LIGHT_SLACK = 0.1
+"""A light process gets threads for what it uses beyond this fraction of a core (0.05 cores: 1 thread, 1.3: 2)."""
+HYSTERESIS = 0.6
+"""A compute process's share moves to a new whole number only once the exact share is this far from
+the current one (1 -> 2 above 1.6 cores, 2 -> 1 below 1.4)."""
+PRIOR_USE = {"server": 0.25, "store": 0.05, "evaluator": 0.25, "worker": 0.5}
+"""What a light process is assumed to use before its first measurement."""
+KINDS = ("compute", "light", "pinned")
 
 
 @dataclass(frozen=True)
 class ThreadBudget:
-    """The intra-op threads a process uses, and why (for the start-up log)."""
+    """The intra-op threads a process uses, and why (for the log, ``ctl status`` and the gauges)."""
 
     intra_op: int
     reason: str
+    sharing: int = 1
+    """rpcps processes on this host sharing the usable cores, this one included (1 when pinned or alone)."""
+    usable: int = 0
+    """The usable cores (rpcps.cpu_limits); 0 when not counted (a pinned budget)."""
 
     def __post_init__(self) -> None:
         if self.intra_op < 1:
@@ -46,16 +92,17 @@ class ThreadBudget:
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
+    """The cores this process may keep busy: the least of its affinity and its cgroup CPU quota."""
+    return cpu_limits.usable_cores().cores
 
 
 def omp_num_threads(environ: Mapping[str, str] | None = None) -> int | None:
-    """``OMP_NUM_THREADS`` when it is set to a whole number >= 1, else None."""
-    return _positive_int(os.environ if environ is None else environ, "OMP_NUM_THREADS")
+    """``OMP_NUM_THREADS`` when it is set to a whole number >= 1 by someone other than torchrun's default, else None."""
+    environ = os.environ if environ is None else environ
+    value = _positive_int(environ, "OMP_NUM_THREADS")
+    if value == 1 and environ.get("TORCHELASTIC_RUN_ID") and (_positive_int(environ, "LOCAL_WORLD_SIZE") or 1) > 1:
+        return None  # torchrun's blanket default for multi-process runs, not a choice (see the module docstring)
+    return value
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -69,44 +116,226 @@ def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
     return value if value >= 1 else None
 
 
-def choose(requested: int | None, *, gpu: bool = False, environ: Mapping[str, str] | None = None, cores: int | None = None) -> ThreadBudget:
-    """This process's budget (see the module docstring for the order of precedence).
-
-    Args:
-        requested: ``--threads`` (or ``RPCPS_THREADS``); None when not given.
-        gpu: the process computes on a GPU (a worker with a CUDA device).
-        environ: the environment to read (``os.environ`` when None).
-        cores: the usable cores (``usable_cores()`` when None).
-    """
-    environ = os.environ if environ is None else environ
+def pinned(requested: int | None, environ: Mapping[str, str] | None = None) -> ThreadBudget | None:
+    """The budget a setting pins (``--threads``, else ``OMP_NUM_THREADS``), or None when the host decides."""
     if requested is not None:
         return ThreadBudget(requested, "--threads")
     omp = omp_num_threads(environ)
-    if omp is not None:
-        return ThreadBudget(omp, "OMP_NUM_THREADS")
-    cores = usable_cores() if cores is None else cores
-    sharing = _positive_int(environ, "LOCAL_WORLD_SIZE") or 1
-    share = max(1, cores // sharing)
-    reason = f"{cores} usable cores / {sharing} local processes"
-    if gpu and share > GPU_WORKER_THREADS:
-        return ThreadBudget(GPU_WORKER_THREADS, f"{reason}, capped for a GPU worker")
-    return ThreadBudget(share, reason)
+    return ThreadBudget(omp, "OMP_NUM_THREADS") if omp is not None else None
 
 
-def apply(budget: ThreadBudget) -> int:
-    """Sets torch's intra-op threads (OpenMP and MKL alike), logs the choice and returns it."""
-    torch.set_num_threads(budget.intra_op)
-    threads = torch.get_num_threads()
-    logger.info("intra-op threads: %d (%s)", threads, budget.reason)
-    return threads
+def kind_of(role: str, *, gpu: bool = False) -> str:
+    """A role's kind when nothing pins its threads: CPU workers compute, everyone else is light."""
+    return "compute" if role == "worker" and not gpu else "light"
+
+
+def share(cores: int, me: Entry, others: Sequence[Entry], current: int | None, *, cap: int | None = None) -> int:
+    """This process's intra-op threads on ``cores`` usable cores shared with ``others`` (see the module docstring).
+
+    Args:
+        cores: the usable cores.
+        me: this process's entry (its kind and its recent CPU use).
+        others: the other live processes on this host.
+        current: this process's threads now (None before the first choice): the hysteresis keeps it.
+        cap: the most threads this process may have (a GPU worker's ``GPU_WORKER_THREADS``).
+    """
+    if me.kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {me.kind!r}")
+    if me.kind == "pinned":
+        return me.threads
+    everyone = [me, *others]
+    if me.kind == "light":
+        fair = max(1, math.floor(cores / len(everyone) + 0.5))
+        threads = min(fair, math.ceil(me.use - LIGHT_SLACK))
+    else:
+        reserved = sum(min(float(cores), max(p.use, MIN_USE)) for p in everyone if p.kind != "compute")
+        computing = sum(1 for p in everyone if p.kind == "compute")
+        exact = max(0.0, cores - reserved) / computing
+        threads = math.floor(exact + 0.5)
+        if current is not None and abs(exact - current) <= HYSTERESIS:
+            threads = current
+    if cap is not None:
+        threads = min(threads, cap)
+    return max(1, min(threads, cores))
+
+
+def describe(usable: cpu_limits.UsableCores, others: Sequence[Entry], kind: str) -> str:
+    """Why: the usable cores, who shares them and how this process's share is counted."""
+    if not others:
+        sharing = "alone on this host"
+    else:
+        roles = Counter(p.role + ("" if p.kind != "pinned" else " (pinned)") for p in others)
+        listed = ", ".join(f"{n} {role}{'s' if n > 1 else ''}" for role, n in sorted(roles.items()))
+        sharing = f"shared with {len(others)} other rpcps process{'es' if len(others) > 1 else ''} on this host ({listed})"
+    how = {"compute": "an equal part of what the light processes leave", "light": "about the cores it uses"}[kind]
+    return f"{usable.describe()}, {sharing}; this {kind} process takes {how}"
+
+
+# The budget the threads that compute apply between steps (``sync``): a new generation is a new count.
+_target = 0
+_generation = 0
+_applied = threading.local()
+_lock = threading.Lock()
+
+
+def _publish_target(threads: int) -> None:
+    global _target, _generation
+    with _lock:
+        if threads != _target:
+            _target = threads
+            _generation += 1
+
+
+def sync() -> None:
+    """Applies the process's current budget to the calling thread if it changed since this thread last did.
+
+    Call it where a thread is about to compute (a worker's step, a server's optimizer step). Costs an
+    attribute read when nothing changed.
+    """
+    generation = _generation
+    if getattr(_applied, "generation", -1) != generation and _target > 0:
+        torch.set_num_threads(_target)
+        _applied.generation = generation
+
+
+class HostBudget:
+    """This process's thread budget, kept right while it runs (see the module docstring).
+
+    ``start`` chooses and applies the first budget on the calling thread; unless a setting pins it, a
+    daemon thread then re-reads the host's registry every ``POLL_S`` and calls ``on_change`` (from that
+    thread) whenever the threads or the processes sharing the host change.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        requested: int | None = None,
+        *,
+        gpu: bool = False,
+        environ: Mapping[str, str] | None = None,
+        directory: str | Path | None = None,
+        on_change: Callable[[ThreadBudget], None] | None = None,
+        poll_s: float = POLL_S,
+        limits: Callable[[], cpu_limits.UsableCores] = cpu_limits.usable_cores,
+    ) -> None:
+        environ = os.environ if environ is None else environ
+        self.role = role
+        self._pin = pinned(requested, environ)
+        self._kind = "pinned" if self._pin is not None else kind_of(role, gpu=gpu)
+        self._cap = GPU_WORKER_THREADS if gpu and self._pin is None else None
+        self._directory = Path(directory) if directory else host_registry.default_dir(environ)
+        self._on_change = on_change
+        self._poll_s = poll_s
+        self._limits = limits
+        # What it is assumed to use until it is measured: a CPU worker keeps its threads busy.
+        self._use = float(self._pin.intra_op if self._pin is not None else 1) if kind_of(role, gpu=gpu) == "compute" else PRIOR_USE.get(role, 0.25)
+        self._registry: HostRegistry | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.budget = ThreadBudget(1, "not chosen yet")
+
+    def start(self) -> ThreadBudget:
+        """Chooses, applies on this thread, logs and returns the first budget; starts following the host."""
+        started = time.time()
+        threads = self._pin.intra_op if self._pin is not None else 1
+        entry = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=started, use=self._use, threads=threads)
+        try:
+            self._registry = HostRegistry(self._directory, entry)
+        except OSError as e:
+            logger.warning("cannot join the host's process registry at %s (%s): the budget counts this process alone", self._directory, e)
+        budget = self._choose(None)
+        self._set(budget, first=True)
+        self._thread = threading.Thread(target=self._follow, name="thread-budget", daemon=True)
+        self._thread.start()
+        return budget
+
+    def stop(self) -> None:
+        """Stops following and leaves the registry (a killed process leaves it by its lock)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._registry is not None:
+            self._registry.close()
+
+    def _choose(self, current: int | None) -> ThreadBudget:
+        entries = self._registry.entries() if self._registry is not None else {}
+        own = self._registry.path.name if self._registry is not None else None
+        others = [e for name, e in sorted(entries.items()) if name != own]
+        if self._pin is not None:
+            return replace(self._pin, sharing=1 + len(others))
+        usable = self._limits()
+        me = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=0.0, use=self._use, threads=current or 1)
+        threads = share(usable.cores, me, others, current, cap=self._cap)
+        reason = describe(usable, others, self._kind) + ("; capped for a GPU worker" if self._cap is not None and threads == self._cap else "")
+        return ThreadBudget(threads, reason, sharing=1 + len(others), usable=usable.cores)
+
+    def _set(self, budget: ThreadBudget, *, first: bool = False) -> None:
+        old = self.budget
+        self.budget = budget
+        _publish_target(budget.intra_op)
+        if first:
+            sync()
+            logger.info("intra-op threads: %d (%s)", torch.get_num_threads(), budget.reason)
+        elif budget.intra_op != old.intra_op:
+            logger.info("intra-op threads: %d -> %d (%s)", old.intra_op, budget.intra_op, budget.reason)
+        elif self._pin is None:  # a pinned count says nothing about its neighbours: only the gauge follows them
+            logger.info("intra-op threads stay %d (%s)", budget.intra_op, budget.reason)
+        if self._registry is not None:
+            self._registry.publish(replace(self._registry.entry, threads=budget.intra_op, use=round(self._use, 3)))
+        if self._on_change is not None:
+            self._on_change(budget)
+
+    def _follow(self) -> None:
+        last_cpu, last_wall = time.process_time(), time.monotonic()
+        published_use = self._use
+        while not self._stop.wait(self._poll_s):
+            try:
+                cpu, wall = time.process_time(), time.monotonic()
+                if wall > last_wall:
+                    weight = 1.0 - math.exp(-(wall - last_wall) / USE_TAU_S)
+                    self._use += ((cpu - last_cpu) / (wall - last_wall) - self._use) * weight
+                last_cpu, last_wall = cpu, wall
+                budget = self._choose(self.budget.intra_op)
+                if budget.intra_op != self.budget.intra_op or budget.sharing != self.budget.sharing or budget.usable != self.budget.usable:
+                    self._set(budget)
+                    published_use = self._use
+                elif self._registry is not None and abs(self._use - published_use) >= 0.05:
+                    self._registry.publish(replace(self._registry.entry, use=round(self._use, 3)))
+                    published_use = self._use
+            except Exception:  # the budget must never end the process; the last one stands
+                logger.exception("thread budget: recomputing failed; keeping %d threads", self.budget.intra_op)
+
+
+class BudgetGauges:
+    """A role's gauges of its budget: ``rpcps_<role>_intra_op_threads``, ``_host_processes`` and ``_usable_cores``."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.intra_op = Gauge(
+            f"rpcps_{role}_intra_op_threads",
+            f"Intra-op CPU threads the {role} computes with now: --threads, OMP_NUM_THREADS or its share of the host (rpcps.threads).",
+            registry=registry,
+        )
+        self.host_processes = Gauge(
+            f"rpcps_{role}_host_processes", "rpcps processes on this host sharing its usable cores, this one included.", registry=registry
+        )
+        self.usable_cores = Gauge(
+            f"rpcps_{role}_usable_cores", "Cores this process may keep busy: the least of its affinity and cgroup CPU quota.",
+            registry=registry,
+        )
+
+    def show(self, budget: ThreadBudget) -> None:
+        """Sets the gauges (an ``on_change`` of ``HostBudget``)."""
+        self.intra_op.set(budget.intra_op)
+        self.host_processes.set(budget.sharing)
+        self.usable_cores.set(budget.usable)
 
 
 def split_cores(cores: int, servers: int, workers: int, *, gpu_workers: bool = False) -> tuple[int, int]:
     """(threads per server, threads per worker) for ``servers`` + ``workers`` processes on ``cores``.
 
+    For benchmarks that start their own processes outside rpcps's roles (bench/sparse_server_path.py).
     Every process gets an equal share, at least one thread; the cores an equal split leaves over go
-    to the workers (they do the forward and backward passes). GPU workers keep at most
-    ``GPU_WORKER_THREADS`` and the servers share the rest: then the servers are the bottleneck.
+    to the workers. GPU workers keep at most ``GPU_WORKER_THREADS`` and the servers share the rest.
     """
     if servers < 1 or workers < 1 or cores < 1:
         raise ValueError(f"servers, workers and cores must be >= 1, got {servers}, {workers}, {cores}")

@@ -111,6 +111,19 @@ def unknown_settings(where: str, role: str, args: Iterable[str], env: Iterable[s
     return problems
 
 
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RPCPS_THREADS", "--threads")
+"""What pins a process's intra-op threads. No recipe needs one: every process shares its host's usable
+cores (affinity, cgroup quota) with the other rpcps processes there and follows them (rpcps.threads);
+a pinned count stays wrong when the processes or the limits around it change."""
+
+
+def thread_settings(where: str, args: Iterable[str], env: Iterable[str]) -> list[str]:
+    """A thread setting in a recipe's arguments or environment (see ``THREAD_SETTINGS``)."""
+    named = [str(a).split("=", 1)[0] for a in args] + list(env)
+    return [f"{where}: sets {name}; no recipe needs a thread setting (the host budget of rpcps.threads chooses, "
+            "and one set here pins the threads for good)" for name in named if name in THREAD_SETTINGS]
+
+
 def _loopback(host: str) -> bool:
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
@@ -220,6 +233,7 @@ def check_compose_variant(path: Path, outer: dict[str, str], where: str) -> list
     for name in [*servers, *stores, *workers]:
         problems += exposure_problems(f"{where}: service {name}", commands[name][0], commands[name], envs[name])
         problems += unknown_settings(f"{where}: service {name}", commands[name][0], commands[name][1:], envs[name])
+        problems += thread_settings(f"{where}: service {name}", commands[name][1:], envs[name])
 
     prometheus = next((s for s in services.values() if "prom/prometheus" in str(s.get("image", ""))), None)
     if prometheus is None:
@@ -395,6 +409,7 @@ def check_k8s(docs: list[dict[str, Any]]) -> list[str]:
             if args and args[0] in ROLES:
                 problems += exposure_problems(f"k8s: {workload}", args[0], args, env_list(c))
                 problems += unknown_settings(f"k8s: {workload}", args[0], args[1:], env_list(c))
+                problems += thread_settings(f"k8s: {workload}", args[1:], env_list(c))
         if spec["kind"] == "Job":
             problems += _check_worker_job(spec, template, services, pods)
         if spec["kind"] == "StatefulSet":
@@ -605,6 +620,9 @@ def check_env_file(path: Path) -> list[str]:
         match = re.fullmatch(r"#?\s*(RPCPS_[A-Z0-9_]+)=.*", line.strip())
         if match and match.group(1) not in variables | launchers:
             problems.append(f"{path.name}:{number}: neither rpcps nor its launchers read {match.group(1)}")
+        setting = re.fullmatch(r"([A-Z0-9_]+)=.*", line.strip())
+        if setting:
+            problems += thread_settings(f"{path.name}:{number}", [], [setting.group(1)])
     return problems
 
 

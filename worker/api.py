@@ -234,7 +234,10 @@ class Training:
         metrics = self._metrics
         metrics.reconnects.set(self._reconnects)
         gpu = pick_device(config.worker.device).type == "cuda"
-        metrics.intra_op_threads.set(threads.apply(threads.choose(config.process.threads, gpu=gpu)))
+        threads.HostBudget(
+            "worker", config.process.threads, gpu=gpu, directory=config.process.host_dir,
+            on_change=metrics.thread_budget.show,
+        ).start()
         build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
         self._http = _serve_metrics(metrics, config)
         # Until the trainer exists the worker may sit inside torch's C++ connect/join for a long time,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rpcps.rpc_policy import refusal_counter, store_refusal_counter
+from rpcps.threads import BudgetGauges
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -61,9 +62,7 @@ class WorkerMetrics:
         self.model_version = Gauge("rpcps_worker_model_version", "Model version the worker computes on.", registry=r)
         self.device_memory = Gauge("rpcps_worker_device_memory_bytes", "GPU memory allocated now (0 on CPU).", registry=r)
         self.device_memory_peak = Gauge("rpcps_worker_device_memory_peak_bytes", "Peak GPU memory allocated (0 on CPU).", registry=r)
-        self.intra_op_threads = Gauge(
-            "rpcps_worker_intra_op_threads", "Intra-op CPU threads the worker computes with (--threads).", registry=r
-        )
+        self.thread_budget = BudgetGauges(r, "worker")
         self.last_step = Gauge("rpcps_worker_last_step_timestamp_seconds", "When the latest step finished.", registry=r)
         self.rpc_refused = refusal_counter(r)
         self.store_refused = store_refusal_counter(r)

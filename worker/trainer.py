@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rpcps import plugins, transport
+from rpcps import plugins, threads, transport
 from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
@@ -446,6 +446,7 @@ class Trainer:
         """A step about to be computed: gradients cleared and, where backward can write straight into
         the wire buffers, a window slot taken and bound. ``blocked`` is what the step already spent
         blocked (its pull), counted as communication, not compute."""
+        threads.sync()  # the host's budget may have changed since the last step (rpcps.threads)
         for p in self.params:
             p.grad = None
         for module in self.sparse_modules:

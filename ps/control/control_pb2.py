@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ps/control/control.proto\x12\x10rpcps.control.v1\"\x12\n\x10GetStatusRequest\"Z\n\x0cWorkerStatus\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\"\n\x15last_push_age_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_last_push_age_seconds\"\x8b\x01\n\x0cSlotProgress\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x11\n\tnext_step\x18\x02 \x01(\x03\x12\x1e\n\x11\x64urable_next_step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0e\x66inished_steps\x18\x04 \x01(\x03\x12\x0c\n\x04live\x18\x05 \x01(\x08\x42\x14\n\x12_durable_next_step\"D\n\x0e\x43heckpointInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0b\x61ge_seconds\x18\x03 \x01(\x01\"\xe9\x03\n\x11GetStatusResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\x03\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\toptimizer\x18\x03 \x01(\t\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12/\n\x07workers\x18\x06 \x03(\x0b\x32\x1e.rpcps.control.v1.WorkerStatus\x12;\n\x11newest_checkpoint\x18\x07 \x01(\x0b\x32 .rpcps.control.v1.CheckpointInfo\x12\x1d\n\x15\x63heckpointing_enabled\x18\x08 \x01(\x08\x12\x15\n\rshutting_down\x18\t \x01(\x08\x12\x11\n\tserver_id\x18\n \x01(\t\x12\x18\n\x10\x63heckpoint_error\x18\x0b \x01(\t\x12-\n\x05slots\x18\x0c \x03(\x0b\x32\x1e.rpcps.control.v1.SlotProgress\x12\x13\n\x0bshard_index\x18\r \x01(\x05\x12\x13\n\x0bshard_count\x18\x0e \x01(\x05\x12\x18\n\x10intra_op_threads\x18\x0f \x01(\x05\x12\x30\n\x07replica\x18\x10 \x01(\x0b\x32\x1f.rpcps.control.v1.ReplicaStatus\"\xdb\x01\n\rReplicaStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07primary\x18\x03 \x01(\t\x12\x0f\n\x07standby\x18\x04 \x01(\t\x12\x13\n\x0blag_updates\x18\x05 \x01(\x01\x12\x13\n\x0blag_seconds\x18\x06 \x01(\x01\x12\x11\n\tfailovers\x18\x07 \x01(\x03\x12\x12\n\nconfigured\x18\x08 \x01(\x05\x12\x13\n\x0breplication\x18\t \x01(\t\x12\x0f\n\x07max_lag\x18\n \x01(\x05\x12\x14\n\x0cunreplicated\x18\x0b \x01(\x01\"\x13\n\x11\x43heckpointRequest\"3\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x0e\n\x0cPauseRequest\"7\n\rPauseResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\x0f\n\rResumeRequest\"8\n\x0eResumeResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\x11\n\x0fShutdownRequest\"#\n\x10ShutdownResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\"P\n\x12\x45xportModelRequest\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x17\n\x0foptimizer_state\x18\x02 \x01(\x08\x12\x11\n\tpart_rows\x18\x03 \x01(\x03\"Z\n\x10\x45xportModelChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04path\x18\x04 \x01(\t2\xfd\x03\n\x07\x43ontrol\x12T\n\tGetStatus\x12\".rpcps.control.v1.GetStatusRequest\x1a#.rpcps.control.v1.GetStatusResponse\x12W\n\nCheckpoint\x12#.rpcps.control.v1.CheckpointRequest\x1a$.rpcps.control.v1.CheckpointResponse\x12H\n\x05Pause\x12\x1e.rpcps.control.v1.PauseRequest\x1a\x1f.rpcps.control.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.rpcps.control.v1.ResumeRequest\x1a .rpcps.control.v1.ResumeResponse\x12Q\n\x08Shutdown\x12!.rpcps.control.v1.ShutdownRequest\x1a\".rpcps.control.v1.ShutdownResponse\x12Y\n\x0b\x45xportModel\x12$.rpcps.control.v1.ExportModelRequest\x1a\".rpcps.control.v1.ExportModelChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ps/control/control.proto\x12\x10rpcps.control.v1\"\x12\n\x10GetStatusRequest\"Z\n\x0cWorkerStatus\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\"\n\x15last_push_age_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x18\n\x16_last_push_age_seconds\"\x8b\x01\n\x0cSlotProgress\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x11\n\tnext_step\x18\x02 \x01(\x03\x12\x1e\n\x11\x64urable_next_step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0e\x66inished_steps\x18\x04 \x01(\x03\x12\x0c\n\x04live\x18\x05 \x01(\x08\x42\x14\n\x12_durable_next_step\"D\n\x0e\x43heckpointInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0b\x61ge_seconds\x18\x03 \x01(\x01\"\x98\x04\n\x11GetStatusResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\x03\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\toptimizer\x18\x03 \x01(\t\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12/\n\x07workers\x18\x06 \x03(\x0b\x32\x1e.rpcps.control.v1.WorkerStatus\x12;\n\x11newest_checkpoint\x18\x07 \x01(\x0b\x32 .rpcps.control.v1.CheckpointInfo\x12\x1d\n\x15\x63heckpointing_enabled\x18\x08 \x01(\x08\x12\x15\n\rshutting_down\x18\t \x01(\x08\x12\x11\n\tserver_id\x18\n \x01(\t\x12\x18\n\x10\x63heckpoint_error\x18\x0b \x01(\t\x12-\n\x05slots\x18\x0c \x03(\x0b\x32\x1e.rpcps.control.v1.SlotProgress\x12\x13\n\x0bshard_index\x18\r \x01(\x05\x12\x13\n\x0bshard_count\x18\x0e \x01(\x05\x12\x18\n\x10intra_op_threads\x18\x0f \x01(\x05\x12\x30\n\x07replica\x18\x10 \x01(\x0b\x32\x1f.rpcps.control.v1.ReplicaStatus\x12\x15\n\rthread_budget\x18\x11 \x01(\t\x12\x16\n\x0ehost_processes\x18\x12 \x01(\x05\"\xdb\x01\n\rReplicaStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07primary\x18\x03 \x01(\t\x12\x0f\n\x07standby\x18\x04 \x01(\t\x12\x13\n\x0blag_updates\x18\x05 \x01(\x01\x12\x13\n\x0blag_seconds\x18\x06 \x01(\x01\x12\x11\n\tfailovers\x18\x07 \x01(\x03\x12\x12\n\nconfigured\x18\x08 \x01(\x05\x12\x13\n\x0breplication\x18\t \x01(\t\x12\x0f\n\x07max_lag\x18\n \x01(\x05\x12\x14\n\x0cunreplicated\x18\x0b \x01(\x01\"\x13\n\x11\x43heckpointRequest\"3\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x0e\n\x0cPauseRequest\"7\n\rPauseResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\x0f\n\rResumeRequest\"8\n\x0eResumeResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\x11\n\x0fShutdownRequest\"#\n\x10ShutdownResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\x08\"P\n\x12\x45xportModelRequest\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x17\n\x0foptimizer_state\x18\x02 \x01(\x08\x12\x11\n\tpart_rows\x18\x03 \x01(\x03\"Z\n\x10\x45xportModelChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04path\x18\x04 \x01(\t2\xfd\x03\n\x07\x43ontrol\x12T\n\tGetStatus\x12\".rpcps.control.v1.GetStatusRequest\x1a#.rpcps.control.v1.GetStatusResponse\x12W\n\nCheckpoint\x12#.rpcps.control.v1.CheckpointRequest\x1a$.rpcps.control.v1.CheckpointResponse\x12H\n\x05Pause\x12\x1e.rpcps.control.v1.PauseRequest\x1a\x1f.rpcps.control.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.rpcps.control.v1.ResumeRequest\x1a .rpcps.control.v1.ResumeResponse\x12Q\n\x08Shutdown\x12!.rpcps.control.v1.ShutdownRequest\x1a\".rpcps.control.v1.ShutdownResponse\x12Y\n\x0b\x45xportModel\x12$.rpcps.control.v1.ExportModelRequest\x1a\".rpcps.control.v1.ExportModelChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTINFO']._serialized_start=300
   _globals['_CHECKPOINTINFO']._serialized_end=368
   _globals['_GETSTATUSRESPONSE']._serialized_start=371
-  _globals['_GETSTATUSRESPONSE']._serialized_end=860
-  _globals['_REPLICASTATUS']._serialized_start=863
-  _globals['_REPLICASTATUS']._serialized_end=1082
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1084
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1103
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1105
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1156
-  _globals['_PAUSEREQUEST']._serialized_start=1158
-  _globals['_PAUSEREQUEST']._serialized_end=1172
-  _globals['_PAUSERESPONSE']._serialized_start=1174
-  _globals['_PAUSERESPONSE']._serialized_end=1229
-  _globals['_RESUMEREQUEST']._serialized_start=1231
-  _globals['_RESUMEREQUEST']._serialized_end=1246
-  _globals['_RESUMERESPONSE']._serialized_start=1248
-  _globals['_RESUMERESPONSE']._serialized_end=1304
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1306
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1323
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1325
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1360
-  _globals['_EXPORTMODELREQUEST']._serialized_start=1362
-  _globals['_EXPORTMODELREQUEST']._serialized_end=1442
-  _globals['_EXPORTMODELCHUNK']._serialized_start=1444
-  _globals['_EXPORTMODELCHUNK']._serialized_end=1534
-  _globals['_CONTROL']._serialized_start=1537
-  _globals['_CONTROL']._serialized_end=2046
+  _globals['_GETSTATUSRESPONSE']._serialized_end=907
+  _globals['_REPLICASTATUS']._serialized_start=910
+  _globals['_REPLICASTATUS']._serialized_end=1129
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1131
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1150
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1152
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1203
+  _globals['_PAUSEREQUEST']._serialized_start=1205
+  _globals['_PAUSEREQUEST']._serialized_end=1219
+  _globals['_PAUSERESPONSE']._serialized_start=1221
+  _globals['_PAUSERESPONSE']._serialized_end=1276
+  _globals['_RESUMEREQUEST']._serialized_start=1278
+  _globals['_RESUMEREQUEST']._serialized_end=1293
+  _globals['_RESUMERESPONSE']._serialized_start=1295
+  _globals['_RESUMERESPONSE']._serialized_end=1351
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1353
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1370
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=1372
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=1407
+  _globals['_EXPORTMODELREQUEST']._serialized_start=1409
+  _globals['_EXPORTMODELREQUEST']._serialized_end=1489
+  _globals['_EXPORTMODELCHUNK']._serialized_start=1491
+  _globals['_EXPORTMODELCHUNK']._serialized_end=1581
+  _globals['_CONTROL']._serialized_start=1584
+  _globals['_CONTROL']._serialized_end=2093
 # @@protoc_insertion_point(module_scope)

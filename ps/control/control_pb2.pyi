@@ -43,7 +43,7 @@ class CheckpointInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model_version", "mode", "optimizer", "paused", "uptime_seconds", "workers", "newest_checkpoint", "checkpointing_enabled", "shutting_down", "server_id", "checkpoint_error", "slots", "shard_index", "shard_count", "intra_op_threads", "replica")
+    __slots__ = ("model_version", "mode", "optimizer", "paused", "uptime_seconds", "workers", "newest_checkpoint", "checkpointing_enabled", "shutting_down", "server_id", "checkpoint_error", "slots", "shard_index", "shard_count", "intra_op_threads", "replica", "thread_budget", "host_processes")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class GetStatusResponse(_message.Message):
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     INTRA_OP_THREADS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    THREAD_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    HOST_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     model_version: int
     mode: str
     optimizer: str
@@ -76,7 +78,9 @@ class GetStatusResponse(_message.Message):
     shard_count: int
     intra_op_threads: int
     replica: ReplicaStatus
-    def __init__(self, model_version: _Optional[int] = ..., mode: _Optional[str] = ..., optimizer: _Optional[str] = ..., paused: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., newest_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., checkpointing_enabled: _Optional[bool] = ..., shutting_down: _Optional[bool] = ..., server_id: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotProgress, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., intra_op_threads: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+    thread_budget: str
+    host_processes: int
+    def __init__(self, model_version: _Optional[int] = ..., mode: _Optional[str] = ..., optimizer: _Optional[str] = ..., paused: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., newest_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., checkpointing_enabled: _Optional[bool] = ..., shutting_down: _Optional[bool] = ..., server_id: _Optional[str] = ..., checkpoint_error: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[SlotProgress, _Mapping]]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., intra_op_threads: _Optional[int] = ..., replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., thread_budget: _Optional[str] = ..., host_processes: _Optional[int] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("role", "epoch", "primary", "standby", "lag_updates", "lag_seconds", "failovers", "configured", "replication", "max_lag", "unreplicated")

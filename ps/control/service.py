@@ -201,6 +201,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             shutting_down=self.shutdown_requested,
             server_id=status.server_id,
             intra_op_threads=status.intra_op_threads,
+            thread_budget=status.thread_budget,
+            host_processes=status.host_processes,
         )
         if self.checkpoint is not None:
             # Status must answer even when the checkpoint directory is unreadable: that is exactly

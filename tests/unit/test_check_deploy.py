@@ -85,6 +85,8 @@ K8S_BREAKAGES: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
     ("monitor selector", lambda d: find(d, "Service", "rpcps-worker")["metadata"]["labels"].update(
         {"app.kubernetes.io/name": "other"}), "the alerts need jobs"),
     ("failure policy", lambda d: find(d, "Job")["spec"].pop("podFailurePolicy"), "has no podFailurePolicy"),
+    ("thread setting", lambda d: container(d, "Job")["env"].append({"name": "OMP_NUM_THREADS", "value": "4"}),
+     "sets OMP_NUM_THREADS; no recipe needs a thread setting"),
 ]
 
 
@@ -133,6 +135,10 @@ def _edit(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
          "service ps: --listen 0.0.0.0:29500 is not loopback, so rpcps needs --trust-network on"),
         ("docker/compose.yaml", lambda d: d["services"]["worker0"]["environment"].pop("RPCPS_JOB_SECRET_FILE"),
          "service worker0: a worker without --job-secret-file cannot register"),
+        ("docker/compose.yaml", lambda d: d["services"]["worker1"]["environment"].update(OMP_NUM_THREADS="1"),
+         "service worker1: sets OMP_NUM_THREADS; no recipe needs a thread setting"),
+        ("docker/compose.yaml", lambda d: d["services"]["ps"]["command"].append("--threads=2"),
+         "service ps: sets --threads; no recipe needs a thread setting"),
     ],
 )
 def test_compose_disagreement_is_reported(deploy_copy: Path, file: str, edit: Callable[[dict[str, Any]], None], message: str) -> None:
@@ -269,6 +275,9 @@ def test_the_launcher_env_example_names_only_settings_someone_reads(tmp_path: Pa
     typo = tmp_path / "rpcps.env"
     typo.write_text(example.read_text() + "#RPCPS_REPLICA=2\nRPCPS_STORE_METRICS_PORT=9391\n")
     assert check_env_file(typo) == [f"rpcps.env:{len(example.read_text().splitlines()) + 1}: neither rpcps nor its launchers read RPCPS_REPLICA"]
+    pinned = tmp_path / "pinned.env"
+    pinned.write_text(example.read_text() + "OMP_NUM_THREADS=4\n")
+    assert [p.split(";")[0] for p in check_env_file(pinned)] == [f"pinned.env:{len(example.read_text().splitlines()) + 1}: sets OMP_NUM_THREADS"]
 
 
 def test_kubernetes_discovery_is_swapped_for_an_empty_static_list() -> None:

@@ -1,59 +1,154 @@
-"""Every role chooses its intra-op threads the same way, and ``local`` divides the cores between its children."""
+"""Every role chooses its intra-op threads the same way: a setting pins them, else the host's cores are
+shared by what each rpcps process uses (rpcps.threads); ``local`` leaves the choice to its children."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from cli.local import Supervisor
 from cli.main import parse
 from rpcps import threads
-from rpcps.threads import GPU_WORKER_THREADS, choose, split_cores
+from rpcps.cpu_limits import UsableCores
+from rpcps.host_registry import Entry, HostRegistry
+from rpcps.threads import GPU_WORKER_THREADS, HostBudget, omp_num_threads, pinned, share, split_cores
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "RPCPS_THREADS"):
+    for key in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "RPCPS_THREADS", "TORCHELASTIC_RUN_ID", "RPCPS_HOST_DIR"):
         monkeypatch.delenv(key, raising=False)
 
 
+def entry(role: str = "worker", kind: str = "compute", use: float = 1.0, threads: int = 1) -> Entry:
+    return Entry(pid=1, role=role, kind=kind, started=0.0, use=use, threads=threads)
+
+
+def server(use: float = 0.05) -> Entry:
+    return entry("server", "light", use)
+
+
+# ---------------------------------------------------------------- what pins the threads
+
+
 def test_the_flag_beats_omp_num_threads() -> None:
-    assert choose(3, environ={"OMP_NUM_THREADS": "1"}, cores=8) == threads.ThreadBudget(3, "--threads")
+    assert pinned(3, {"OMP_NUM_THREADS": "1"}) == threads.ThreadBudget(3, "--threads")
 
 
-def test_omp_num_threads_beats_the_core_count() -> None:
-    assert choose(None, environ={"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}, cores=8).intra_op == 1
+def test_omp_num_threads_pins_when_set_by_someone() -> None:
+    assert pinned(None, {"OMP_NUM_THREADS": "2"}) == threads.ThreadBudget(2, "OMP_NUM_THREADS")
+    assert pinned(None, {}) is None
 
 
-@pytest.mark.parametrize(("environ", "cores", "expected"), [({}, 8, 8), ({"LOCAL_WORLD_SIZE": "4"}, 8, 2), ({"LOCAL_WORLD_SIZE": "4"}, 2, 1)])
-def test_without_a_setting_each_local_process_takes_its_share_of_the_cores(environ: dict[str, str], cores: int, expected: int) -> None:
-    assert choose(None, environ=environ, cores=cores).intra_op == expected
-
-
-def test_a_gpu_worker_keeps_few_cpu_threads() -> None:
-    assert choose(None, gpu=True, environ={}, cores=64).intra_op == GPU_WORKER_THREADS
-    assert choose(None, gpu=True, environ={}, cores=1).intra_op == 1
-    assert choose(6, gpu=True, environ={}, cores=64).intra_op == 6  # asked for: honoured
+def test_torchruns_blanket_default_of_one_thread_does_not_pin() -> None:
+    torchrun = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "abc", "LOCAL_WORLD_SIZE": "4"}
+    assert omp_num_threads(torchrun) is None
+    assert omp_num_threads({**torchrun, "OMP_NUM_THREADS": "3"}) == 3  # a user's own choice under torchrun
+    assert omp_num_threads({**torchrun, "LOCAL_WORLD_SIZE": "1"}) == 1  # torchrun sets nothing for one process
+    assert omp_num_threads({"OMP_NUM_THREADS": "1"}) == 1  # by hand: a choice
 
 
 @pytest.mark.parametrize("bad", ["", "0", "-2", "two"])
 def test_a_meaningless_omp_num_threads_is_ignored(bad: str) -> None:
-    assert choose(None, environ={"OMP_NUM_THREADS": bad}, cores=4).intra_op == 4
+    assert pinned(None, {"OMP_NUM_THREADS": bad}) is None
 
 
-@pytest.mark.parametrize(
-    ("cores", "servers", "workers", "gpu", "expected"),
-    [
-        (2, 1, 2, False, (1, 1)),  # three processes on two cores: never more threads than cores, at least one each
-        (16, 1, 2, False, (5, 5)),
-        (16, 2, 4, False, (2, 3)),  # the cores an equal split leaves go to the workers
-        (16, 1, 4, True, (8, 2)),  # GPU workers feed their devices; the server is the bottleneck
-        (1, 1, 1, False, (1, 1)),
-    ],
-)
-def test_split_cores(cores: int, servers: int, workers: int, gpu: bool, expected: tuple[int, int]) -> None:
-    assert split_cores(cores, servers, workers, gpu_workers=gpu) == expected
+# ---------------------------------------------------------------- shares
+
+
+def test_alone_a_worker_takes_every_core() -> None:
+    assert share(8, entry(), [], None) == 8
+
+
+def test_a_waiting_server_leaves_both_cores_to_one_worker() -> None:
+    # local --workers 1 on 2 cores: the server's ~5 % of a core must not cost the worker a core.
+    assert share(2, entry(), [server(0.05)], None) == 2
+    assert share(2, server(0.05), [entry()], None) == 1
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_server_and_several_workers_on_two_cores_get_one_thread_each(workers: int) -> None:
+    others = [server(0.4)] + [entry()] * (workers - 1)
+    assert share(2, entry(), others, None) == 1
+    assert share(2, server(0.4), [entry()] * workers, None) == 1
+
+
+def test_a_busy_light_process_reserves_what_it_uses() -> None:
+    assert share(16, entry(), [server(4.0), entry()], None) == 6  # (16 - 4) / 2
+    assert share(16, server(4.0), [entry(), entry()], None) == 4  # about what it uses, within an equal split
+    assert share(16, server(12.0), [entry(), entry()], None) == 5  # never more than an equal split
+
+
+def test_pinned_processes_keep_their_threads_and_reserve_their_use() -> None:
+    assert share(4, entry(kind="pinned", threads=3), [entry()], None) == 3
+    assert share(4, entry(), [entry("worker", "pinned", use=3.0, threads=3)], None) == 1
+
+
+def test_hysteresis_keeps_a_share_near_a_boundary() -> None:
+    neighbour = [server(0.5)]  # exact share 1.5
+    assert share(2, entry(), neighbour, 1) == 1
+    assert share(2, entry(), neighbour, 2) == 2
+    assert share(2, entry(), [server(0.3)], 1) == 2  # 1.7: far enough from 1
+    assert share(2, entry(), [server(0.7)], 2) == 1  # 1.3: far enough from 2
+
+
+def test_a_gpu_worker_is_light_and_capped() -> None:
+    gpu = entry("worker", threads.kind_of("worker", gpu=True), use=3.0)
+    assert share(64, gpu, [], None, cap=GPU_WORKER_THREADS) == GPU_WORKER_THREADS
+    assert share(64, entry(), [gpu], None) == 61
+    assert share(1, gpu, [], None, cap=GPU_WORKER_THREADS) == 1
+
+
+def test_never_more_threads_than_cores_and_at_least_one() -> None:
+    assert share(1, entry(), [entry()] * 5, None) == 1
+    assert share(1, server(8.0), [], None) == 1
+
+
+def test_an_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        share(2, entry(kind="heavy"), [], None)
+
+
+# ---------------------------------------------------------------- the budget of a process
+
+
+def cores(n: int) -> UsableCores:
+    return UsableCores(n, n, None, "no cgroup CPU quota")
+
+
+def test_a_budget_counts_its_neighbours_and_says_so(tmp_path: Path) -> None:
+    neighbour = HostRegistry(tmp_path, server(0.05))
+    seen: list[threads.ThreadBudget] = []
+    budget = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: cores(2), poll_s=3600, on_change=seen.append)
+    try:
+        first = budget.start()
+        assert first.intra_op == 2 and first.sharing == 2 and first.usable == 2
+        assert "2 usable cores" in first.reason and "shared with 1 other rpcps process on this host (1 server)" in first.reason
+        assert seen == [first]
+    finally:
+        budget.stop()
+        neighbour.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_pinned_budget_still_registers_so_others_count_it(tmp_path: Path) -> None:
+    budget = HostBudget("worker", 1, directory=tmp_path, environ={}, limits=lambda: cores(4), poll_s=3600)
+    try:
+        assert budget.start() == threads.ThreadBudget(1, "--threads", sharing=1)
+        others = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: cores(4), poll_s=3600)
+        try:
+            assert others.start().intra_op == 3  # the pinned worker's use (1 core) is reserved
+        finally:
+            others.stop()
+    finally:
+        budget.stop()
+
+
+def test_split_cores_for_benchmarks_that_start_their_own_processes() -> None:
+    assert split_cores(2, 1, 2) == (1, 1)
+    assert split_cores(16, 1, 4, gpu_workers=True) == (8, 2)
 
 
 def test_the_setting_is_validated_like_every_other() -> None:
@@ -69,18 +164,11 @@ def _child_threads(supervisor: Supervisor) -> dict[str, str | None]:
     return {c.name: flag(c.argv) for c in supervisor.children}
 
 
-def test_local_gives_each_child_its_share_of_the_cores(tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+def test_local_leaves_the_budget_to_its_children(tmp_path: os.PathLike[str]) -> None:
     config = parse(["local", "--workers", "2", "--device", "cpu", "--run-dir", str(tmp_path)])[1]
-    assert _child_threads(Supervisor(config)) == {"ps": "1", "worker0": "1", "worker1": "1"}
+    assert set(_child_threads(Supervisor(config)).values()) == {None}
 
 
 def test_local_passes_an_explicit_thread_count_to_every_child(tmp_path: os.PathLike[str]) -> None:
     config = parse(["local", "--workers", "2", "--threads", "3", "--run-dir", str(tmp_path)])[1]
     assert set(_child_threads(Supervisor(config)).values()) == {"3"}
-
-
-def test_local_leaves_omp_num_threads_to_the_children(tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the children inherit it and honour it themselves
-    config = parse(["local", "--workers", "2", "--run-dir", str(tmp_path)])[1]
-    assert set(_child_threads(Supervisor(config)).values()) == {None}
