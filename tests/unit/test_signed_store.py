@@ -57,6 +57,9 @@ class Store:
 
     def set(self, key: str, value: str) -> None:
         self.raw.set(key, value)
+        # TCPStore does not acknowledge a set: without a read on the same connection, which the store
+        # answers only after the set, another client's next read could still see the old value.
+        self.raw.get(key)
 
 
 @pytest.fixture
