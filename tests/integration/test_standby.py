@@ -230,7 +230,7 @@ def test_two_shards_each_with_a_standby_survive_a_kill_of_each_primary(tmp_path:
 
 
 @pytest.mark.slow  # a fault run of 20-25 s on 2 cores: CI runs it in its slow pass
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_async_replication_keeps_the_standby_within_its_lag_and_a_failover_recomputes_what_it_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -249,13 +249,22 @@ def test_async_replication_keeps_the_standby_within_its_lag_and_a_failover_recom
     lag = 2
     plan = ChaosPlan(workers=2, steps=300, replicas=2, kills=(FailPoint("replication.at_max_lag", 1), Kill("primary", 400)),
                      extra_args=(*PACED, "--digest-every", "10"), timeout_s=200, max_replica_lag=lag)
-    result = run_chaos(plan, tmp_path / "run")
-    assert result.problems(plan) == [], (result.problems(plan)[:5], result.notes)
+    # Whether the standby ever falls 2 entries behind in a 300-step run is up to the scheduler (in
+    # about half the runs on this 2-core machine it never did): a run where the fail point's moment
+    # never came tested nothing, so it is run again (at most 5 runs of ~20 s); any other problem fails
+    # at once. Holding the standby's acks with a fail point of its own would make this deterministic.
+    for attempt in range(5):
+        run_dir = tmp_path / f"run{attempt}"
+        result = run_chaos(plan, run_dir)
+        problems = result.problems(plan)
+        if not (problems and all(p.startswith("planned crashes that did not happen") for p in problems)):
+            break
+    assert problems == [], (problems[:5], result.notes)
     ledger = result.ledger
     assert 0 <= result.worst_unreplicated <= lag
     assert len(ledger.promotions) == 2 and all(0 <= lost <= lag for lost in ledger.failover_losses), ledger.failover_losses
     assert ledger.mirrored > 0 and ledger.digests_compared > 0
-    recomputed = sum(log.read_text().count("lost with the old primary") for log in (tmp_path / "run").glob("worker*.log"))
+    recomputed = sum(log.read_text().count("lost with the old primary") for log in run_dir.glob("worker*.log"))
     print(f"async, lag <= {lag}: worst unreplicated seen {result.worst_unreplicated:.0f}, versions lost per failover "
           f"{ledger.failover_losses}, workers' log lines on recomputing lost steps {recomputed}, "
           f"recovery {[round(r, 3) for r in result.recovery_s]}")
