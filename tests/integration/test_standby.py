@@ -181,6 +181,7 @@ def test_ten_kills_of_the_primary_in_one_run_lose_nothing_and_recover_within_a_s
     assert median <= 1.0 and worst <= 2.0
 
 
+@pytest.mark.alone  # asserts the longest stall after the kill
 @pytest.mark.timeout(240)
 def test_a_killed_standby_is_dropped_and_a_new_one_catches_up(procs: ProcessGroup, tmp_path: Path) -> None:
     """kill -9 of the standby: the primary drops it from the view and goes on alone (training pauses
