@@ -36,8 +36,8 @@ import torch
 import ps.sparse.table as table_module
 from ps.config import SPARSE_OPTIMIZERS, SparseConfig
 from ps.sparse.index import IdIndex
+from ps.sparse.store import SparseStore
 from ps.sparse.table import SparseTable
-from ps.sparse_store import SparseStore
 from rpcps.sparse.hashing import keyed_hash
 from rpcps.sparse.spec import SparsePull
 from rpcps.threads import split_cores, usable_cores

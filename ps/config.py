@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ps.optim import OPTIMIZERS, SCHEDULES, check_kwargs
+from ps.core.optim import OPTIMIZERS, SCHEDULES, check_kwargs
 from ps.sparse.row_optim import ROW_OPTIMIZERS
 from rpcps.address import Address
 from rpcps.messages import Mode

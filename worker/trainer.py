@@ -140,7 +140,7 @@ class _InFlight:
     sparse: SparsePush | None = None
     """This shard's sparse rows of the step (models with sparse tables only)."""
     absent: int = 0
-    """The presence mask: bit i set when this shard's parameter i got no gradient (``ps.presence``)."""
+    """The presence mask: bit i set when this shard's parameter i got no gradient (``ps.core.presence``)."""
     future: Any = None
     sent: float = 0.0
     attempts: int = 1
@@ -488,7 +488,7 @@ class Trainer:
 
     def skip_step(self, step: Step) -> None:
         """Records ``step`` as processed with nothing applied (``Step.skip``): a push whose presence
-        mask names every parameter, which the server records without an update (``ps.presence``)."""
+        mask names every parameter, which the server records without an update (``ps.core.presence``)."""
         state: _OpenStep = step._state
         comm = state.blocked
         for module in self.sparse_modules:

@@ -16,10 +16,10 @@ import torch
 from harness.faults import ChaosPlan, Kill, run_chaos
 from harness.procs import ProcessGroup
 from harness.sparse_eval import model_from_snapshot
+from ps.checkpoints.snapshot_files import list_snapshots
+from ps.checkpoints.sparse_checkpoint import snapshot_tables
 from ps.config import SparseConfig
-from ps.snapshot_files import list_snapshots
-from ps.sparse_checkpoint import snapshot_tables
-from ps.sparse_store import SparseStore
+from ps.sparse.store import SparseStore
 from rpcps.sparse.spec import declared_tables
 from tests.integration.conftest import read_json
 from worker import ctr

@@ -20,11 +20,11 @@ import torch
 
 from harness.procs import ENTRY, REPO, ProcessGroup, child_env
 from harness.sparse_eval import model_from_snapshot
+from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
+from ps.checkpoints.sparse_checkpoint import read_layouts
 from ps.config import ControlConfig, SparseConfig
 from ps.control.service import start_control_server
-from ps.snapshot_files import list_snapshots, peek_manifest
-from ps.sparse_checkpoint import read_layouts
-from ps.sparse_store import SparseStore
+from ps.sparse.store import SparseStore
 from rpcps.sparse.export_files import load_table, read_manifest
 from rpcps.sparse.serving import load_export
 from rpcps.sparse.spec import declared_tables

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from harness.inprocess import InProcessServer, pack
-from ps.checkpointer import _check_compatible
+from ps.checkpoints.checkpointer import _check_compatible
 from ps.config import OptimizerConfig, ServerCoreConfig
 from rpcps.errors import PushRejected, SignatureMismatch
 from rpcps.messages import PushStatus

@@ -10,8 +10,8 @@ import torch
 
 from harness.inprocess import make_server, pack
 from harness.ledger import check_ledger
-from ps.audit import AuditLog
-from ps.checkpointer import Checkpointer
+from ps.checkpoints.audit import AuditLog
+from ps.checkpoints.checkpointer import Checkpointer
 from ps.config import CheckpointConfig, OptimizerConfig
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.01})

@@ -9,8 +9,8 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ps.metrics import ServerMetrics
-from ps.registration_auth import RegistrationGate
+from ps.api.registration_auth import RegistrationGate
+from ps.core.metrics import ServerMetrics
 from ps.replication.auth import ReplicaGate
 from ps.replication.metrics import ReplicationMetrics
 from rpcps.errors import RegistrationRefused, ReplicaRefused

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ps import registration_auth
-from ps.metrics import ServerMetrics
-from ps.registration_auth import RegistrationGate
+from ps.api import registration_auth
+from ps.api.registration_auth import RegistrationGate
+from ps.core.metrics import ServerMetrics
 from rpcps.errors import RegistrationRefused
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.messages import RegistrationProof

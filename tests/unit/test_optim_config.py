@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ps.config import OptimizerConfig, ServerCoreConfig
-from ps.optim import build_optimizer
+from ps.core.optim import build_optimizer
 
 
 def test_unknown_optimizer_is_named_with_the_choices() -> None:

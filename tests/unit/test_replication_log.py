@@ -10,7 +10,7 @@ import torch
 
 from harness.inprocess import InProcessServer, grads_like, make_server, pack
 from ps.config import OptimizerConfig
-from ps.replication.log import ReorderBuffer, ReplicationLog, Sequenced
+from ps.core.update_log import ReorderBuffer, ReplicationLog, Sequenced
 from rpcps.messages import Mark, Update
 
 

@@ -8,13 +8,13 @@ buffers. Parameters the model does not train (``requires_grad=False``) never rea
 not in the file: such a model loads it with ``strict=False`` and keeps those from its factory.
 
 A model with sparse tables is exported as a directory instead (rpcps/sparse/export_files.py): the
-same state_dict plus every table's ids and rows, which ``ps.sparse_export`` streams out of each
+same state_dict plus every table's ids and rows, which ``ps.checkpoints.sparse_export`` streams out of each
 server's chain of snapshots, and ``rpcps.sparse.serving.load_export`` reads back.
 
 Used by ``rpcps export`` (``cli.export``), the control plane's ``ExportModel`` (through
 ``ParameterServer.model_state``) and from Python::
 
-    from ps.export import export_checkpoint
+    from ps.checkpoints.export import export_checkpoint
     export_checkpoint("/ckpt", "model.pt")
     model.load_state_dict(torch.load("model.pt", weights_only=True))
 
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from ps.snapshot_files import MANIFEST_FILE, InvalidSnapshot, list_snapshots, load_snapshot
+from ps.checkpoints.snapshot_files import MANIFEST_FILE, InvalidSnapshot, list_snapshots, load_snapshot
+from ps.checkpoints.sparse_checkpoint import chain_names
+from ps.checkpoints.sparse_export import checkpoint_tables, export_files
 from ps.sparse.checkpoint import InvalidPayload
-from ps.sparse_checkpoint import chain_names
-from ps.sparse_export import checkpoint_tables, export_files
 from rpcps.model_file import save_state_dict
 from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
 from rpcps.sparse.export_files import DEFAULT_PART_ROWS, MANIFEST, PartFile, check_out, directory_format, write_export
@@ -59,7 +59,7 @@ class Exported:
     manifests: tuple[dict[str, Any], ...] = ()
     """Each snapshot's verified manifest, in shard order."""
     sparse: bool = False
-    """The snapshots hold sparse tables (their rows are exported by ``ps.sparse_export``)."""
+    """The snapshots hold sparse tables (their rows are exported by ``ps.checkpoints.sparse_export``)."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ class Sequenced:
     on_release: Callable[[], None] | None = None
     """Called once nobody needs the entry any more (a sync round's sum buffers go back to the pool)."""
     sparse: Any = None
-    """An update's checked sparse rows (``ps.sparse_store.CheckedPush``): applied by this process
+    """An update's checked sparse rows (``ps.sparse.store.CheckedPush``): applied by this process
     only, never shipped (a server with sparse tables runs without a standby)."""
 
     @property

@@ -142,7 +142,7 @@ class SparseStore:
     def restore(self, saved: dict[str, list[Any]]) -> None:
         """Loads saved tables into these (empty) ones, keeping the rows of this server's buckets.
 
-        ``saved``: per table, (full, deltas) chains (ps/sparse_checkpoint.py; from any number of old
+        ``saved``: per table, (full, deltas) chains (ps/checkpoints/sparse_checkpoint.py; from any number of old
         servers: their buckets are placed by this server's manifest), or bare fulls (what ``capture``
         gives). Raises ValueError on a mismatch (ps.sparse.InvalidPayload is one).
         """

@@ -5,7 +5,7 @@ take it over (the real worker's calls are refused from then on). With a job secr
 out a fresh random challenge per registration attempt (``challenge``); the worker answers with an
 HMAC over that challenge, its slot and its RPC name (``rpcps.jobsecret``). A challenge is good once
 and for ``TTL_S``, so a proof seen on the wire cannot be replayed, for any slot or name. Without a
-job secret (allowed only on loopback, ``ps.exposure``) every registration is accepted.
+job secret (allowed only on loopback, ``ps.lifecycle.exposure``) every registration is accepted.
 
 ``observe`` (the sidecar evaluator's read-only look at the parameters) answers a challenge the same
 way, with its own HMAC purpose: the parameters are the job's model, not something to hand to anyone
@@ -27,7 +27,7 @@ from rpcps.logsafe import peer_text
 from rpcps.messages import RegistrationProof
 
 if TYPE_CHECKING:
-    from ps.metrics import ServerMetrics
+    from ps.core.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ answer in time, anything else."""
 
 
 class Roster(Protocol):
-    """The server's view of its workers that the reaper reads and updates (``ps.service.WorkerService``)."""
+    """The server's view of its workers that the reaper reads and updates (``ps.api.service.WorkerService``)."""
 
     def take_retired_rpc_names(self) -> list[str]: ...
 
