@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from bench.common import emit_json
-from ps.config import OptimizerConfig
-from ps.core.optim import OPTIMIZERS, build_optimizer
+from ps.core.optim import OPTIMIZERS, OptimizerConfig, build_optimizer
 from rpcps import examples, plugins
 from rpcps.examples.stream import Batch
 

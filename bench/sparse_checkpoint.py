@@ -41,12 +41,13 @@ from harness.inprocess import InProcessServer, pack
 from ps.checkpoints.checkpointer import Checkpointer
 from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
 from ps.checkpoints.sparse_checkpoint import SPARSE_FILE, read_layouts
-from ps.config import CheckpointConfig, ServerCoreConfig, SparseConfig
-from ps.sparse.store import SparseStore
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
+from ps.sparse.store import SparseConfig, SparseStore
 from rpcps.messages import PushStatus
+from rpcps.sparse.embedding import SparseEmbeddingBagCollection
 from rpcps.sparse.hashing import derive_key, keyed_hash
 from rpcps.sparse.spec import TableSpec
-from worker.sparse_embedding import SparseEmbeddingBagCollection
 
 TABLE = "t"
 

@@ -44,11 +44,10 @@ import torch
 
 from bench.common import proc_memory_kb
 from ps.checkpoints.snapshot_files import load_snapshot, write_snapshot
-from ps.config import SparseConfig
 from ps.sparse.checkpoint import payload_nbytes
 from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
-from ps.sparse.store import SparseStore
+from ps.sparse.store import SparseConfig, SparseStore
 from ps.sparse.table import SparseTable, TableConfig
 from rpcps.memory import Trimmer, start_trimming, tune_malloc
 from rpcps.process import ProcessOptions

@@ -33,7 +33,8 @@ from bench.sparse_checkpoint import TABLE, OneTable, Pusher
 from harness.inprocess import InProcessServer
 from ps.checkpoints.checkpointer import Checkpointer
 from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
-from ps.config import CheckpointConfig, ServerCoreConfig
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
 from rpcps.sparse.hashing import derive_key, keyed_hash
 
 _CHILD = """

@@ -21,8 +21,7 @@ from collections import deque
 import torch
 
 from bench.common import emit_json
-from ps.config import OptimizerConfig
-from ps.core.optim import build_optimizer
+from ps.core.optim import OptimizerConfig, build_optimizer
 from rpcps import examples, plugins
 
 

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from ps.api.service import WorkerService
-from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.core.config import ServerCoreConfig
 from ps.core.metrics import ServerStats
+from ps.core.optim import OptimizerConfig
 from ps.core.server import ParameterServer
 from rpcps.signature import FlatLayout
 

@@ -15,10 +15,9 @@ import torch
 from ps.checkpoints.export import read_checkpoint
 from ps.checkpoints.snapshot_files import list_snapshots
 from ps.checkpoints.sparse_checkpoint import read_layouts
-from ps.config import SparseConfig
-from ps.sparse.store import SparseStore
+from ps.sparse.store import SparseConfig, SparseStore
+from rpcps.sparse.embedding import collections_of
 from rpcps.sparse.spec import SparsePull, declared_tables
-from worker.sparse_embedding import collections_of
 
 
 class StoreRows:

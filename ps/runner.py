@@ -92,7 +92,7 @@ def run_server(config: ServerRunConfig) -> int:
         max_message_bytes=rpc_policy.message_limit(server.signature.numel, config.transport.max_message_mb),
         extra_calls=replica_endpoints.SERVER_ENDPOINTS,  # the other replica of this shard calls them
     )
-    service = WorkerService(server, gate=RegistrationGate(secret, metrics))
+    service = WorkerService(server, gate=RegistrationGate(secret, metrics.registrations_refused))
     logger.info(
         "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),

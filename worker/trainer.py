@@ -50,6 +50,7 @@ from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.sparse.embedding import collections_of
 from rpcps.sparse.spec import SparsePush, declared_tables
 from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
@@ -60,7 +61,6 @@ from worker.config import WorkerConfig
 from worker.device import GradientStager, ParameterSink, memory_in_use, pick_device
 from worker.metrics import WorkerMetrics
 from worker.sparse_client import SparseRouter
-from worker.sparse_embedding import collections_of
 from worker.step import Step, StepEnded
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import torch
 from torch.futures import Future
 
 from ps.api.sync_rounds import RoundKeeper, SyncContribution
-from ps.config import ServerCoreConfig
+from ps.core.config import ServerCoreConfig
 from ps.core.server import Contribution, ParameterServer, answer
 from ps.core.workers import WorkerRecord
 from ps.sparse.store import CheckedPush

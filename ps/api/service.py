@@ -74,7 +74,7 @@ class Durability(Protocol):
 class WorkerService:
     def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None, gate: RegistrationGate | None = None) -> None:
         self.server = server
-        self.gate = gate or RegistrationGate(None, server.metrics)
+        self.gate = gate or RegistrationGate(None, server.metrics.registrations_refused)
         """Who may register (the job secret); without one, anyone who reaches the RPC port."""
         self.durability: Durability | None = None
         """Set once resume is done when the server checkpoints; None: nothing is durable."""

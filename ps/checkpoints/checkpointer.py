@@ -60,7 +60,7 @@ from rpcps.errors import NotPrimary
 from rpcps.signature import ModelSignature
 
 if TYPE_CHECKING:
-    from ps.core.server import UpdateApplied
+    from ps.core.update_log import UpdateApplied
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from ps.checkpoints.sparse_checkpoint import chain_names
 from ps.checkpoints.sparse_export import checkpoint_tables, export_files
 from ps.sparse.checkpoint import InvalidPayload
 from rpcps.model_file import save_state_dict
-from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
+from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature, named_state
 from rpcps.sparse.export_files import DEFAULT_PART_ROWS, MANIFEST, PartFile, check_out, directory_format, write_export
 
 logger = logging.getLogger(__name__)
@@ -71,16 +71,6 @@ class ExportResult:
     tensors: int
     tables: dict[str, int] | None = None
     """Rows exported per sparse table; None for a model without them (``path`` is then one file)."""
-
-
-def named_state(layout: FlatLayout, masters: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameters (from flat master chunks, in the signature's dtypes) and then buffers, by name."""
-    state = {
-        slot.spec.name: view.to(getattr(torch, slot.spec.dtype)).clone()
-        for slot, view in zip(layout.slots, layout.views(masters))
-    }
-    state.update(buffers)
-    return state
 
 
 def read_checkpoint(path: str | Path) -> Exported:

@@ -34,15 +34,14 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from ps.checkpoints.export import named_state
-from ps.config import ServerCoreConfig
 from ps.core.buffers import BufferStore
+from ps.core.config import ServerCoreConfig
 from ps.core.dedup import SequenceTracker
 from ps.core.metrics import ServerMetrics
 from ps.core.optim import build_optimizer, load_state
 from ps.core.presence import HeldSlices
 from ps.core.pull_copies import PullCopies
-from ps.core.update_log import ReplicationLog, Sequenced
+from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
 from ps.core.workers import WorkerRecord, WorkerTable
 from ps.sparse.store import CheckedPush, SparseStore
 from ps.sparse.table import ClosedFull
@@ -50,7 +49,7 @@ from rpcps import threads
 from rpcps.errors import NotPrimary
 from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Update
 from rpcps.partition import partition_digest, shard_signature
-from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, persistent_buffers
+from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, named_state, persistent_buffers
 from rpcps.sparse.spec import declared_tables
 from rpcps.wire import to_dense_fp32, wire_dtype
 
@@ -67,25 +66,6 @@ class Contribution:
     staleness: int
     buffers: list[torch.Tensor] | None = None
     """The model buffers the push carried; the update that applies it makes them the server's."""
-
-
-@dataclass(frozen=True)
-class UpdateApplied:
-    """Told to every ``on_applied`` listener, under the lock, in version order."""
-
-    version: int
-    step_seconds: float
-    applied: tuple[tuple[int, int, int], ...]
-    """(slot, step, staleness) of every contribution."""
-    grad_bytes: int
-    epoch: int = 0
-    """The epoch of the primary that sequenced the update."""
-    stamp: float | None = None
-    """Unix time of the check that allowed this apply (a primary's lease check): what the ledger records."""
-    mirrored: bool = False
-    """Applied by a standby following its primary (not served to anyone yet)."""
-    sparse_rows: int = 0
-    """Sparse rows this update changed."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""A shard's replication log: every state change in index order, from sequenced to committed to applied.
+"""A shard's log of applied updates: every state change in index order, from sequenced to committed to
+applied, and the ``UpdateApplied`` event each applied update tells its listeners (metrics, checkpointer,
+audit, the primary). The core keeps it; ``ps.replication`` ships it to a standby.
 
 The primary *sequences* an entry under the server's lock (it gets the next index and, for an update,
 the next version), *commits* it once the standby holds it (or at once without a standby in the
@@ -28,6 +30,25 @@ import torch
 from torch.futures import Future
 
 from rpcps.messages import LogEntry, Update
+
+
+@dataclass(frozen=True)
+class UpdateApplied:
+    """Told to every ``on_applied`` listener, under the lock, in version order."""
+
+    version: int
+    step_seconds: float
+    applied: tuple[tuple[int, int, int], ...]
+    """(slot, step, staleness) of every contribution."""
+    grad_bytes: int
+    epoch: int = 0
+    """The epoch of the primary that sequenced the update."""
+    stamp: float | None = None
+    """Unix time of the check that allowed this apply (a primary's lease check): what the ledger records."""
+    mirrored: bool = False
+    """Applied by a standby following its primary (not served to anyone yet)."""
+    sparse_rows: int = 0
+    """Sparse rows this update changed."""
 
 
 @dataclass(eq=False)

@@ -43,8 +43,8 @@ from torch.futures import Future
 
 from ps.checkpoints.audit import AuditLog
 from ps.config import ReplicationConfig
-from ps.core.server import ParameterServer, UpdateApplied
-from ps.core.update_log import ReplicationLog, Sequenced
+from ps.core.server import ParameterServer
+from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
 from ps.replication.auth import ReplicaGate, new_attach_id
 from ps.replication.metrics import ReplicationMetrics
 from rpcps import failpoints, replica_endpoints, transport

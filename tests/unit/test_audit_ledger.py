@@ -6,7 +6,7 @@ from pathlib import Path
 
 from harness.ledger import check_ledger, first_apply_after
 from ps.checkpoints.audit import AuditLog
-from ps.core.server import UpdateApplied
+from ps.core.update_log import UpdateApplied
 
 
 def ledger(tmp_path: Path, lines: list[str]) -> Path:

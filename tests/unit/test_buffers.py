@@ -9,7 +9,8 @@ from torch import nn
 
 from harness.inprocess import InProcessServer, pack
 from ps.checkpoints.checkpointer import _check_compatible
-from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps.errors import PushRejected, SignatureMismatch
 from rpcps.messages import PushStatus
 from rpcps.partition import partition_digest, shard_signature

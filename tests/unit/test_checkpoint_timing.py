@@ -12,7 +12,8 @@ from harness.inprocess import make_server, pack
 from harness.ledger import check_ledger
 from ps.checkpoints.audit import AuditLog
 from ps.checkpoints.checkpointer import Checkpointer
-from ps.config import CheckpointConfig, OptimizerConfig
+from ps.config import CheckpointConfig
+from ps.core.optim import OptimizerConfig
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.01})
 

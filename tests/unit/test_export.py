@@ -14,7 +14,8 @@ from cli.main import main
 from harness.inprocess import InProcessServer
 from ps.checkpoints.export import ExportError, export_checkpoint, read_checkpoint
 from ps.checkpoints.snapshot_files import write_snapshot
-from ps.config import ServerCoreConfig, ServerRunConfig
+from ps.config import ServerRunConfig
+from ps.core.config import ServerCoreConfig
 from ps.runner import _meta
 from rpcps import plugins
 from rpcps.address import Address

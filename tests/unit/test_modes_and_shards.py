@@ -10,7 +10,8 @@ from torch import nn
 
 from harness.inprocess import InProcessServer
 from ps.api.sync_rounds import RoundKeeper, SyncContribution
-from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from ps.core.server import Contribution
 from ps.core.workers import WorkerRecord
 from rpcps.partition import imbalance, partition, partition_digest

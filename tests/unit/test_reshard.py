@@ -19,7 +19,9 @@ from ps.checkpoints.checkpointer import Checkpointer, ResumeRefused, find_resume
 from ps.checkpoints.reshard import OldShard, ReshardRefused, reshard
 from ps.checkpoints.reshard_files import JOURNAL, reshard_directory
 from ps.checkpoints.snapshot_files import FINISHED_FILE, list_snapshots
-from ps.config import CheckpointConfig, OptimizerConfig, ServerCoreConfig
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import PushStatus
 from tests.unit.test_sparse_server import TinyModel, _rows, _train_sharded

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from harness.inprocess import grads_like, make_model, make_server, pack
-from ps.config import OptimizerConfig
-from ps.core.optim import FAST_KERNELS, OPTIMIZERS, SCHEDULES, torch_kwargs
+from ps.core.optim import FAST_KERNELS, OPTIMIZERS, SCHEDULES, OptimizerConfig, torch_kwargs
 
 STEPS = 25
 

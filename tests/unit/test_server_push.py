@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness.inprocess import assert_bit_identical, make_server, pack
-from ps.config import OptimizerConfig
+from ps.core.optim import OptimizerConfig
 from ps.core.server import ParameterServer
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 

@@ -13,7 +13,9 @@ from harness.inprocess import InProcessServer
 from harness.snapshots import verify_all
 from ps.checkpoints.checkpointer import Checkpointer, ResumeRefused, find_resume_point
 from ps.checkpoints.snapshot_files import InvalidSnapshot, list_snapshots, load_snapshot, read_manifest
-from ps.config import CheckpointConfig, OptimizerConfig, ServerCoreConfig
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps.errors import NotPrimary
 from rpcps.tasks import teacher_student_model
 

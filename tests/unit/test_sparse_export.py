@@ -13,8 +13,7 @@ import torch
 
 from harness.sparse_eval import StoreRows
 from ps.checkpoints.sparse_export import TableSource, chain_slices, export_files
-from ps.config import SparseConfig
-from ps.sparse.store import SparseStore
+from ps.sparse.store import SparseConfig, SparseStore
 from ps.sparse.table import SparseTable
 from rpcps.sparse.export_files import ExportFormatError, load_table, read_manifest, write_export
 from rpcps.sparse.serving import load_export, load_rows
