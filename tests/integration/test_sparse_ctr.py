@@ -71,8 +71,13 @@ def test_a_server_of_the_ctr_task_loads_no_worker_module(procs: ProcessGroup) ->
     """The role rule holds for the shipped sparse task too: the model and its sparse embedding live
     where both roles may import them (``rpcps.examples.ctr``, ``rpcps.sparse.embedding``), so a
     server that builds the CTR model never imports ``worker``."""
-    ps, _, metrics = procs.ps("ps", *CTR, program=[sys.executable, "-X", "importtime", str(ENTRY)])
-    wait_until(lambda: any(k.startswith("rpcps_sparse_") for k in try_scrape(metrics)) or None, 90, "the CTR server's tables on /metrics")
+    ps, _, metrics = procs.ps("ps", "--model", CTR[1], program=[sys.executable, "-X", "importtime", str(ENTRY)])
+
+    def serving() -> bool | None:
+        assert ps.alive(), f"the CTR server exited with {ps.returncode}\n{ps.tail()}"
+        return any(k.startswith("rpcps_sparse_") for k in try_scrape(metrics)) or None
+
+    wait_until(serving, 90, "the CTR server's tables on /metrics")
     ps.send(signal.SIGTERM)
     assert ps.wait(60) == 0, ps.tail()
     modules = imported_modules(ps.stderr())
