@@ -129,7 +129,7 @@ def _loopback(host: str) -> bool:
 
 
 def exposure_problems(where: str, role: str, args: list[str], env: dict[str, Any]) -> list[str]:
-    """What rpcps itself would refuse at start (ps/exposure.py), caught before anyone deploys it.
+    """What rpcps itself would refuse at start (ps/lifecycle/exposure.py), caught before anyone deploys it.
 
     The server's RPC ports off loopback need --trust-network on and a job secret; every worker of
     such a server needs the secret too (it cannot register without it); a control plane off
