@@ -92,9 +92,18 @@ def _alone_or_alongside(request: pytest.FixtureRequest, tmp_path_factory: pytest
         return
     alone = request.node.get_closest_marker("alone") or request.node.get_closest_marker("slow")
     # Each worker's basetemp is <run's base>/popen-gwN: the parent is this run's, shared by all workers.
-    with open(tmp_path_factory.getbasetemp().parent / "alone.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)  # pytest-timeout's signal ends a wait
+    # A plain flock lets the other workers' back-to-back shared holds starve an exclusive waiter (it
+    # timed out so on 3 workers), so a gate comes first: an alone test holds it while it waits for
+    # the running tests to end, and no test starts meanwhile.
+    base = tmp_path_factory.getbasetemp().parent
+    with open(base / "alone.gate", "a") as gate, open(base / "alone.lock", "a") as lock:
+        # pytest-timeout's signal ends a wait on either.
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
