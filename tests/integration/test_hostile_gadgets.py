@@ -6,7 +6,7 @@ gradients were the attacker's or training stopped for good. Here a peer sends ea
 training server and to its worker while the job is paused (the product's own control holds it
 there); each is refused, counted and logged once, and training then finishes exactly as a run
 nobody attacked. The gadgets one by one, and a property test over opcode sequences:
-tests/unit/test_unpickler_mutations.py.
+tests/unit/rpcps/transport/test_unpickler_mutations.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 
 from rpcps import failpoints
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _reach(point: str, spec: str) -> int:
