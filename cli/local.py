@@ -502,9 +502,11 @@ def _thread_shares(config: LocalConfig) -> tuple[ProcessOptions, ProcessOptions]
 def run_local(config: LocalConfig) -> int:
     # A directory of another --shards would be refused by every server, each restarted until local
     # gives up: say it once, before starting anything (ResumeRefused names what to do). The same for
-    # a --model, --data or --loss that names nothing usable: every child would fail on it.
+    # a --model, --data or --loss that names nothing usable, or returns what the workers cannot train
+    # on: every child would fail on it.
     shard_checkpoint_config(config.server.checkpoint, 0, config.server.core.shard_count)
-    plugins.check_specs(config.worker.model, config.worker.data, config.worker.loss)
+    plugins.check_specs(config.worker.model, config.worker.data, config.worker.loss,
+                        num_workers=config.workers, own_loop=config.worker_script is not None)
     if config.evaluator.eval_data is not None:
         check_model_spec(config.evaluator.model)  # an evaluator that cannot score this model: say so before starting
         plugins.resolve_callable(config.evaluator.eval_data, "eval-data")
