@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+UNREADABLE = "cgroups unreadable"
+"""How ``quota_source`` begins when /proc/self/cgroup or mountinfo could not be read."""
 QUOTA_SLACK = 0.01
 """A quota within this of a whole number of cores counts as that number (999m is meant as 1 CPU)."""
 
@@ -36,6 +38,11 @@ class UsableCores:
     """The binding cgroup CPU quota in cores; None when no level of the hierarchy sets one."""
     quota_source: str
     """Where ``quota`` came from (``cgroup v2 cpu.max at /sys/fs/cgroup/...``), or why there is none."""
+
+    @property
+    def unreadable(self) -> bool:
+        """Whether the cgroup files could not be read (the cores then count the affinity only)."""
+        return self.quota_source.startswith(UNREADABLE)
 
     def describe(self) -> str:
         quota = "no cgroup CPU quota" if self.quota is None else f"cgroup CPU quota {self.quota:g} cores"
@@ -73,7 +80,7 @@ def cgroup_quota(root: Path = Path("/")) -> tuple[float | None, str]:
         memberships = _memberships((root / "proc/self/cgroup").read_text())
         mounts = _mounts((root / "proc/self/mountinfo").read_text())
     except OSError as e:
-        return None, f"cgroups unreadable ({e.strerror or e})"
+        return None, f"{UNREADABLE} ({e.strerror or e})"
     found: list[tuple[float, str]] = []
     for version, controllers, path in memberships:
         for fstype, mount_root, mount_point, options in mounts:

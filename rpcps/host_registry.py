@@ -116,12 +116,13 @@ class HostRegistry:
 
 
 def read_live(directory: Path, own: str | None = None, own_entry: Entry | None = None) -> dict[str, Entry]:
-    """The live entries of ``directory`` (``own`` is answered from memory: its lock is ours)."""
+    """The live entries of ``directory`` (``own`` is answered from memory: its lock is ours).
+
+    Raises:
+        OSError: the directory cannot be listed (the caller says so and counts it: rpcps.threads).
+    """
     out: dict[str, Entry] = {}
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return out
+    names = os.listdir(directory)
     for name in names:
         if not name.endswith(".json"):
             if name.startswith(".") and name.endswith(".tmp"):

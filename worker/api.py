@@ -236,7 +236,7 @@ class Training:
         gpu = pick_device(config.worker.device).type == "cuda"
         threads.HostBudget(
             "worker", config.process.threads, gpu=gpu, directory=config.process.host_dir,
-            on_change=metrics.thread_budget.show,
+            on_change=metrics.thread_budget.show, on_problem=metrics.thread_budget.count_problem,
         ).start()
         build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
         self._http = _serve_metrics(metrics, config)
