@@ -144,6 +144,7 @@ def test_a_normal_run_logs_quietly_exports_only_its_series_and_a_rerun_says_noth
     assert local.wait(120) == 0, local.tail()
 
     out = local.stdout()
+    assert "\r" not in out, "stdout is a file here: plain lines, no progress bar"
     progress = [line for line in out.splitlines() if line.startswith("[")]
     assert progress, out
     for line in progress:
