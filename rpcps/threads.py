@@ -12,7 +12,7 @@ a 22k-parameter model 7x slower and a 5M one 2.5x slower than with one thread ea
    is ignored: the host budget below does the job it does, without leaving cores idle. Pin one thread
    under torchrun with ``--threads 1``.
 3. otherwise the **host budget**: the usable cores (rpcps.cpu_limits: the least of the affinity mask
-   and the cgroup CPU quota) shared with every other rpcps process on this host
+   and the cgroup CPU quota) shared with every other rpcps process on this host that draws on the same cores (its pool)
    (rpcps.host_registry), by what each uses rather than by head count:
 
    * a *light* process (a server, the store, an evaluator, a worker that computes on a GPU) mostly
@@ -263,6 +263,7 @@ class HostBudget:
         # What it is assumed to use until it is measured: a CPU worker keeps its threads busy.
         self._use = float(self._pin.intra_op if self._pin is not None else 1) if kind_of(role, gpu=gpu) == "compute" else PRIOR_USE.get(role, 0.25)
         self._registry: HostRegistry | None = None
+        self._pool = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.budget = ThreadBudget(1, "not chosen yet")
@@ -271,7 +272,8 @@ class HostBudget:
         """Chooses, applies on this thread, logs and returns the first budget; starts following the host."""
         started = time.time()
         threads = self._pin.intra_op if self._pin is not None else 1
-        entry = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=started, use=self._use, threads=threads)
+        self._pool = self._limits().pool
+        entry = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=started, use=self._use, threads=threads, pool=self._pool)
         try:
             self._registry = HostRegistry(self._directory, entry)
         except OSError as e:
@@ -304,15 +306,17 @@ class HostBudget:
                 )
             else:
                 self._troubles.cleared("registry", f"the host's process registry at {self._directory} is readable again")
-        own = self._registry.path.name if self._registry is not None else None
-        others = [e for name, e in sorted(entries.items()) if name != own]
-        if self._pin is not None:
-            return replace(self._pin, sharing=1 + len(others))
         usable = self._limits()
         if usable.unreadable:
             self._troubles.occurred("cgroup_unreadable", "%s: the budget counts the affinity's cores only", usable.quota_source)
         else:
             self._troubles.cleared("cgroup_unreadable", "cgroups are readable again")
+        self._pool = usable.pool
+        own = self._registry.path.name if self._registry is not None else None
+        # Only the processes that draw on the same cores divide them (a container with a CPU limit has its own).
+        others = [e for name, e in sorted(entries.items()) if name != own and (not e.pool or not usable.pool or e.pool == usable.pool)]
+        if self._pin is not None:
+            return replace(self._pin, sharing=1 + len(others))
         me = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=0.0, use=self._use, threads=current or 1)
         threads = share(usable.cores, me, others, current, cap=self._cap)
         reason = describe(usable, others, self._kind) + ("; capped for a GPU worker" if self._cap is not None and threads == self._cap else "")
@@ -361,7 +365,7 @@ class HostBudget:
         if self._registry is None:
             return
         try:
-            self._registry.publish(replace(self._registry.entry, use=round(self._use, 3), **changes))
+            self._registry.publish(replace(self._registry.entry, use=round(self._use, 3), pool=self._pool, **changes))
         except OSError as e:
             self._troubles.occurred("registry", "cannot update this process's entry in the host's registry (%s)", e)
 

@@ -149,6 +149,25 @@ def test_a_pinned_budget_still_registers_so_others_count_it(tmp_path: Path) -> N
         budget.stop()
 
 
+def test_only_processes_that_draw_on_the_same_cores_divide_them(tmp_path: Path) -> None:
+    def pool(name: str) -> UsableCores:
+        return UsableCores(4, 64, 4.0, "cgroup v2 cpu.max 400000/100000 at /sys/fs/cgroup", pool=name)
+
+    mine = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: pool("cgroup 1:10"), poll_s=3600)
+    # A pod with a CPU limit of its own on the same node, sharing the registry (Kubernetes hostPath).
+    other_pod = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: pool("cgroup 1:20"), poll_s=3600)
+    same_pod = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: pool("cgroup 1:10"), poll_s=3600)
+    try:
+        assert mine.start().intra_op == 4
+        assert other_pod.start().intra_op == 4 and other_pod.budget.sharing == 1, "its limit is its own"
+        shared = same_pod.start()
+        assert shared.intra_op == 2 and shared.sharing == 2, "two compute processes under one limit"
+        assert "shared with 1 other rpcps process on this host (1 worker)" in shared.reason
+    finally:
+        for b in (mine, other_pod, same_pod):
+            b.stop()
+
+
 # ---------------------------------------------------------------- what goes wrong on the way
 
 
