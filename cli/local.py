@@ -50,6 +50,11 @@ _STOP_GRACE_S = 30.0
 _END_CHECK_S = 120.0
 """How long the end-of-run check waits for servers to answer (one may be restarting from a crash)."""
 _DONE, _WAIT, _FAILED = "done", "wait", "failed"
+CHECKPOINTING_OFF = (
+    "rpcps local: checkpointing is off (no --checkpoint-dir): a server crash loses the training so far, and no snapshot "
+    "is left to resume from or export; pass --checkpoint-dir DIR to keep snapshots"
+)
+"""Said once on local's console; its children then say it at INFO only (--checkpoints-off-ok)."""
 _ENTRY = Path(__file__).resolve().parents[1] / "trainer_entry.py"
 
 
@@ -124,7 +129,12 @@ class Supervisor:
         )
         if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
             server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
-        server_process, worker_process = _thread_shares(config)
+        # Without --checkpoint-dir, local says once on its console what that means (run_local): its
+        # children need not warn in their logs about a choice it made for them.
+        off = server.checkpoint.directory is None
+        server_process, worker_process = (
+            replace(p, checkpoints_off_ok=p.checkpoints_off_ok or off) for p in _thread_shares(config)
+        )
         server = replace(server, process=server_process)
         replicas = self.replicas = server.replication.replicas
         self.coordinator: Child | None = None
@@ -514,7 +524,7 @@ def run_local(config: LocalConfig) -> int:
         if config.evaluator.eval_fn is not None:
             plugins.resolve_callable(config.evaluator.eval_fn, "eval-fn")
     if config.server.checkpoint.directory is None:
-        print("rpcps local: checkpointing is off (no --checkpoint-dir): a server crash loses all training", flush=True)
+        print(CHECKPOINTING_OFF, flush=True)
     else:
         print(f"rpcps local: checkpoints in {config.server.checkpoint.directory}", flush=True)
     supervisor = Supervisor(config)

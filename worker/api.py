@@ -299,7 +299,7 @@ class Training:
         summary["reconnects"] = self._reconnects
         # Done means durable: a worker reports success only once a committed checkpoint holds every
         # one of its steps, so a server crash after it exits cannot roll them back.
-        summary["durable"] = trainer.finish() if trainer.completed else False
+        summary["durable"] = trainer.finish(checkpoints_off_ok=self.config.process.checkpoints_off_ok) if trainer.completed else False
         for link in trainer.shards:
             try:
                 link.client.leave(self.slot, link.registration.incarnation)

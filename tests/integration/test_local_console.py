@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.local import CHECKPOINTING_OFF
 from harness.procs import ProcessGroup, try_scrape, wait_until
 from rpcps.ports import free_port
 
@@ -120,6 +121,20 @@ def test_after_a_server_kill_the_console_says_resumed_and_counts_the_servers_ver
     for i in range(2):  # the expected loss of the server is a line or two in a worker's log, not torch's C++ frames
         text = (run_dir / f"worker{i}.log").read_text()
         assert "frame #" not in text and "Traceback" not in text, text
+
+
+@pytest.mark.timeout(90)
+def test_without_checkpoints_local_says_so_once_and_its_children_do_not_warn(procs: ProcessGroup, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    local = procs.start("local", ["local", "--workers", "1", "--steps", "30", "--progress-s", "1", "--run-dir", run_dir])
+    assert local.wait(60) == 0, local.tail()
+    out = local.stdout()
+    assert out.count(CHECKPOINTING_OFF) == 1, out
+    assert "--checkpoint-dir DIR" in CHECKPOINTING_OFF, "it says how to turn checkpoints on"
+    for log in sorted(run_dir.glob("*.log")):
+        text = log.read_text()
+        assert " WARNING " not in text, f"{log.name} warns about a choice local made and said:\n{text}"
+    assert re.search(r" INFO .*checkpointing is off", (run_dir / "ps.log").read_text()), "still in the server's log, at INFO"
 
 
 @pytest.mark.timeout(150)
