@@ -12,11 +12,12 @@ What must not live here: what a line says (``cli.progress``) or where its facts 
 from __future__ import annotations
 
 import sys
-from typing import TextIO
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING, TextIO
 
 from cli.progress import Progress
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {n}/{total} steps [{elapsed}<{remaining}]{postfix}"
 """The bar's own part counts the steps the servers hold; the postfix says the rest of the progress line."""
@@ -37,6 +38,8 @@ class Console:
             bar = self._out.isatty()
         self._bar: tqdm | None = None
         if bar and total_steps > 0:
+            from tqdm import tqdm  # only where a bar is drawn: a pipe or a CI log never loads it
+
             # miniters/mininterval 0: every progress() redraws (local calls it every --progress-s, not per step).
             self._bar = tqdm(total=total_steps, file=self._out, bar_format=BAR_FORMAT, dynamic_ncols=True,
                              mininterval=0, miniters=0, smoothing=0.3)
@@ -49,7 +52,7 @@ class Console:
         """Writes a line (to stderr when ``error``), above the bar when there is one."""
         file = sys.stderr if error else self._out
         if self._bar is not None:
-            tqdm.write(text, file=file)
+            self._bar.write(text, file=file)
         else:
             print(text, file=file, flush=True)
 
