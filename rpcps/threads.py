@@ -215,9 +215,11 @@ class _Troubles:
         self._on_problem = on_problem
         self._active: set[str] = set()
 
-    def occurred(self, problem: str, message: str, *args: object, exc_info: bool = False) -> None:
-        if problem not in self._active:
-            self._active.add(problem)
+    def occurred(self, problem: str, message: str, *args: object, exc_info: bool = False, what: str | None = None) -> None:
+        """``what`` tells apart troubles counted under one ``problem`` (reading and writing the registry)."""
+        key = what or problem
+        if key not in self._active:
+            self._active.add(key)
             logger.warning(message + " (said once while it lasts; counted in thread_budget_problems_total)", *args, exc_info=exc_info)
         if self._on_problem is not None:
             self._on_problem(problem)
@@ -367,7 +369,9 @@ class HostBudget:
         try:
             self._registry.publish(replace(self._registry.entry, use=round(self._use, 3), pool=self._pool, **changes))
         except OSError as e:
-            self._troubles.occurred("registry", "cannot update this process's entry in the host's registry (%s)", e)
+            self._troubles.occurred("registry", "cannot update this process's entry in the host's registry (%s)", e, what="registry-write")
+            return
+        self._troubles.cleared("registry-write", "this process's entry in the host's registry is written again")
 
 
 def problem_counter(registry: CollectorRegistry, role: str) -> OnProblem:
