@@ -15,12 +15,6 @@ from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
 from worker.config import WorkerConfig
 
-LOCAL_PICKS = (
-    "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--ps",
-    "--worker-index", "--num-workers",
-)
-"""Flags ``local`` sets for each child itself (loopback addresses, free ports, slots)."""
-
 
 @dataclass(kw_only=True, frozen=True)
 class LocalConfig:

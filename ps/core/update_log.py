@@ -205,10 +205,6 @@ class ReplicationLog:
                 return 0.0
             return now - self._entries[i].at
 
-    def retained_bytes(self) -> int:
-        with self.cond:
-            return sum(s.nbytes for s in self._entries)
-
     def unapplied(self) -> list[Sequenced]:
         """Every entry sequenced or received and not applied yet, in index order."""
         with self.cond:
