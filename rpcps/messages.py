@@ -150,7 +150,7 @@ class View(WireRecord):
 
 @dataclass(frozen=True)
 class Update(WireRecord):
-    """One optimizer step: an admitted push, or a closed sync round (its averaged gradient)."""
+    """One optimizer step: a checked push, or a closed sync round (its averaged gradient)."""
 
     index: int
     """Position in the shard's log: dense, never reused within one history."""

@@ -6,7 +6,7 @@
 - ``sync``: pushes wait in a round; the round is applied as one step from the averaged gradients of
   the live workers (``ps.api.sync_rounds``), and every push in it is answered when it closes.
 
-A mode gets admitted pushes (deduplicated, validated, fp32) and decides when the server sequences
+A mode gets checked pushes (deduplicated, validated, fp32) and decides when the server sequences
 them as an update (``ParameterServer.sequence_update_locked``); the server applies it once it is
 committed, and only then is the push answered. A mode never touches the parameters itself. Its
 methods run on RPC threads, take the server's lock for what they change, and complete futures
@@ -43,7 +43,7 @@ class ConsistencyMode(Protocol):
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
         buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None, absent: int = 0,
     ) -> Future:
-        """Sequences (now or with its round) an admitted push: ``chunks`` as received, ``grads`` their
+        """Sequences (now or with its round) a checked push: ``chunks`` as received, ``grads`` their
         fp32 form, ``buffers`` the model buffers it carried. The future gives its PushReply once the
         update is applied.
 

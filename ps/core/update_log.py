@@ -57,7 +57,7 @@ class Sequenced:
 
     entry: LogEntry
     grads: list[torch.Tensor] | None = None
-    """An update's fp32 gradient, when this process already has it (the primary widened it at admission)."""
+    """An update's fp32 gradient, when this process already has it (the primary widened it when it checked the push)."""
     replies: list[tuple[Future, Any]] = field(default_factory=list)
     """Futures to complete, and with what, once the entry is applied."""
     at: float = field(default_factory=time.monotonic)
