@@ -67,6 +67,21 @@ def done(reply: PushReply | ErrorReply) -> Future:
     return future
 
 
+def _answer_unsequenced_locked(
+    server: ParameterServer, record: WorkerRecord, seq: int, base_version: int, max_staleness: int | None
+) -> Future | None:
+    """Under the lock, the start every mode shares: the answer for a push that is not sequenced now (a
+    retry joins the pending push it repeats; a paused server, a duplicate or a push over
+    ``max_staleness`` is refused), or None to sequence it. Raises ServerStopping while the server stops."""
+    if server.stopping:
+        raise ServerStopping("the server is shutting down; the push was not applied")
+    joined = server.join_pending_locked(record.slot, seq)
+    if joined is not None:
+        return joined
+    refusal = server.refusal_locked(record, seq, base_version, max_staleness)
+    return None if refusal is None else done(refusal)
+
+
 class AsyncMode:
     """Apply every push at once; with ``max_staleness``, refuse older ones (bounded)."""
 
@@ -82,14 +97,9 @@ class AsyncMode:
         server = self.server
         reply: Future = Future()
         with server.lock:
-            if server.stopping:
-                raise ServerStopping("the server is shutting down; the push was not applied")
-            joined = server.join_pending_locked(record.slot, seq)
-            if joined is not None:
-                return joined
-            refusal = server.refusal_locked(record, seq, base_version, self.max_staleness)
-            if refusal is not None:
-                return done(refusal)
+            early = _answer_unsequenced_locked(server, record, seq, base_version, self.max_staleness)
+            if early is not None:
+                return early
             staleness = server.log.last_version - base_version
             update = server.sequence_update_locked(
                 chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers, sparse=sparse, absent=absent
@@ -129,15 +139,10 @@ class SyncMode:
         server = self.server
         reply: Future = Future()
         with server.lock:
-            if server.stopping:
-                raise ServerStopping("the server is shutting down; the push was not applied")
-            joined = server.join_pending_locked(record.slot, seq)
-            if joined is not None:
-                return joined
             # A round's gradients must all be computed on the round's parameters: anything older is stale.
-            refusal = server.refusal_locked(record, seq, base_version, 0)
-            if refusal is not None:
-                return done(refusal)
+            early = _answer_unsequenced_locked(server, record, seq, base_version, 0)
+            if early is not None:
+                return early
             live = {r.slot for r in server.workers.live()}
             self.rounds.add(
                 live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records), absent
