@@ -328,7 +328,7 @@ class Supervisor:
             worker.done = False
             worker.next_start = now
             print(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished (a server resumed from an "
-                  f"older checkpoint); running {worker.name} again, restart {worker.restarts}/{self.config.max_restarts}",
+                  f"older snapshot); running {worker.name} again, restart {worker.restarts}/{self.config.max_restarts}",
                   flush=True)
         self._end_deadline = None
         return _WAIT

@@ -114,11 +114,11 @@ class FinishReply(WireRecord):
     complete: bool
     """The server holds every step the worker says it finished (False: resume at ``next_step``)."""
     durable: bool
-    """A committed checkpoint holds them all (False when the server checkpoints nothing)."""
+    """A committed snapshot holds them all (False when the server checkpoints nothing)."""
     next_step: int
     version: int
     checkpoint_version: int | None = None
-    """The version of the committed checkpoint that holds them."""
+    """The version of the committed snapshot that holds them."""
 
 
 @dataclass(frozen=True)

@@ -283,7 +283,7 @@ class WorkerService:
             return self.server.version
 
     def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply:
-        """A worker finished ``steps`` steps: returns once a committed checkpoint holds them all.
+        """A worker finished ``steps`` steps: returns once a committed snapshot holds them all.
 
         A worker only exits successfully after this, so a server crash after it never rolls back a
         finished worker's steps (docs/FAULT_TOLERANCE.md, "Done means durable").
