@@ -340,7 +340,7 @@ class Supervisor:
             worker.done = False
             worker.next_start = now
             self.console.say(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished (a server resumed "
-                             f"from an older checkpoint); running {worker.name} again, restart {worker.restarts}/{self.config.max_restarts}")
+                             f"from an older snapshot); running {worker.name} again, restart {worker.restarts}/{self.config.max_restarts}")
         self._end_deadline = None
         return _WAIT
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ps.api.registration_auth import RegistrationGate
-from ps.api.service import WorkerService
+from ps.api.worker_service import WorkerService
 from ps.checkpoints.audit import AuditLog
 from ps.checkpoints.checkpointer import Checkpointer, ResumePoint, find_resume_point, shard_checkpoint_config
 from ps.config import CheckpointConfig, ServerRunConfig
-from ps.control.service import ControlServer, start_control_server
+from ps.control.control_service import ControlServer, start_control_server
 from ps.core.metrics import ServerMetrics
 from ps.core.optim import torch_kwargs
 from ps.core.server import ParameterServer

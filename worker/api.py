@@ -130,7 +130,7 @@ class Training:
     Entering joins the group and registers the model with every shard (a lost server restarts the
     process in place, as the CLI worker does). Iterating hands out the slot's steps from where the
     servers resumed it; each must end with ``step.push(loss)`` or ``step.skip()``. Leaving the block
-    drains the window and, when every step was computed, waits until a committed checkpoint holds
+    drains the window and, when every step was computed, waits until a committed snapshot holds
     them all (``durable`` in the summary), then leaves.
     """
 
@@ -297,7 +297,7 @@ class Training:
         trainer = self.trainer
         summary = trainer.summary()
         summary["reconnects"] = self._reconnects
-        # Done means durable: a worker reports success only once a committed checkpoint holds every
+        # Done means durable: a worker reports success only once a committed snapshot holds every
         # one of its steps, so a server crash after it exits cannot roll them back.
         summary["durable"] = trainer.finish(checkpoints_off_ok=self.config.process.checkpoints_off_ok) if trainer.completed else False
         for link in trainer.shards:

@@ -84,7 +84,7 @@ class ServerBehind(RuntimeError):
 
 
 class NotDurable(RuntimeError):
-    """The server could not commit a checkpoint holding this slot's last steps (it kept failing)."""
+    """The server could not commit a snapshot holding this slot's last steps (it kept failing)."""
 
 
 class DataExhausted(ValueError):
@@ -409,7 +409,7 @@ class Trainer:
         Returns False when a shard checkpoints nothing (then a server crash would lose them): a
         warning, or an INFO line with ``checkpoints_off_ok`` (the launcher said so already).
         Raises ServerBehind when a shard holds fewer steps than computed here, and NotDurable when a
-        shard kept failing to commit a checkpoint.
+        shard kept failing to commit a snapshot.
         """
         durable = True
         for link in self.shards:
