@@ -218,7 +218,7 @@ def main() -> None:
     args = p.parse_args()
     tune_malloc()  # what every rpcps process does first (arenas capped); MALLOC_* in the environment wins
     key = derive_key(2024)
-    config = TableConfig(name="bench", table_id=0, dim=args.dim, optimizer=OPTIMIZERS[args.optimizer]())
+    config = TableConfig(spec=TableSpec(name="bench", table_id=0, dim=args.dim), optimizer=OPTIMIZERS[args.optimizer]())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {config.optimizer}, width {config.width}")
     print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
     table = _measure_build(config, args.rows, args.batch, key, args.via_store, args.malloc_trim_s)

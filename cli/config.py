@@ -10,16 +10,10 @@ from evaluator.config import EvaluatorConfig
 from ps.config import ServerRunConfig
 from rpcps.address import Address
 from rpcps.model_file import FORMATS
-from rpcps.process import ProcessOptions
+from rpcps.process import ProcessOptions, listen_setting, trust_network_setting
 from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
 from worker.config import WorkerConfig
-
-LOCAL_PICKS = (
-    "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--ps",
-    "--worker-index", "--num-workers",
-)
-"""Flags ``local`` sets for each child itself (loopback addresses, free ports, slots)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -119,18 +113,9 @@ DEFAULT_STORE_METRICS_PORT = 9390
 class StoreConfig:
     """Coordinator (the group's store and janitor; no training state)."""
 
-    listen: Address = setting(
-        Address("127.0.0.1", 29500),
-        help="HOST:PORT of the group's rendezvous store; servers use it as --store, workers as --ps. Anything but "
-        "loopback needs --trust-network and --job-secret-file (docs/SECURITY.md)",
-        metavar="HOST:PORT",
-    )
+    listen: Address = listen_setting("of the group's rendezvous store; servers use it as --store, workers as --ps")
     lease_s: float = setting(10.0, help="a member silent this long (hung or cut off) is removed from the group")
-    trust_network: bool = setting(
-        False,
-        help="acknowledge that the RPC ports (--listen and this process's TensorPipe port) are reachable only from an "
-        "isolated training network: torch RPC has no authentication or encryption (docs/SECURITY.md)",
-    )
+    trust_network: bool = trust_network_setting("this process's")
     metrics_port: int = setting(DEFAULT_STORE_METRICS_PORT, help="coordinator /metrics port; 0 picks a free one (logged)")
     process: ProcessOptions = field(default_factory=ProcessOptions)
     transport: TransportOptions = field(default_factory=TransportOptions)

@@ -239,7 +239,7 @@ def format_status(d: dict[str, Any]) -> str:
     if replica is not None and (replica["configured"] > 1 or replica["standby"] is not None):  # a lone shard has no replica set
         standby = replica["standby"] or "none"
         if replica["standby"] is None and replica["configured"] > 1:
-            standby += f" (WARNING: started with --replicas {replica['configured']}; a crash now falls back to the newest checkpoint)"
+            standby += f" (WARNING: started with --replicas {replica['configured']}; a crash now falls back to the newest snapshot)"
         lines += [
             f"replica       {replica['role']}, epoch {replica['epoch']}, {replica['failovers']} failover(s) by this process",
             f"  primary     {replica['primary']}",
@@ -254,7 +254,7 @@ def format_status(d: dict[str, Any]) -> str:
         age = w["last_push_age_seconds"]
         lines.append(f"  slot {w['slot']:<5} last push {'never' if age is None else format_age(age) + ' ago'}")
     if d["slots"]:
-        lines.append("slot progress (steps held / durable in the newest checkpoint / finished with)")
+        lines.append("slot progress (steps held / durable in the newest snapshot / finished with)")
         for p in d["slots"]:
             durable = "-" if p["durable_next_step"] is None else str(p["durable_next_step"])
             finished = p["finished_steps"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rpcps.address import Address
-from rpcps.process import ProcessOptions, model_setting
+from rpcps.process import ProcessOptions, loss_setting, model_setting
 from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
 
@@ -18,7 +18,7 @@ class EvaluatorConfig:
     """Evaluation (the sidecar evaluator)."""
 
     model: str = model_setting()
-    loss: str = setting("cross_entropy", help="cross_entropy, mse or 'package.module:function'", metavar="LOSS")
+    loss: str = loss_setting()
     eval_data: str | None = setting(
         None,
         help="held-out data 'package.module:function()' returning an iterable of (inputs, targets) batches, read once; "

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ps.api.service import WorkerService
+from ps.api.worker_service import WorkerService
 from ps.core.config import ServerCoreConfig
 from ps.core.metrics import ServerStats
 from ps.core.optim import OptimizerConfig

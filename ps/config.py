@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ps.core.config import ServerCoreConfig
 from rpcps.address import Address
-from rpcps.process import ProcessOptions, model_setting
+from rpcps.process import ProcessOptions, listen_setting, model_setting, trust_network_setting
 from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
 
@@ -170,12 +170,7 @@ class ReplicationConfig:
 class ServerRunConfig:
     """Server process."""
 
-    listen: Address = setting(
-        Address("127.0.0.1", 29500),
-        help="HOST:PORT where this server hosts the group's rendezvous store (without --store); workers use it as --ps. "
-        "Anything but loopback needs --trust-network and --job-secret-file (docs/SECURITY.md)",
-        metavar="HOST:PORT",
-    )
+    listen: Address = listen_setting("where this server hosts the group's rendezvous store (without --store); workers use it as --ps")
     store: Address | None = setting(
         None,
         help="HOST:PORT of the group's store to join: a `rpcps store` coordinator, or shard 0's --listen; "
@@ -189,11 +184,7 @@ class ServerRunConfig:
     audit_log: str | None = setting(
         None, help="append a ledger of every applied update to this file (fault-injection checks)", metavar="PATH"
     )
-    trust_network: bool = setting(
-        False,
-        help="acknowledge that the RPC ports (--listen and every process's TensorPipe port) are reachable only from an "
-        "isolated training network: torch RPC has no authentication or encryption (docs/SECURITY.md)",
-    )
+    trust_network: bool = trust_network_setting("every process's")
     supervise: bool = setting(
         True,
         help="run the server under a small supervisor process that restarts it from its newest snapshot when it "

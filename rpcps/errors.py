@@ -45,7 +45,7 @@ class NotPrimary(RpcpsError):
 
 
 class CheckpointFailed(RpcpsError):
-    """The server could not commit a checkpoint (full disk, I/O error); nothing committed was lost."""
+    """The server could not commit a snapshot (full disk, I/O error); nothing committed was lost."""
 
 
 class RegistrationRefused(RpcpsError, PermissionError):

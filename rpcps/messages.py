@@ -114,11 +114,11 @@ class FinishReply(WireRecord):
     complete: bool
     """The server holds every step the worker says it finished (False: resume at ``next_step``)."""
     durable: bool
-    """A committed checkpoint holds them all (False when the server checkpoints nothing)."""
+    """A committed snapshot holds them all (False when the server checkpoints nothing)."""
     next_step: int
     version: int
     checkpoint_version: int | None = None
-    """The version of the committed checkpoint that holds them."""
+    """The version of the committed snapshot that holds them."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class View(WireRecord):
 
 @dataclass(frozen=True)
 class Update(WireRecord):
-    """One optimizer step: an admitted push, or a closed sync round (its averaged gradient)."""
+    """One optimizer step: a checked push, or a closed sync round (its averaged gradient)."""
 
     index: int
     """Position in the shard's log: dense, never reused within one history."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rpcps import plugins
+from rpcps.address import Address
 from rpcps.settings import setting
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -36,6 +37,11 @@ class ProcessOptions:
         "unset: $XDG_RUNTIME_DIR/rpcps, else /tmp/rpcps-<uid>. Containers of one host share it through a volume",
         metavar="DIR",
     )
+    checkpoints_off_ok: bool = setting(
+        False,
+        help="this job runs without --checkpoint-dir on purpose and whoever started it has said so (rpcps local does, "
+        "once, on its console): the server and the workers log it at INFO instead of warning",
+    )
     malloc_trim_s: float = setting(
         3.0,
         help="seconds between malloc_trim calls that give glibc's free heap pages back to the kernel, off the request "
@@ -58,4 +64,27 @@ def model_setting() -> Any:
         plugins.BUILTIN_MODEL,
         help="model factory 'package.module:function' returning an nn.Module; the same on every role",
         metavar="SPEC",
+    )
+
+
+def loss_setting() -> Any:
+    """The --loss setting; every role that computes the loss (worker, evaluator) declares it with this."""
+    return setting("cross_entropy", help="cross_entropy, mse or 'package.module:function'", metavar="LOSS")
+
+
+def listen_setting(serves: str) -> Any:
+    """The --listen setting of a role that hosts the group's store; ``serves`` says who uses it how."""
+    return setting(
+        Address("127.0.0.1", 29500),
+        help=f"HOST:PORT {serves}. Anything but loopback needs --trust-network and --job-secret-file (docs/SECURITY.md)",
+        metavar="HOST:PORT",
+    )
+
+
+def trust_network_setting(tensorpipe_ports: str) -> Any:
+    """The --trust-network acknowledgement; ``tensorpipe_ports`` names whose TensorPipe ports it covers."""
+    return setting(
+        False,
+        help=f"acknowledge that the RPC ports (--listen and {tensorpipe_ports} TensorPipe port) are reachable only from an "
+        "isolated training network: torch RPC has no authentication or encryption (docs/SECURITY.md)",
     )

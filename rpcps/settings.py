@@ -187,12 +187,6 @@ def to_argv(config: Any, settings: Sequence[Declared]) -> list[str]:
     return argv
 
 
-def value_at(config: Any, path: Sequence[str]) -> Any:
-    for name in path:
-        config = getattr(config, name)
-    return config
-
-
 # ---- text <-> value by type -------------------------------------------------------------------------
 
 

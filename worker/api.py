@@ -130,7 +130,7 @@ class Training:
     Entering joins the group and registers the model with every shard (a lost server restarts the
     process in place, as the CLI worker does). Iterating hands out the slot's steps from where the
     servers resumed it; each must end with ``step.push(loss)`` or ``step.skip()``. Leaving the block
-    drains the window and, when every step was computed, waits until a committed checkpoint holds
+    drains the window and, when every step was computed, waits until a committed snapshot holds
     them all (``durable`` in the summary), then leaves.
     """
 
@@ -236,7 +236,7 @@ class Training:
         gpu = pick_device(config.worker.device).type == "cuda"
         threads.HostBudget(
             "worker", config.process.threads, gpu=gpu, directory=config.process.host_dir,
-            on_change=metrics.thread_budget.show,
+            on_change=metrics.thread_budget.show, on_problem=metrics.thread_budget.count_problem,
         ).start()
         build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
         self._http = _serve_metrics(metrics, config)
@@ -297,9 +297,9 @@ class Training:
         trainer = self.trainer
         summary = trainer.summary()
         summary["reconnects"] = self._reconnects
-        # Done means durable: a worker reports success only once a committed checkpoint holds every
+        # Done means durable: a worker reports success only once a committed snapshot holds every
         # one of its steps, so a server crash after it exits cannot roll them back.
-        summary["durable"] = trainer.finish() if trainer.completed else False
+        summary["durable"] = trainer.finish(checkpoints_off_ok=self.config.process.checkpoints_off_ok) if trainer.completed else False
         for link in trainer.shards:
             try:
                 link.client.leave(self.slot, link.registration.incarnation)

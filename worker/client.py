@@ -185,7 +185,7 @@ class ServerClient:
         return result(self._call(endpoints.heartbeat, slot, incarnation, timeout=min(self.timeout_s, 10.0)))
 
     def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply:
-        """Returns once the server committed a checkpoint holding the slot's ``steps`` (a disk write:
+        """Returns once the server committed a snapshot holding the slot's ``steps`` (a disk write:
         it may take a while, hence the full RPC timeout)."""
         return result(self._call(endpoints.finish, slot, incarnation, steps))
 

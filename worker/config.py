@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from rpcps import plugins
 from rpcps.address import Address
-from rpcps.process import ProcessOptions, model_setting
+from rpcps.process import ProcessOptions, loss_setting, model_setting
 from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
 
@@ -34,7 +34,7 @@ class WorkerConfig:
         help="data factory 'package.module:function(worker_index, num_workers)' -> iterable of (inputs, targets)",
         metavar="SPEC",
     )
-    loss: str = setting("cross_entropy", help="cross_entropy, mse or 'package.module:function'", metavar="LOSS")
+    loss: str = loss_setting()
     device: str = setting("auto", help="auto (a GPU if present, else the CPU), cpu, cuda or cuda:N")
     pull_every: int = setting(1, help="refresh parameters every N steps")
     max_in_flight: int = setting(2, help="pushes on the wire before a worker waits for the oldest reply")

@@ -6,7 +6,7 @@
 - ``sync``: pushes wait in a round; the round is applied as one step from the averaged gradients of
   the live workers (``ps.api.sync_rounds``), and every push in it is answered when it closes.
 
-A mode gets admitted pushes (deduplicated, validated, fp32) and decides when the server sequences
+A mode gets checked pushes (deduplicated, validated, fp32) and decides when the server sequences
 them as an update (``ParameterServer.sequence_update_locked``); the server applies it once it is
 committed, and only then is the push answered. A mode never touches the parameters itself. Its
 methods run on RPC threads, take the server's lock for what they change, and complete futures
@@ -43,7 +43,7 @@ class ConsistencyMode(Protocol):
         self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
         buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None, absent: int = 0,
     ) -> Future:
-        """Sequences (now or with its round) an admitted push: ``chunks`` as received, ``grads`` their
+        """Sequences (now or with its round) a checked push: ``chunks`` as received, ``grads`` their
         fp32 form, ``buffers`` the model buffers it carried. The future gives its PushReply once the
         update is applied.
 
@@ -67,6 +67,21 @@ def done(reply: PushReply | ErrorReply) -> Future:
     return future
 
 
+def _answer_unsequenced_locked(
+    server: ParameterServer, record: WorkerRecord, seq: int, base_version: int, max_staleness: int | None
+) -> Future | None:
+    """Under the lock, the start every mode shares: the answer for a push that is not sequenced now (a
+    retry joins the pending push it repeats; a paused server, a duplicate or a push over
+    ``max_staleness`` is refused), or None to sequence it. Raises ServerStopping while the server stops."""
+    if server.stopping:
+        raise ServerStopping("the server is shutting down; the push was not applied")
+    joined = server.join_pending_locked(record.slot, seq)
+    if joined is not None:
+        return joined
+    refusal = server.refusal_locked(record, seq, base_version, max_staleness)
+    return None if refusal is None else done(refusal)
+
+
 class AsyncMode:
     """Apply every push at once; with ``max_staleness``, refuse older ones (bounded)."""
 
@@ -82,14 +97,9 @@ class AsyncMode:
         server = self.server
         reply: Future = Future()
         with server.lock:
-            if server.stopping:
-                raise ServerStopping("the server is shutting down; the push was not applied")
-            joined = server.join_pending_locked(record.slot, seq)
-            if joined is not None:
-                return joined
-            refusal = server.refusal_locked(record, seq, base_version, self.max_staleness)
-            if refusal is not None:
-                return done(refusal)
+            early = _answer_unsequenced_locked(server, record, seq, base_version, self.max_staleness)
+            if early is not None:
+                return early
             staleness = server.log.last_version - base_version
             update = server.sequence_update_locked(
                 chunks, grads, [(record.slot, seq, loss, staleness)], buffers=buffers, sparse=sparse, absent=absent
@@ -129,15 +139,10 @@ class SyncMode:
         server = self.server
         reply: Future = Future()
         with server.lock:
-            if server.stopping:
-                raise ServerStopping("the server is shutting down; the push was not applied")
-            joined = server.join_pending_locked(record.slot, seq)
-            if joined is not None:
-                return joined
             # A round's gradients must all be computed on the round's parameters: anything older is stale.
-            refusal = server.refusal_locked(record, seq, base_version, 0)
-            if refusal is not None:
-                return done(refusal)
+            early = _answer_unsequenced_locked(server, record, seq, base_version, 0)
+            if early is not None:
+                return early
             live = {r.slot for r in server.workers.live()}
             self.rounds.add(
                 live, SyncContribution(Contribution(record, seq, loss, 0, buffers), reply), grads, len(server.workers.records), absent

@@ -35,7 +35,7 @@ import torch
 
 from ps.checkpoints.snapshot_files import MANIFEST_FILE, InvalidSnapshot, list_snapshots, load_snapshot
 from ps.checkpoints.sparse_checkpoint import chain_names
-from ps.checkpoints.sparse_export import checkpoint_tables, export_files
+from ps.checkpoints.sparse_export import export_files, tables_in_snapshots
 from ps.sparse.checkpoint import InvalidPayload
 from rpcps.model_file import save_state_dict
 from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature, named_state
@@ -133,7 +133,7 @@ def export_checkpoint(
         return ExportResult(Path(out), size, exported.versions, exported.snapshots, len(exported.state_dict))
     check_out(out)
     try:
-        tables = checkpoint_tables(list(zip(exported.snapshots, exported.manifests)))
+        tables = tables_in_snapshots(list(zip(exported.snapshots, exported.manifests)))
     except (InvalidSnapshot, InvalidPayload) as e:
         raise ExportError(f"{checkpoint}: its sparse tables cannot be read: {e}") from None
     info = {"model_versions": list(exported.versions), "source": [str(p) for p in exported.snapshots]}

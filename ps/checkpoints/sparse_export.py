@@ -120,7 +120,7 @@ def chain_slices(chain: Chain, keep: list[tuple[int, int]], slice_rows: int = SL
         yield overlay.ids[mask], overlay.rows[mask]
 
 
-def checkpoint_tables(snapshots: list[tuple[Path, dict[str, Any]]], slice_rows: int = SLICE_ROWS) -> dict[str, list[TableSource]]:
+def tables_in_snapshots(snapshots: list[tuple[Path, dict[str, Any]]], slice_rows: int = SLICE_ROWS) -> dict[str, list[TableSource]]:
     """Every table's sources in verified snapshots, one ``(path, manifest)`` per server of the run.
 
     Raises InvalidSnapshot (BrokenChain among them) when a chain cannot be read."""

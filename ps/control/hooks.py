@@ -35,7 +35,7 @@ class ReplicaState:
 
 class CheckpointHook(Protocol):
     def checkpoint_now(self) -> tuple[str, int]:
-        """Writes and commits a checkpoint of the current model; returns (path, model version).
+        """Writes and commits a snapshot of the current model; returns (path, model version).
 
         Raises:
             OSError: the write failed on the storage side (disk full, permissions, I/O).
@@ -44,12 +44,12 @@ class CheckpointHook(Protocol):
         ...
 
     def newest(self) -> tuple[str, int, float] | None:
-        """(path, model version, unix time of commit) of the newest committed checkpoint, or None."""
+        """(path, model version, unix time of commit) of the newest committed snapshot, or None."""
         ...
 
     @property
     def durable_progress(self) -> dict[int, int]:
-        """Per worker slot, its first step the newest committed checkpoint does not hold."""
+        """Per worker slot, its first step the newest committed snapshot does not hold."""
         ...
 
     def finished_slots(self) -> dict[int, int]:

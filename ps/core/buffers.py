@@ -38,13 +38,13 @@ class BufferStore:
     def split(self, chunks: Any, gradient_chunks: int) -> tuple[Any, list[torch.Tensor] | None]:
         """A push's gradient chunks and the buffers sent after them (None when the model has none).
 
-        Anything malformed is left for admission to refuse by its chunk count.
+        Anything malformed is left for the push checks to refuse by its chunk count.
         """
         if not self.specs or not isinstance(chunks, (list, tuple)) or len(chunks) != gradient_chunks + len(self.specs):
             return chunks, None
         return list(chunks[:gradient_chunks]), list(chunks[gradient_chunks:])
 
-    def admit(self, slot: int, seq: int, buffers: list[torch.Tensor], skip_nonfinite: bool) -> list[torch.Tensor] | SkipNonfinite:
+    def check(self, slot: int, seq: int, buffers: list[torch.Tensor], skip_nonfinite: bool) -> list[torch.Tensor] | SkipNonfinite:
         """The pushed buffers if they fit the model exactly; raises Refused (shape, dtype, NaN/Inf).
 
         Non-finite statistics follow --on-nonfinite as gradients do: refused, or the push skipped.

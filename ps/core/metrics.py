@@ -114,7 +114,7 @@ class ServerMetrics:
             registry=r,
         )
         self.resumes = Counter("rpcps_server_resumes", "Times this server resumed from a checkpoint.", registry=r)
-        self.resumed_version = Gauge("rpcps_server_resumed_from_version", "Model version of the checkpoint resumed from (-1: none).", registry=r)
+        self.resumed_version = Gauge("rpcps_server_resumed_from_version", "Model version of the snapshot resumed from (-1: none).", registry=r)
         self.resumed_version.set(-1)
         self.slots_rolled_back = Gauge(
             "rpcps_server_slots_rolled_back",
@@ -122,17 +122,17 @@ class ServerMetrics:
             registry=r,
         )
         self.checkpoint_seconds = Histogram(
-            "rpcps_checkpoint_duration_seconds", "Time to write one checkpoint.", buckets=_LATENCY_BUCKETS + (30.0, 60.0), registry=r
+            "rpcps_checkpoint_duration_seconds", "Time to write one snapshot.", buckets=_LATENCY_BUCKETS + (30.0, 60.0), registry=r
         )
-        self.checkpoint_bytes = Gauge("rpcps_checkpoint_size_bytes", "Size of the newest checkpoint.", registry=r)
+        self.checkpoint_bytes = Gauge("rpcps_checkpoint_size_bytes", "Size of the newest snapshot.", registry=r)
         self.checkpoint_failures = Counter("rpcps_checkpoint_failures", "Checkpoint writes that failed.", registry=r)
         self.checkpoint_last_success = Gauge(
-            "rpcps_checkpoint_last_success_timestamp_seconds", "When the newest checkpoint was committed (0: never).", registry=r
+            "rpcps_checkpoint_last_success_timestamp_seconds", "When the newest snapshot was committed (0: never).", registry=r
         )
-        self.checkpoint_version = Gauge("rpcps_checkpoint_last_version", "Model version in the newest checkpoint.", registry=r)
+        self.checkpoint_version = Gauge("rpcps_checkpoint_last_version", "Model version in the newest snapshot.", registry=r)
         self.checkpoint_write_updates = Gauge(
             "rpcps_checkpoint_write_updates",
-            "Updates applied while the newest checkpoint was written (a crash just before a commit loses them too).",
+            "Updates applied while the newest snapshot was written (a crash just before a commit loses them too).",
             registry=r,
         )
         self.checkpoint_behind = Counter(

@@ -33,7 +33,7 @@ class RejectReason(enum.StrEnum):
 
 
 class Refused(PushRejected):
-    """A push refused by admission; ``reason`` picks the metric label."""
+    """A push refused by its checks; ``reason`` picks the metric label."""
 
     def __init__(self, message: str, reason: RejectReason) -> None:
         super().__init__(message)
@@ -42,13 +42,16 @@ class Refused(PushRejected):
 
 @dataclass(frozen=True)
 class SkipNonfinite:
-    """``Admission.check``'s answer for a non-finite push the server is told to skip (--on-nonfinite skip)."""
+    """``PushChecks.check``'s answer for a non-finite push the server is told to skip (--on-nonfinite skip)."""
 
     where: str
     """The parameter holding the first NaN/Inf."""
 
 
-class Admission:
+class PushChecks:
+    """Validates a push against the server's fixed layout (not to be confused with sparse id admission,
+    ``ps.sparse.admission``, which decides which ids get a row)."""
+
     def __init__(self, layout: FlatLayout, signature: ModelSignature, wire: torch.dtype, on_nonfinite: str) -> None:
         self.layout = layout
         self.signature = signature

@@ -13,7 +13,7 @@ function both a primary and its standby apply with, so their states are bit-iden
 version. Whoever holds the lock may apply what is committed; the futures of what it applied are
 completed after the lock is released (that sends the replies).
 
-What lives elsewhere: the worker API and deduplication (``ps.api.service``), push validation
+What lives elsewhere: the worker API and deduplication (``ps.api.worker_service``), push validation
 (``ps.core.push_checks``), the consistency modes (``ps.api.modes``), and everything that watches the server
 through the small interfaces below: the model's buffers (``ps.core.buffers``), ``on_applied`` listeners (metrics, audit ledger, checkpoint
 trigger), ``capture_state``/``restore_state`` (the checkpointer) and ``status`` (control plane,

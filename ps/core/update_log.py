@@ -57,7 +57,7 @@ class Sequenced:
 
     entry: LogEntry
     grads: list[torch.Tensor] | None = None
-    """An update's fp32 gradient, when this process already has it (the primary widened it at admission)."""
+    """An update's fp32 gradient, when this process already has it (the primary widened it when it checked the push)."""
     replies: list[tuple[Future, Any]] = field(default_factory=list)
     """Futures to complete, and with what, once the entry is applied."""
     at: float = field(default_factory=time.monotonic)
@@ -204,10 +204,6 @@ class ReplicationLog:
             if acked >= self.last_index or i < 0 or i >= len(self._entries):
                 return 0.0
             return now - self._entries[i].at
-
-    def retained_bytes(self) -> int:
-        with self.cond:
-            return sum(s.nbytes for s in self._entries)
 
     def unapplied(self) -> list[Sequenced]:
         """Every entry sequenced or received and not applied yet, in index order."""

@@ -39,7 +39,7 @@ from rpcps.periodic import Periodic
 logger = logging.getLogger(__name__)
 
 class Roster(Protocol):
-    """The server's view of its workers that the reaper reads and updates (``ps.api.service.WorkerService``)."""
+    """The server's view of its workers that the reaper reads and updates (``ps.api.worker_service.WorkerService``)."""
 
     def take_retired_rpc_names(self) -> list[str]: ...
 

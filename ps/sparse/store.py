@@ -104,9 +104,7 @@ def table_config(spec: TableSpec, config: SparseConfig) -> TableConfig:
     if config.ttl is not None or config.max_rows is not None:
         eviction = EvictionConfig(ttl=config.ttl, max_rows=config.max_rows)
     return TableConfig(
-        name=spec.name,
-        table_id=spec.table_id,
-        dim=spec.dim,
+        spec=spec,
         optimizer=SPARSE_OPTIMIZERS[config.optimizer](lr=config.lr),
         init=RowInitConfig(kind="uniform", scale=config.init_scale, seed=config.seed),
         admission=None if config.admit_count is None else CountAdmissionConfig(threshold=config.admit_count),

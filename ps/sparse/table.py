@@ -75,6 +75,7 @@ from ps.sparse.slab import LIVE, RowSlab
 from rpcps.sparse.hashing import derive_key
 from rpcps.sparse.row_init import RowInitConfig, initial_rows
 from rpcps.sparse.sharding import DEFAULT_BUCKETS
+from rpcps.sparse.spec import TableSpec
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,8 @@ _SAMPLE_SALT = 0x5A4D
 
 @dataclass(kw_only=True, frozen=True)
 class TableConfig:
-    name: str
-    table_id: int
-    """Stable id of the table, in [0, 2**31): part of the row-init key and of the bucket hash."""
-    dim: int
-    """Embedding width, in [1, 65536]."""
+    spec: TableSpec
+    """What the model declares (name, id, width), checked by TableSpec itself; the rest is the server's."""
     optimizer: RowOptimizer
     init: RowInitConfig = field(default_factory=RowInitConfig)
     admission: AdmissionConfig | None = None
@@ -107,12 +105,6 @@ class TableConfig:
     """Rows a full capture copies per lock hold (>= 1): about 20 MB at 68 bytes a row."""
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("table name must not be empty")
-        if not 0 <= self.table_id < 1 << 31:
-            raise ValueError(f"table_id must be in [0, 2**31), got {self.table_id}")
-        if not 1 <= self.dim <= 1 << 16:
-            raise ValueError(f"dim must be in [1, 65536], got {self.dim}")
         if not isinstance(self.optimizer, ROW_OPTIMIZERS):
             raise ValueError(f"optimizer must be one of {[c.__name__ for c in ROW_OPTIMIZERS]}, got {self.optimizer!r}")  # noqa: TRY004 - every config error is a ValueError
         if self.clock not in ("applies", "seconds"):
@@ -123,6 +115,18 @@ class TableConfig:
             raise ValueError(f"initial_rows must be >= 1, got {self.initial_rows}")
         if self.full_slice_rows < 1:
             raise ValueError(f"full_slice_rows must be >= 1, got {self.full_slice_rows}")
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def table_id(self) -> int:
+        return self.spec.table_id
+
+    @property
+    def dim(self) -> int:
+        return self.spec.dim
 
     @property
     def width(self) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -62,11 +61,3 @@ def check_unique(specs: Iterable[TableSpec]) -> None:
         names.add(spec.name)
         ids.add(spec.table_id)
 
-
-def payload_bytes(part: Any) -> int:
-    """Bytes of the tensors in a pull request, pull reply or push part (for metrics)."""
-    total = 0
-    for value in part.values():
-        for t in value if isinstance(value, tuple) else (value,):
-            total += t.numel() * t.element_size()
-    return total

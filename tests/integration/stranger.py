@@ -25,7 +25,7 @@ from torch.distributed import rpc
 from torch.distributed.rpc import _utils
 
 from ps import runner
-from ps.api.service import WorkerService
+from ps.api.worker_service import WorkerService
 from ps.core.server import ParameterServer
 from ps.replication.auth import attach_proof
 from rpcps import endpoints, plugins, replica_endpoints

@@ -27,8 +27,8 @@ from ps.config import ControlConfig
 from ps.control import control_pb2 as pb
 from ps.control.auth import bearer_metadata
 from ps.control.control_pb2_grpc import ControlStub
+from ps.control.control_service import CONTROL_SERVICE, ControlServer, start_control_server
 from ps.control.hooks import CheckpointHook
-from ps.control.service import CONTROL_SERVICE, ControlServer, start_control_server
 from ps.core.config import ServerCoreConfig
 from rpcps.tasks import teacher_student_model
 from tests.integration.certs import self_signed

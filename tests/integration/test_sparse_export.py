@@ -23,7 +23,7 @@ from harness.sparse_eval import model_from_snapshot
 from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
 from ps.checkpoints.sparse_checkpoint import read_layouts
 from ps.config import ControlConfig
-from ps.control.service import start_control_server
+from ps.control.control_service import start_control_server
 from ps.sparse.store import SparseConfig, SparseStore
 from rpcps.examples import ctr
 from rpcps.sparse.export_files import load_table, read_manifest

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ps.control.auth import bearer_metadata, check_bearer, read_token
-from ps.control.service import ControlConfig
+from ps.control.control_service import ControlConfig
 
 TOKEN = "s3cret-token"
 

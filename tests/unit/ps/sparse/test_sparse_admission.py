@@ -8,10 +8,11 @@ import torch
 from ps.sparse.admission import CountAdmissionConfig, CountMinFilter, ProbabilityAdmissionConfig, build_admission
 from ps.sparse.row_optim import SGD
 from ps.sparse.table import SparseTable, TableConfig
+from rpcps.sparse.spec import TableSpec
 
 
 def _table(admission: CountAdmissionConfig | ProbabilityAdmissionConfig) -> SparseTable:
-    return SparseTable(TableConfig(name="t", table_id=1, dim=4, optimizer=SGD(lr=1.0), admission=admission))
+    return SparseTable(TableConfig(spec=TableSpec(name="t", table_id=1, dim=4), optimizer=SGD(lr=1.0), admission=admission))
 
 
 def test_an_id_gets_a_row_on_its_threshold_th_pull_and_reads_zeros_until_then() -> None:

@@ -23,6 +23,7 @@ from ps.sparse.row_optim import LazyAdam, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
 from rpcps.sparse.hashing import derive_key, keyed_hash
 from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
+from rpcps.sparse.spec import TableSpec
 
 Chain = tuple[dict[str, Any], list[dict[str, Any]]]
 ALL = [(0, 4096)]
@@ -39,7 +40,7 @@ def _config(**overrides: Any) -> TableConfig:
         "full_slice_rows": 300,
     }
     settings.update(overrides)
-    return TableConfig(**settings)
+    return TableConfig(spec=TableSpec(name=settings.pop("name"), table_id=settings.pop("table_id"), dim=settings.pop("dim")), **settings)
 
 
 class Workload:

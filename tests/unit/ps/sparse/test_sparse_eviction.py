@@ -12,10 +12,11 @@ from ps.sparse.eviction import EvictionConfig, EvictionPlan
 from ps.sparse.row_optim import SGD
 from ps.sparse.table import SparseTable, TableConfig
 from rpcps.sparse.row_init import RowInitConfig, initial_rows
+from rpcps.sparse.spec import TableSpec
 
 
 def _table(eviction: EvictionConfig, time_fn: Callable[[], float] = time.time, **kwargs: object) -> SparseTable:
-    config = TableConfig(name="t", table_id=2, dim=4, optimizer=SGD(lr=0.1), eviction=eviction, **kwargs)  # type: ignore[arg-type]
+    config = TableConfig(spec=TableSpec(name="t", table_id=2, dim=4), optimizer=SGD(lr=0.1), eviction=eviction, **kwargs)  # type: ignore[arg-type]
     return SparseTable(config, time_fn=time_fn)
 
 
@@ -115,7 +116,7 @@ def test_evicted_ids_are_tombstoned_in_the_next_delta_and_come_back_with_their_i
 
 
 def test_without_eviction_a_step_only_does_upkeep() -> None:
-    table = SparseTable(TableConfig(name="t", table_id=0, dim=2, optimizer=SGD(lr=0.1)))
+    table = SparseTable(TableConfig(spec=TableSpec(name="t", table_id=0, dim=2), optimizer=SGD(lr=0.1)))
     table.pull(torch.arange(5))
     step = table.evict_step()
     assert step.sweep_done and step.evicted.numel() == 0 and len(table) == 5

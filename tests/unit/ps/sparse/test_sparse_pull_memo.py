@@ -12,12 +12,13 @@ from ps.sparse.eviction import EvictionConfig
 from ps.sparse.pull_memo import MAX_IDS, MAX_PULLS, PullMemo
 from ps.sparse.row_optim import SGD, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
+from rpcps.sparse.spec import TableSpec
 
 
 def _table(**overrides: Any) -> SparseTable:
     settings: dict[str, Any] = {"name": "t", "table_id": 3, "dim": 4, "optimizer": SGD(lr=0.5)}
     settings.update(overrides)
-    return SparseTable(TableConfig(**settings))
+    return SparseTable(TableConfig(spec=TableSpec(name=settings.pop("name"), table_id=settings.pop("table_id"), dim=settings.pop("dim")), **settings))
 
 
 def _reversed_push(table: SparseTable, ids: torch.Tensor, grads: torch.Tensor) -> None:

@@ -11,12 +11,13 @@ import torch
 from ps.sparse.row_optim import SGD, RowWiseAdagrad
 from ps.sparse.table import SparseTable, TableConfig
 from rpcps.sparse.row_init import RowInitConfig, initial_rows
+from rpcps.sparse.spec import TableSpec
 
 
 def _table(**overrides: Any) -> SparseTable:
     settings: dict[str, Any] = {"name": "t", "table_id": 1, "dim": 4, "optimizer": SGD(lr=0.5)}
     settings.update(overrides)
-    return SparseTable(TableConfig(**settings))
+    return SparseTable(TableConfig(spec=TableSpec(name=settings.pop("name"), table_id=settings.pop("table_id"), dim=settings.pop("dim")), **settings))
 
 
 def test_pull_creates_initialised_rows_and_returns_a_copy() -> None:
@@ -127,4 +128,4 @@ def test_concurrent_pulls_and_pushes_from_threads_lose_nothing() -> None:
 def test_config_is_validated(overrides: dict[str, Any], message: str) -> None:
     settings: dict[str, Any] = {"name": "t", "table_id": 1, "dim": 4, "optimizer": SGD(lr=0.5), **overrides}
     with pytest.raises(ValueError, match=message):
-        TableConfig(**settings)
+        TableConfig(spec=TableSpec(name=settings.pop("name"), table_id=settings.pop("table_id"), dim=settings.pop("dim")), **settings)

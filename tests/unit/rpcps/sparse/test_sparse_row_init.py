@@ -9,12 +9,13 @@ from ps.sparse.row_optim import SGD
 from ps.sparse.table import SparseTable, TableConfig
 from rpcps.sparse.hashing import derive_key, keyed_hash, standard_normal, stream_at, uniform01
 from rpcps.sparse.row_init import _CHUNK_ROWS, _INIT_SALT, RowInitConfig, initial_rows
+from rpcps.sparse.spec import TableSpec
 
 _IDS = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 987654321987, 42], dtype=torch.int64)
 
 
 def _table(init: RowInitConfig, table_id: int = 5) -> SparseTable:
-    return SparseTable(TableConfig(name="t", table_id=table_id, dim=8, optimizer=SGD(lr=0.1), init=init))
+    return SparseTable(TableConfig(spec=TableSpec(name="t", table_id=table_id, dim=8), optimizer=SGD(lr=0.1), init=init))
 
 
 @pytest.mark.parametrize("kind", ["uniform", "normal"])

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch.distributed.rpc import internal
 
-from ps.api.service import WorkerService
-from ps.control.service import ControlServicer
+from ps.api.worker_service import WorkerService
+from ps.control.control_service import ControlServicer
 from ps.core.server import ParameterServer
 from rpcps import endpoints, replica_endpoints, rpc_policy
 from rpcps.messages import (

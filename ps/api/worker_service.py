@@ -24,7 +24,7 @@ from torch.futures import Future
 from ps.api.modes import ConsistencyMode, done, make_mode
 from ps.api.registration_auth import RegistrationGate
 from ps.checkpoints.snapshot_files import SnapshotInfo
-from ps.core.push_checks import Admission, Refused, RejectReason, SkipNonfinite
+from ps.core.push_checks import PushChecks, Refused, RejectReason, SkipNonfinite
 from ps.core.server import ParameterServer, answer
 from ps.core.workers import WorkerRecord
 from ps.sparse.store import BadSparse, CheckedPush
@@ -79,7 +79,7 @@ class WorkerService:
         self.durability: Durability | None = None
         """Set once resume is done when the server checkpoints; None: nothing is durable."""
         self.mode = mode or make_mode(server, server.config)
-        self.admission = Admission(server.layout, server.signature, server.wire, server.config.on_nonfinite)
+        self.push_checks = PushChecks(server.layout, server.signature, server.wire, server.config.on_nonfinite)
         self._all_absent = (1 << len(server.layout.slots)) - 1
         """The presence mask of a push without any gradient: a skipped step."""
         self.metrics = server.metrics
@@ -186,9 +186,9 @@ class WorkerService:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
             chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
-                grads = self.admission.check(slot, seq, chunks, absent)
+                grads = self.push_checks.check(slot, seq, chunks, absent)
                 if buffers is not None and not isinstance(grads, SkipNonfinite):
-                    buffers = self.server.buffers.admit(slot, seq, buffers, self.admission.skip_nonfinite)
+                    buffers = self.server.buffers.check(slot, seq, buffers, self.push_checks.skip_nonfinite)
                 checked = self._check_sparse(slot, seq, sparse)
             except Refused as e:
                 return self._refused(record, seq, e)
@@ -220,7 +220,7 @@ class WorkerService:
     ) -> PushReply:
         """Like push, for clients that send one tensor per parameter name (checked by name first)."""
         try:
-            chunks = self.admission.pack_named(slot, seq, grads)
+            chunks = self.push_checks.pack_named(slot, seq, grads)
         except Refused as e:
             self.metrics.count_received()
             with self.server.lock:
@@ -283,7 +283,7 @@ class WorkerService:
             return self.server.version
 
     def finish(self, slot: int, incarnation: str, steps: int) -> FinishReply:
-        """A worker finished ``steps`` steps: returns once a committed checkpoint holds them all.
+        """A worker finished ``steps`` steps: returns once a committed snapshot holds them all.
 
         A worker only exits successfully after this, so a server crash after it never rolls back a
         finished worker's steps (docs/FAULT_TOLERANCE.md, "Done means durable").
@@ -410,7 +410,7 @@ class WorkerService:
         try:
             return store.check_push(sparse, self.server.wire)
         except BadSparse as e:
-            if e.nonfinite and self.admission.skip_nonfinite:
+            if e.nonfinite and self.push_checks.skip_nonfinite:
                 return SkipNonfinite(f"sparse: {e}")
             reason = RejectReason.NONFINITE if e.nonfinite else RejectReason.SHAPE
             raise Refused(f"push {seq} from worker {slot}: {e}; parameters unchanged", reason) from None

@@ -83,7 +83,7 @@ class ControlMetrics:
             "rpcps_control_requests", "Control-plane calls by method and gRPC status code.", ["method", "code"], registry=registry
         )
         self.checkpoint_unreadable = Counter(
-            "rpcps_control_checkpoint_unreadable", "Status calls that could not read the newest checkpoint.", registry=registry
+            "rpcps_control_checkpoint_unreadable", "Status calls that could not read the newest snapshot.", registry=registry
         )
 
     @classmethod
@@ -210,7 +210,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             try:
                 newest = self.checkpoint.newest()
             except (OSError, RuntimeError) as e:
-                logger.warning("cannot read the newest checkpoint for status: %s", e)
+                logger.warning("cannot read the newest snapshot for status: %s", e)
                 self.metrics.checkpoint_unreadable.inc()
                 reply.checkpoint_error = str(e)
                 newest = None
