@@ -14,7 +14,9 @@ Used by the integration tests and by ``tools/chaos.py``. Three kinds of planned 
   for its delay would find no server left to crash.
 - ``FailPoint(name, hit)``: the server kills itself the ``hit``-th time it reaches a named point
   (``rpcps.failpoints``), e.g. between a snapshot's ledger line and the rename that commits it:
-  windows far too short to hit with a signal from outside.
+  windows far too short to hit with a signal from outside. With ``hold_s`` it crashes nothing: the
+  process holds there that long (a standby slow to acknowledge), which brings about the moment
+  another fail point waits for.
 
 After the run, the promises of docs/FAULT_TOLERANCE.md are checked from the servers' audit ledgers
 and the checkpoint directory (``ChaosResult.problems``).
@@ -68,9 +70,15 @@ class KillAfterFinish:
 class FailPoint:
     name: str
     hit: int
+    hold_s: float | None = None
+    """None: the process kills itself there; else it holds there this long (``rpcps.failpoints``)."""
+
+    @property
+    def action(self) -> str:
+        return "kill" if self.hold_s is None else f"hold-{self.hold_s:g}"
 
     def __str__(self) -> str:
-        return f"ps-at-{self.name}#{self.hit}"
+        return f"ps-at-{self.name}#{self.hit}" + ("" if self.hold_s is None else f"-held-{self.hold_s:g}s")
 
 
 Fault = Kill | KillAfterFinish | FailPoint
@@ -169,7 +177,7 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
     if plan.max_replica_lag is not None:
         argv += ["--replication", "async", "--max-replica-lag", str(plan.max_replica_lag)]
     fail_points = [k for k in plan.kills if isinstance(k, FailPoint)]
-    env = {**os.environ, "RPCPS_FAILPOINTS": ";".join(f"{k.name}=kill@{k.hit}:{_marker(run_dir, k)}" for k in fail_points)}
+    env = {**os.environ, "RPCPS_FAILPOINTS": ";".join(f"{k.name}={k.action}@{k.hit}:{_marker(run_dir, k)}" for k in fail_points)}
     driver = _Driver(plan, run_dir, [_replica_names(k, plan.replicas) for k in range(plan.shards)])
     with open(run_dir / "local.log", "wb") as log:
         local = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -215,6 +223,8 @@ def _marker(run_dir: Path, point: FailPoint) -> Path:
 
 
 def _hits_server(fault: Fault) -> bool:
+    if isinstance(fault, FailPoint):
+        return fault.hold_s is None
     return not isinstance(fault, Kill) or fault.target.startswith(("ps", "primary"))
 
 

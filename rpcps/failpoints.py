@@ -11,6 +11,11 @@ Each entry is ``NAME=kill@N:MARKER``: the N-th time NAME is reached, counted ove
 of the run that inherits the variable (a restarted server goes on counting, in ``MARKER.count``),
 the process creates the file MARKER and kills itself with SIGKILL. Once MARKER exists the point is
 inert, so each planned crash happens once per run.
+
+``NAME=hold-S@N:MARKER`` holds instead of killing: from the N-th hit, every thread that reaches NAME
+in this process during the next S seconds waits until they have passed (a slow peer, made on
+purpose: a standby that holds its acknowledgements lets its asynchronous primary run ahead of it,
+a moment the scheduler alone gives in some runs and not in others).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -29,15 +35,20 @@ POINTS = {
     "finish.after_snapshot": "a finishing worker's steps were just made durable; its reply is not sent yet",
     "replication.at_max_lag": "an asynchronous primary is applying the update that puts it --max-replica-lag entries ahead "
     "of its standby (the ones before it were answered: a crash now loses them unless they are still on the wire)",
+    "replication.standby_before_ack": "a standby holds the log entries of an append and is about to acknowledge them",
 }
-REPLICATED_POINTS = frozenset({"replication.at_max_lag"})
-"""Points only a primary with a standby reaches (a run without replicas never hits them)."""
+REPLICATED_POINTS = frozenset({"replication.at_max_lag", "replication.standby_before_ack"})
+"""Points only a server with a standby (or a standby) reaches (a run without replicas never hits them)."""
 
 
 @dataclass
 class _Point:
     hit_at: int
     marker: str
+    hold_s: float | None = None
+    """None: kill; else how long hits wait once the point fired."""
+    held_until: float = 0.0
+    """Monotonic end of this process's hold (0 before it fired here)."""
 
     def count(self) -> int:
         """This hit's number across the run (the count lives beside the marker, so it survives restarts)."""
@@ -58,24 +69,46 @@ def _parse(text: str) -> dict[str, _Point]:
         name, _, action = entry.partition("=")
         kind, _, rest = action.partition("@")
         count, _, marker = rest.partition(":")
-        if name not in POINTS or kind != "kill" or not count.isdigit() or not marker:
-            raise ValueError(f"{ENV}: bad entry {entry!r}; expected NAME=kill@N:MARKER with NAME in {sorted(POINTS)}")
-        points[name] = _Point(int(count), marker)
+        hold_s = _seconds(kind.removeprefix("hold-")) if kind.startswith("hold-") else None
+        if name not in POINTS or (kind != "kill" and hold_s is None) or not count.isdigit() or not marker:
+            raise ValueError(
+                f"{ENV}: bad entry {entry!r}; expected NAME=kill@N:MARKER or NAME=hold-SECONDS@N:MARKER with NAME in {sorted(POINTS)}"
+            )
+        points[name] = _Point(int(count), marker, hold_s)
     return points
+
+
+def _seconds(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value <= 60 else None
 
 
 _points = _parse(os.environ.get(ENV, ""))
 
 
 def hit(name: str) -> None:
-    """Marks that this process reached fail point ``name``; crashes here if a run asked for it."""
+    """Marks that this process reached fail point ``name``; crashes (or holds) here if a run asked for it."""
     point = _points.get(name)
-    if point is None or os.path.exists(point.marker) or point.count() != point.hit_at:
+    if point is None:
+        return
+    wait = point.held_until - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)  # the fault itself (a slow peer), not synchronisation
+        return
+    if os.path.exists(point.marker) or point.count() != point.hit_at:
         return
     try:
         fd = os.open(point.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return  # this planned crash already happened (in an earlier incarnation of this process)
     os.close(fd)
+    if point.hold_s is not None:
+        logger.warning("fail point %s: holding for %.1fs on purpose (%s)", name, point.hold_s, ENV)
+        point.held_until = time.monotonic() + point.hold_s
+        time.sleep(point.hold_s)
+        return
     logger.warning("fail point %s: killing this process on purpose (%s)", name, ENV)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,3 +74,36 @@ def procs(tmp_path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
             print(f"\n===== process logs ({group.log_dir}) =====\n{group.tails()}", file=sys.stderr)
         if killed:
             print(f"reaped with SIGKILL: {killed}", file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_alongside(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under pytest-xdist (pyproject's addopts start two workers), a test marked ``alone`` or ``slow``
+    runs while no other test runs; the others run side by side.
+
+    Those tests assert wall-clock bounds (a recovery within 1 s, a gap of at most 1.5 s, an error
+    within 5 s) or compare throughput, measured with the machine to themselves; a second test's
+    processes on the same cores would make them fail for a reason that is not theirs. Every test
+    holds a shared lock on one file of this run, an ``alone`` test an exclusive one; autouse, so it
+    is taken before any fixture starts a process. Without xdist, tests run one at a time anyway.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") or request.node.get_closest_marker("slow")
+    # Each worker's basetemp is <run's base>/popen-gwN: the parent is this run's, shared by all workers.
+    # A plain flock lets the other workers' back-to-back shared holds starve an exclusive waiter (it
+    # timed out so on 3 workers), so a gate comes first: an alone test holds it while it waits for
+    # the running tests to end, and no test starts meanwhile.
+    base = tmp_path_factory.getbasetemp().parent
+    with open(base / "alone.gate", "a") as gate, open(base / "alone.lock", "a") as lock:
+        # pytest-timeout's signal ends a wait on either.
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)

@@ -20,12 +20,13 @@ def run_pytest(
 
     The run uses pyproject.toml's settings (timeouts, markers, addopts) with ``directory`` as its
     rootdir, so node ids are ``test_tiny.py::NAME``; ``tests/conftest.py`` is loaded as a plugin
-    (the ``procs`` fixture, the must-run hook). ``env`` is added to the child's environment.
+    (the ``procs`` fixture, the must-run hook). One process (``-n 0``): these runs check what happens
+    inside a pytest process, not across xdist workers. ``env`` is added to the child's environment.
     """
     test_file = directory / "test_tiny.py"
     test_file.write_text(source)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(directory),
-         "-p", "tests.conftest", "-p", "no:cacheprovider", *options, str(test_file)],
+         "-p", "tests.conftest", "-p", "no:cacheprovider", "-n", "0", *options, str(test_file)],
         cwd=directory, env=child_env(**env), capture_output=True, text=True, timeout=timeout_s, check=False,
     )

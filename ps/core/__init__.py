@@ -8,5 +8,5 @@ presence mask (``presence.py``), the checks a push passes before it is applied (
 the applied-update log a standby replays (``update_log.py``) and the Prometheus series
 (``metrics.py``). The core imports nothing from ``ps.api``, ``ps.checkpoints``, ``ps.lifecycle``,
 ``ps.replication``, ``ps.control``, ``ps.config`` or ``ps.runner``: it is readable and importable
-without them, and they are handed what they need from it (tests/unit/test_layers.py holds this).
+without them, and they are handed what they need from it (tests/unit/project/test_layers.py holds this).
 """

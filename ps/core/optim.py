@@ -48,7 +48,7 @@ thread, 87 % of a server's time. The fused CPU kernels (torch >= 2.4) make one v
 each flat chunk with the process's intra-op threads: 3.4 ms (docs/BENCHMARKS.md). RMSprop has no
 fused kernel, and its foreach one measured no faster than the loop, so it keeps torch's default.
 Fused results differ from the loop's in the last bit (Adam, AdamW, Adagrad; not SGD), and equal the
-fused kernel stepped on the model's own tensors bit for bit (tests/unit/test_server_optim.py).
+fused kernel stepped on the model's own tensors bit for bit (tests/unit/ps/core/test_server_optim.py).
 """
 _KERNEL_KWARGS = ("fused", "foreach")
 

@@ -15,7 +15,7 @@ sent plus the current one.
 
 "No reply holds it any more" is read from reference counts: the Python list (a reply that is not
 serialised yet holds it) and each tensor's storage (the RPC message holds the tensors from
-serialisation until TensorPipe's write completes). tests/unit/test_pull_copies.py pins both.
+serialisation until TensorPipe's write completes). tests/unit/ps/core/test_pull_copies.py pins both.
 """
 
 from __future__ import annotations

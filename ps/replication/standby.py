@@ -39,7 +39,7 @@ from ps.core.server import ParameterServer
 from ps.core.update_log import ReorderBuffer, Sequenced
 from ps.replication.auth import ReplicaGate, attach_proof
 from ps.replication.metrics import ROLE_PRIMARY, ROLE_STANDBY, ReplicationMetrics
-from rpcps import replica_endpoints, transport
+from rpcps import failpoints, replica_endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError
 from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
@@ -192,6 +192,8 @@ class Standby:
         with log.cond:  # backpressure: hold the acknowledgement while the applier is far behind
             while log.last_index - log.applied_index > MAX_UNAPPLIED and time.monotonic() < deadline and not self._leaving.is_set():
                 log.cond.wait(0.01)
+        if entries and self.in_view:  # only acknowledgements the primary's commits (or async lag) wait for
+            failpoints.hit("replication.standby_before_ack")
         return Ack(epoch, have, log.applied_index)
 
     def attach(self, name: str, compatibility: dict[str, str], nonce: str, issued_at: float, mac: str) -> Attached:

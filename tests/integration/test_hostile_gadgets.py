@@ -6,7 +6,7 @@ gradients were the attacker's or training stopped for good. Here a peer sends ea
 training server and to its worker while the job is paused (the product's own control holds it
 there); each is refused, counted and logged once, and training then finishes exactly as a run
 nobody attacked. The gadgets one by one, and a property test over opcode sequences:
-tests/unit/test_unpickler_mutations.py.
+tests/unit/rpcps/transport/test_unpickler_mutations.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 from harness.procs import REPO, ProcessGroup, free_port, scrape_metrics, wait_until
 from rpcps.secret_files import create_secret_file
-from tests.integration.conftest import assert_learned, read_json, run_ctl, wait_for_updates
+from tests.integration.conftest import assert_learned, read_json, run_ctl
 
 pytestmark = pytest.mark.integration
 
@@ -29,11 +29,15 @@ SERVER = "ps0_r0"
 """The server's RPC name: shard 0 hosting the group's store joins as rank 0."""
 
 
-def _job(procs: ProcessGroup, tmp_path: Path, name: str) -> tuple[Any, int, int, str, Any]:
+def _job(procs: ProcessGroup, tmp_path: Path, name: str, held: bool = False) -> tuple[Any, int, int, str, Any]:
+    """A server and one worker of STEPS steps; ``held``: the server is paused before the worker starts."""
     secret = tmp_path / f"{name}-secret"
     create_secret_file(secret)
     control = f"127.0.0.1:{free_port()}"
     ps, port, ps_metrics = procs.ps(f"{name}-ps", "--job-secret-file", str(secret), "--control-port", control.rsplit(":", 1)[1])
+    if held:
+        wait_until(lambda: run_ctl(control, "pause").returncode == 0 or not ps.alive(), 60, "the server to pause")
+        assert ps.alive(), ps.tail()
     worker, worker_metrics = procs.worker(
         f"{name}-worker", port, 0, 1, "--steps", str(STEPS), "--job-secret-file", str(secret),
         "--summary-json", str(tmp_path / f"{name}.json"),
@@ -47,10 +51,9 @@ def test_build_gadgets_are_refused_counted_and_training_ends_as_if_unattacked(pr
     assert worker.wait(120) == 0, worker.tail()
     plain = read_json(tmp_path / "plain.json")
 
-    ps, port, ps_metrics, control, (worker, worker_metrics) = _job(procs, tmp_path, "attacked")
-    wait_for_updates(ps_metrics, 20, proc=ps)
-    paused = run_ctl(control, "pause")  # holds training mid-run while the peer attacks
-    assert paused.returncode == 0, paused.stderr
+    # Training is held while the peer starts and attacks (300 unpaced steps take about a second: a
+    # pause sent after some of them could come after the last); the worker is registered and mid-run.
+    ps, port, ps_metrics, control, (worker, worker_metrics) = _job(procs, tmp_path, "attacked", held=True)
     worker_name = wait_until(lambda: re.findall(r"worker slot 0 registered as (worker0_r\d+)", ps.stderr()), 60, "a registration")[-1]
     peer = procs.start(
         "peer", [f"127.0.0.1:{port}", SERVER, worker_name],

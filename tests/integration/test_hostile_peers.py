@@ -127,6 +127,7 @@ def test_a_worker_without_the_job_secret_is_refused_with_exit_5(procs: ProcessGr
     assert metrics["rpcps_server_worker_registrations_total"] == 0
 
 
+@pytest.mark.alone  # asserts the repair within 2 s
 @pytest.mark.timeout(240)
 def test_store_tampering_is_repaired_within_2s_and_a_new_worker_still_joins(procs: ProcessGroup, tmp_path: Path) -> None:
     job_secret = secret(tmp_path)

@@ -92,15 +92,22 @@ def test_a_stranger_serving_a_fake_primary_and_announcing_it_gets_no_gradient(pr
     stands: the workers wait on their pushes, read the announced view in the store, and refuse it."""
     job_secret = secret(tmp_path)
     _store, port, _ = procs.store("store", "--job-secret-file", job_secret)
-    ps, _, metrics = procs.ps("ps", "--store", f"127.0.0.1:{port}", "--job-secret-file", job_secret)
+    control = f"127.0.0.1:{free_port()}"
+    ps, _, metrics = procs.ps("ps", "--store", f"127.0.0.1:{port}", "--job-secret-file", job_secret,
+                              "--control-port", control.rsplit(":", 1)[1])
     started = [procs.worker(f"worker{k}", port, k, 2, "--steps", str(STEPS), "--job-secret-file", job_secret) for k in range(2)]
     workers, worker_metrics = [w for w, _ in started], [m for _, m in started]
     names = wait_until(lambda: _registered(ps, 2), 60, "the workers' registrations")
+    # Held while the stranger starts and joins: unpaced, the workers' 3000 updates take ~5 s, and a
+    # stranger slow to start (a loaded machine) once joined a group its targets had already left.
+    assert run_ctl(control, "pause").returncode == 0
     go, stop = tmp_path / "go", tmp_path / "stop"
     stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(go), str(stop), "50", *names],
                            script=REPO / "tests/integration/store_stranger.py")
     wait_until(lambda: _event(stranger, "joined"), 120, "the stranger to join the group")
-    wait_for_updates(metrics, 5, proc=ps)
+    held_at = model_version(metrics)
+    assert run_ctl(control, "resume").returncode == 0
+    wait_for_updates(metrics, held_at + 5, proc=ps)
     ps.freeze()  # its pushes now wait, and it cannot put its view back: the workers see the stranger's
     try:
         go.touch()

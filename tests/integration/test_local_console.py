@@ -41,6 +41,7 @@ def _final_version(stdout: str) -> int:
     return int(found.group(1))
 
 
+@pytest.mark.alone  # asserts the error within 5 s
 @pytest.mark.timeout(60)
 def test_a_bad_model_is_said_on_the_console_at_once_and_nothing_starts(procs: ProcessGroup, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -30,8 +30,8 @@ from rpcps.sparse.export_files import load_table, read_manifest
 from rpcps.sparse.serving import load_export
 from rpcps.sparse.spec import declared_tables
 from tests.integration.conftest import run_ctl
-from tests.unit.test_sparse_checkpoints import _Trainer
-from tests.unit.test_sparse_server import TinyModel, _rows, _server
+from tests.unit.ps.sparse.test_sparse_checkpoints import _Trainer
+from tests.unit.ps.sparse.test_sparse_server import TinyModel, _rows, _server
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("safetensors")

@@ -27,7 +27,7 @@ from rpcps.errors import SignatureMismatch
 from rpcps.messages import ErrorReply
 from rpcps.model_file import load_state_dict
 from rpcps.settings import declared, to_argv
-from tests.unit.test_sparse_server import TinyModel
+from tests.unit.ps.sparse.test_sparse_server import TinyModel
 
 
 def bn_model(seed: int = 0) -> nn.Module:

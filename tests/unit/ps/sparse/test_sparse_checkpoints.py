@@ -21,7 +21,7 @@ from ps.checkpoints.sparse_checkpoint import SPARSE_FILE, BrokenChain, read_layo
 from ps.config import CheckpointConfig
 from ps.sparse.store import SparseConfig, SparseStore
 from rpcps.messages import PushStatus
-from tests.unit.test_sparse_server import TABLES, TinyModel, _Rows, _rows, _server, _step, _train_sharded
+from tests.unit.ps.sparse.test_sparse_server import TABLES, TinyModel, _Rows, _rows, _server, _step, _train_sharded
 
 Rows = dict[str, dict[int, torch.Tensor]]
 

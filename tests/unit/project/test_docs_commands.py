@@ -20,7 +20,7 @@ import pytest
 
 from cli.main import parse
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 VENV_TOOLS = ("rpcps", "python", "python3", "torchrun", "pytest", "pip")
 """What tools/setup.sh installs into .venv; a bare name runs the system's (or nothing)."""

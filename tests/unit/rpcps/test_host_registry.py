@@ -13,7 +13,7 @@ import pytest
 
 from rpcps.host_registry import RECORD_BYTES, Entry, HostRegistry, default_dir, read_live
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHILD = """
 import os, sys, time
 from pathlib import Path

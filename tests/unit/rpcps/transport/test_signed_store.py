@@ -27,8 +27,8 @@ from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.ports import free_port
 from rpcps.transport.registry import Refusal, Registry, encode_view, require_secret_off_loopback
-from tests.unit.test_registry import Clock
-from tests.unit.test_replica_auth import _FakeServer
+from tests.unit.ps.replication.test_replica_auth import _FakeServer
+from tests.unit.rpcps.transport.test_registry import Clock
 from worker import client
 
 SECRET = JobSecret("s" * 40)

@@ -24,7 +24,7 @@ from ps.core.config import ServerCoreConfig
 from ps.core.optim import OptimizerConfig
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import PushStatus
-from tests.unit.test_sparse_server import TinyModel, _rows, _train_sharded
+from tests.unit.ps.sparse.test_sparse_server import TinyModel, _rows, _train_sharded
 
 ADAM = OptimizerConfig(name="adam", kwargs={"lr": 0.01})
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1, "momentum": 0.9})

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RUNTIME = ("rpcps", "ps", "worker", "evaluator", "cli")
 ALLOWED = {
     "rpcps": {"rpcps"},

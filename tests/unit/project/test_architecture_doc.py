@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DOC = REPO / "docs" / "ARCHITECTURE.md"
 PACKAGES = ("ps", "worker", "evaluator", "rpcps", "cli")
 

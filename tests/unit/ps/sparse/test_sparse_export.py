@@ -19,8 +19,8 @@ from rpcps.sparse.export_files import ExportFormatError, load_table, read_manife
 from rpcps.sparse.serving import load_export, load_rows
 from rpcps.sparse.sharding import BucketManifest
 from rpcps.sparse.spec import TableSpec
-from tests.unit.test_sparse_checkpoint import ALL, Chain, Workload, _config, _live, _restore, _train_chain
-from tests.unit.test_sparse_server import TABLES, TinyModel
+from tests.unit.ps.sparse.test_sparse_checkpoint import ALL, Chain, Workload, _config, _live, _restore, _train_chain
+from tests.unit.ps.sparse.test_sparse_server import TABLES, TinyModel
 
 pytest.importorskip("safetensors")
 

@@ -1,0 +1,65 @@
+"""Fail points: the N-th time a point is reached over a run (restarts included) kills the process, once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rpcps import failpoints
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _reach(point: str, spec: str) -> int:
+    """Runs a process that reaches ``point`` once under RPCPS_FAILPOINTS=spec; returns its exit code."""
+    code = f"from rpcps import failpoints; failpoints.hit({point!r})"
+    env = {**os.environ, "PYTHONPATH": str(REPO), failpoints.ENV: spec}
+    return subprocess.run([sys.executable, "-c", code], env=env, timeout=60, check=False).returncode
+
+
+@pytest.mark.timeout(120)
+def test_the_nth_hit_across_processes_kills_once(tmp_path: Path) -> None:
+    marker = tmp_path / "fp.fired"
+    spec = f"snapshot.after_commit=kill@2:{marker}"
+    assert _reach("snapshot.after_commit", spec) == 0  # hit 1
+    assert _reach("snapshot.after_commit", spec) == -signal.SIGKILL  # hit 2, counted across processes
+    assert marker.exists()
+    assert _reach("snapshot.after_commit", spec) == 0  # fired already: inert from now on
+    assert _reach("finish.after_snapshot", spec) == 0  # other points are not armed
+
+
+def test_a_bad_spec_names_the_points() -> None:
+    with pytest.raises(ValueError, match="expected NAME=kill@N:MARKER or NAME=hold-SECONDS@N:MARKER with NAME in"):
+        failpoints._parse("snapshot.whenever=kill@1:/x")
+    with pytest.raises(ValueError, match="bad entry"):
+        failpoints._parse("snapshot.after_commit=explode@1:/x")
+
+
+@pytest.mark.timeout(60)
+def test_a_hold_waits_its_seconds_once_then_passes(tmp_path: Path) -> None:
+    marker = tmp_path / "fp.fired"
+    spec = f"replication.standby_before_ack=hold-0.4@2:{marker}"
+    code = (
+        "import json, time; from rpcps import failpoints\n"
+        "def took():\n    t = time.monotonic(); failpoints.hit('replication.standby_before_ack'); return time.monotonic() - t\n"
+        "print(json.dumps([took() for _ in range(3)]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), failpoints.ENV: spec}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    first, second, third = json.loads(done.stdout)
+    assert first < 0.1 and second >= 0.4 and third < 0.1, done.stdout  # hit 2 holds; hits after its 0.4 s pass
+    assert marker.exists()
+
+
+def test_a_hold_needs_seconds_in_range() -> None:
+    assert failpoints._parse("replication.standby_before_ack=hold-0.5@3:/x")["replication.standby_before_ack"].hold_s == 0.5
+    for bad in ("hold-@1:/x", "hold-0@1:/x", "hold-61@1:/x", "hold-x@1:/x"):
+        with pytest.raises(ValueError, match="NAME=hold-SECONDS@N:MARKER"):
+            failpoints._parse(f"replication.standby_before_ack={bad}")
