@@ -283,13 +283,14 @@ class ProcessGroup:
         )
         return proc, port, metrics_port
 
-    def worker(self, name: str, port: int, index: int, num_workers: int, *args: str, **kwargs: object) -> tuple[Proc, int]:
-        """Starts a worker against the server on ``port``. Returns (process, metrics port)."""
+    def worker(self, name: str, port: int | str, index: int, num_workers: int, *args: str, **kwargs: object) -> tuple[Proc, int]:
+        """Starts a worker against the server on ``port`` (a str: the ``--ps`` as it is, e.g. an
+        ``etcd://`` store). Returns (process, metrics port)."""
         metrics_port = free_port()
         proc = self.start(
             name,
             [
-                "worker", "--ps", f"127.0.0.1:{port}", "--worker-index", str(index), "--num-workers", str(num_workers),
+                "worker", "--ps", port if isinstance(port, str) else f"127.0.0.1:{port}", "--worker-index", str(index), "--num-workers", str(num_workers),
                 "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args,
             ],
             **kwargs,  # type: ignore[arg-type]

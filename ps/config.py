@@ -7,7 +7,7 @@ from typing import Any
 
 from ps.optim import OPTIMIZERS, SCHEDULES, check_kwargs
 from ps.sparse.row_optim import ROW_OPTIMIZERS
-from rpcps.address import Address
+from rpcps.address import Address, EtcdAddress
 from rpcps.messages import Mode
 from rpcps.process import ProcessOptions, model_setting
 from rpcps.settings import setting
@@ -337,10 +337,11 @@ class ServerRunConfig:
         "Anything but loopback needs --trust-network and --job-secret-file (docs/SECURITY.md)",
         metavar="HOST:PORT",
     )
-    store: Address | None = setting(
+    store: Address | EtcdAddress | None = setting(
         None,
-        help="HOST:PORT of the group's store to join: a `rpcps store` coordinator, or shard 0's --listen; "
-        "unset: this server hosts the store itself at --listen",
+        help="HOST:PORT of the group's store to join: a `rpcps store` coordinator, or shard 0's --listen; or "
+        "etcd://HOST:PORT[,HOST:PORT...]/PREFIX: the job's coordination state in an etcd cluster under a prefix of its "
+        "own (docs/FAULT_TOLERANCE.md); unset: this server hosts the store itself at --listen",
         metavar="HOST:PORT",
     )
     model: str = model_setting()
@@ -394,6 +395,6 @@ class ServerRunConfig:
         return self.store is None
 
     @property
-    def store_address(self) -> Address:
+    def store_address(self) -> Address | EtcdAddress:
         """Where the group's store is: this server's own --listen, or --store."""
         return self.listen if self.store is None else self.store
