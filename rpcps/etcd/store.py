@@ -159,12 +159,19 @@ def open_store(address: EtcdAddress, timeout_s: float) -> EtcdStore:
     return EtcdStore(EtcdClient(address.endpoints, timeout_s), address.prefix, timedelta(seconds=timeout_s))
 
 
+_agent_stores: list[EtcdStore] = []
+
+
 def _rendezvous(url: str, **_kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
     # torch appends ?rank=..&world_size=-1; the group is dynamic and rpcps chose the rank already.
     parsed = urlparse(url)
     address = EtcdAddress.parse(f"etcd://{parsed.netloc}{parsed.path}")
     # Each agent's own client; init_rpc sets its timeout to the RPC timeout.
-    yield open_store(address, timeout_s=AGENT_CALL_TIMEOUT_S), -1, -1
+    store = open_store(address, timeout_s=AGENT_CALL_TIMEOUT_S)
+    # init_rpc keeps only the C++ side (wrapped in a PrefixStore); once the Python object is
+    # collected, every call from C++ fails with "Not implemented". The agent lives as long as the process.
+    _agent_stores.append(store)
+    yield store, -1, -1
 
 
 def register_rendezvous() -> None:
