@@ -91,6 +91,16 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def freeze_past_promotion(primary: Proc, standby_metrics: int, seconds: float = 5.0) -> None:
+    """SIGSTOP of ``primary`` until its standby (``standby_metrics``: its /metrics port) has promoted
+    itself, then ``seconds`` more; then SIGCONT. The thawed primary's lease has long run out."""
+    primary.freeze()
+    wait_until(lambda: try_scrape(standby_metrics).get("rpcps_replica_role", -1) == 2, 10, "the standby to promote itself")
+    frozen_until = time.monotonic() + seconds
+    wait_until(lambda: time.monotonic() >= frozen_until, seconds + 5, f"{seconds:g} s of freeze")  # the fault's duration, not a sync
+    primary.thaw()
+
+
 def descendants(pid: int) -> list[int]:
     """Every living process below ``pid`` (read from /proc, children before grandchildren)."""
     children: dict[int, list[int]] = {}

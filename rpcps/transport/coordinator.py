@@ -101,6 +101,15 @@ class Janitor:
     def sweep(self) -> None:
         me = membership.my_name()
         names = [n for n in membership.member_names() if n != me and n not in self._to_forget]
+        if self._duty is not None:
+            # No process hosts the store (etcd): a member leaves by taking itself off the store's
+            # list, and only this agent still knows it. Not a death: forgotten here, quietly. (Where
+            # a process hosts the store, a name missing from its list is a stranger's doing, which
+            # the store guard puts back from this agent's view: it must stay known there.)
+            listed = membership.store_members()
+            for name in [n for n in names if n not in listed]:
+                membership.forget_here(name)
+            names = [n for n in names if n in listed]
         failures = ping_all(names, self.ping_timeout_s)  # one member's failure, however it fails, is its own
         now = time.monotonic()
         for name, failure in zip(names, failures):

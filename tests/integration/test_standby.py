@@ -17,7 +17,7 @@ import pytest
 
 from harness.faults import ChaosPlan, FailPoint, Kill, run_chaos
 from harness.ledger import check_ledger, recovery_after
-from harness.procs import ENTRY, REPO, ProcessGroup, child_env, try_scrape, wait_until
+from harness.procs import ENTRY, REPO, ProcessGroup, child_env, freeze_past_promotion, try_scrape, wait_until
 from tests.integration.paced_data import INTERVAL_ENV
 
 pytestmark = pytest.mark.integration
@@ -101,11 +101,7 @@ def test_a_frozen_primary_never_applies_again_and_comes_back_as_standby(procs: P
     port, [(a, ma), (b, mb)] = _start_pair(procs, tmp_path)
     workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "700", *PACED)[0] for i in range(2)]
     wait_until(lambda: _scrape(ma, "rpcps_server_model_version") >= 150, 90, "150 updates")
-    a.freeze()
-    wait_until(lambda: _scrape(mb, "rpcps_replica_role") == 2, 10, "the standby to promote itself")
-    frozen_until = time.monotonic() + 5.0
-    wait_until(lambda: time.monotonic() >= frozen_until, 10, "5 s of freeze")  # the fault's duration, not a sync
-    a.thaw()
+    freeze_past_promotion(a, mb)
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert _scrape(mb, "rpcps_server_model_version") == 1400
     wait_until(lambda: _scrape(ma, "rpcps_replica_role") == 1, 60, "the old primary to return as an in-sync standby")
