@@ -91,6 +91,10 @@ class EtcdClient:
             if index != start:
                 with self._lock:
                     self._current = index
+                logger.warning(
+                    "etcd member %s did not answer %s; %s did, %.0f ms later (calls go there from now on)",
+                    self.endpoints[start], what, self.endpoints[index], 1000 * (time.monotonic() + self.timeout_s - deadline),
+                )
             return result
         detail = f"{last.code().name}: {last.details()}" if last is not None else "deadline passed"  # type: ignore[attr-defined]
         raise EtcdUnavailable(

@@ -141,6 +141,11 @@ class Janitor:
         self._to_forget.add(name)
 
     def _forget_pending(self, dead_holder: str) -> None:
+        if not self._to_forget and not dead_holder and not membership.unknown_listed():
+            # Nothing to remove: the group token stays free. Held every sweep, it delayed joins, and a
+            # janitor that died holding it (a server, when the store is in etcd) left it to every
+            # later join and removal until the next janitor took it over seconds later.
+            return
         try:
             removed, failed = membership.tidy(self._to_forget, dead_holder)
         except membership.TokenBusy:

@@ -118,6 +118,12 @@ def tidy(names: Iterable[str], dead_holder: str = "") -> tuple[list[str], list[s
         return removed, failed
 
 
+def unknown_listed() -> list[str]:
+    """Members the store lists that this agent does not know: joins in progress, or joins that failed."""
+    known = set(member_names())
+    return [name for name in store_members() if name not in known]
+
+
 def forget_here(name: str) -> None:
     """Makes this process's agent forget member ``name``, leaving the store's list as it is (the
     member already took itself off it)."""

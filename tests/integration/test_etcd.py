@@ -109,23 +109,24 @@ def test_training_through_etcd_survives_kills_of_the_primary_exactly(procs: Proc
     """No coordinator process: servers and workers rendezvous, take ranks and find each shard's view
     in etcd. kill -9 of whichever replica is primary, three times, each once its restarted peer is
     back in sync: the standby promotes itself through an etcd transaction on the view; the ledger holds
-    one history, equal digests, and the final version is workers x steps."""
+    one history, equal digests, and the final version is workers x steps (1500 steps each: training outlasts
+    three kills, each waiting for a fresh interpreter to join and catch up)."""
     url = etcd.url("train")
     common, pair = _start_pair(procs, tmp_path, url)
-    workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "600", *PACED)[0] for i in range(2)]
+    workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "1500", *PACED)[0] for i in range(2)]
     kills: list[tuple[float, int]] = []
     for round_ in range(3):
         killed, pair = _kill_primary_and_replace(procs, common, pair, f"ps_{round_}")
         kills.append(killed)
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     (_, mlast), _ = pair
-    assert _version(mlast) == 1200
+    assert _version(mlast) == 3000
     for proc, _ in pair:
         proc.send(15)
         proc.wait(60)
     report = check_ledger(tmp_path / "audit.log")
     assert report.problems == [], report.problems[:5]
-    assert report.final_version == 1200
+    assert report.final_version == 3000
     assert [epoch for _, epoch, _, _ in report.promotions][:3] == [2, 3, 4]
     assert report.digests_compared > 0
     recovery = [recovery_after(report, at, pid) for at, pid in kills]
