@@ -11,6 +11,7 @@ import pytest
 
 from rpcps.etcd import rpc_pb2
 from rpcps.etcd.lease import MARGIN_S, HeldKey
+from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
 
 
@@ -127,3 +128,20 @@ def test_the_janitor_sweeps_only_while_it_holds_the_duty(monkeypatch: pytest.Mon
     finally:
         janitor.stop()
     assert duty.stopped
+
+
+def test_a_sweep_with_nothing_to_remove_leaves_the_group_token_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking the token every sweep delayed joins, and a janitor killed while holding it (a server,
+    with the store in etcd) stalled every join and removal until the token was taken over."""
+    tidied: list[set[str]] = []
+    monkeypatch.setattr(membership, "tidy", lambda names, dead_holder="": (tidied.append(set(names)), ([], []))[1])
+    unknown: list[str] = []
+    monkeypatch.setattr(membership, "unknown_listed", lambda: unknown)
+    janitor = Janitor(registry=None, lease_s=1.0)  # type: ignore[arg-type]
+    janitor._forget_pending("")
+    assert tidied == []
+    unknown.append("worker3_r9")  # a join in progress, or one that failed
+    janitor._forget_pending("")
+    janitor._to_forget.add("ps0_r1")
+    janitor._forget_pending("")
+    assert tidied == [set(), {"ps0_r1"}]
