@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from harness.etcd import EtcdCluster, available
 from harness.ledger import check_ledger, recovery_after
-from harness.procs import Proc, ProcessGroup, freeze_past_promotion, try_scrape, wait_until
+from harness.procs import Proc, ProcessGroup, freeze_past_promotion, start_replica_pair, try_scrape, wait_until
 from rpcps.address import parse_store_address
 from rpcps.etcd.store import EtcdStore, open_store
 
@@ -78,13 +78,7 @@ def _start_pair(procs: ProcessGroup, tmp_path: Path, url: str) -> tuple[tuple[st
     metrics port)] primary first)."""
     common = ("--store", url, "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"), "--digest-every", "10",
               "--lease-s", "3")
-    a, _, ma = procs.ps("ps_a", *common)
-    wait_until(lambda: _scrape(ma, "rpcps_replica_role") == 2 or not a.alive(), 60, "ps_a to serve as primary")
-    assert a.alive(), a.tail()
-    b, _, mb = procs.ps("ps_b", *common)
-    wait_until(lambda: _scrape(ma, "rpcps_replica_standby_in_sync") == 1 or not b.alive(), 60, "ps_b to be in sync")
-    assert b.alive(), b.tail()
-    return common, [(a, ma), (b, mb)]
+    return common, start_replica_pair(procs, common)
 
 
 def _kill_primary_and_replace(

@@ -17,7 +17,16 @@ import pytest
 
 from harness.faults import ChaosPlan, FailPoint, Kill, run_chaos
 from harness.ledger import check_ledger, recovery_after
-from harness.procs import ENTRY, REPO, ProcessGroup, child_env, freeze_past_promotion, try_scrape, wait_until
+from harness.procs import (
+    ENTRY,
+    REPO,
+    ProcessGroup,
+    child_env,
+    freeze_past_promotion,
+    start_replica_pair,
+    try_scrape,
+    wait_until,
+)
 from tests.integration.paced_data import INTERVAL_ENV
 
 pytestmark = pytest.mark.integration
@@ -35,12 +44,7 @@ def _start_pair(procs: ProcessGroup, tmp_path: Path, *extra: str) -> tuple[int, 
     _store, port, _ = procs.store("store", "--lease-s", "3")
     common = ("--store", f"127.0.0.1:{port}", "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"),
               "--digest-every", "10", *extra)
-    a, _, ma = procs.ps("ps_a", *common)
-    wait_until(lambda: _scrape(ma, "rpcps_replica_role") == 2 or not a.alive(), 60, "ps_a to serve as primary")
-    assert a.alive(), a.tail()
-    b, _, mb = procs.ps("ps_b", *common)
-    wait_until(lambda: _scrape(ma, "rpcps_replica_standby_in_sync") == 1 or not b.alive(), 60, "ps_b to be in sync")
-    assert b.alive(), b.tail()
+    [(a, ma), (b, mb)] = start_replica_pair(procs, common)
     wait_until(lambda: _scrape(mb, "rpcps_replica_role") == 1, 10, "ps_b to report itself an in-sync standby")
     return port, [(a, ma), (b, mb)]
 
