@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rpcps.address import Address
+from rpcps.address import Address, EtcdAddress
 from rpcps.process import ProcessOptions, loss_setting, model_setting
 from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
@@ -55,7 +55,10 @@ class EvaluatorConfig:
 class EvaluatorRunConfig:
     """Evaluator process."""
 
-    ps: Address | None = setting(None, help="HOST:PORT of the server (its --listen)", metavar="HOST:PORT")
+    ps: Address | EtcdAddress | None = setting(
+        None, help="HOST:PORT of the server (its --listen), or etcd://HOST:PORT[,...]/PREFIX (the servers' --store)",
+        metavar="HOST:PORT",
+    )
     metrics_port: int = setting(DEFAULT_METRICS_PORT, help="evaluator /metrics port; 0 picks a free one (logged)")
     max_reconnects: int = setting(20, help="times the evaluator restarts itself to reach a replaced server before giving up")
     process: ProcessOptions = field(default_factory=ProcessOptions)

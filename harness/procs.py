@@ -91,6 +91,29 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def freeze_past_promotion(primary: Proc, standby_metrics: int, seconds: float = 5.0) -> None:
+    """SIGSTOP of ``primary`` until its standby (``standby_metrics``: its /metrics port) has promoted
+    itself, then ``seconds`` more; then SIGCONT. The thawed primary's lease has long run out."""
+    primary.freeze()
+    wait_until(lambda: try_scrape(standby_metrics).get("rpcps_replica_role", -1) == 2, 10, "the standby to promote itself")
+    frozen_until = time.monotonic() + seconds
+    wait_until(lambda: time.monotonic() >= frozen_until, seconds + 5, f"{seconds:g} s of freeze")  # the fault's duration, not a sync
+    primary.thaw()
+
+
+def start_replica_pair(procs: ProcessGroup, common: Sequence[str], first_only: Sequence[str] = ()) -> list[tuple[Proc, int]]:
+    """Two servers of shard 0 with the flags ``common`` (a store and ``--replicas 2``), the second
+    started once the first serves, and waited for until in sync; ``first_only`` goes to the first
+    (e.g. its control port). Returns [(process, metrics port)], primary first."""
+    a, _, ma = procs.ps("ps_a", *common, *first_only)
+    wait_until(lambda: try_scrape(ma).get("rpcps_replica_role", -1) == 2 or not a.alive(), 60, "ps_a to serve as primary")
+    assert a.alive(), a.tail()
+    b, _, mb = procs.ps("ps_b", *common)
+    wait_until(lambda: try_scrape(ma).get("rpcps_replica_standby_in_sync", -1) == 1 or not b.alive(), 60, "ps_b to be in sync")
+    assert b.alive(), b.tail()
+    return [(a, ma), (b, mb)]
+
+
 def descendants(pid: int) -> list[int]:
     """Every living process below ``pid`` (read from /proc, children before grandchildren)."""
     children: dict[int, list[int]] = {}
@@ -283,13 +306,14 @@ class ProcessGroup:
         )
         return proc, port, metrics_port
 
-    def worker(self, name: str, port: int, index: int, num_workers: int, *args: str, **kwargs: object) -> tuple[Proc, int]:
-        """Starts a worker against the server on ``port``. Returns (process, metrics port)."""
+    def worker(self, name: str, port: int | str, index: int, num_workers: int, *args: str, **kwargs: object) -> tuple[Proc, int]:
+        """Starts a worker against the server on ``port`` (a str: the ``--ps`` as it is, e.g. an
+        ``etcd://`` store). Returns (process, metrics port)."""
         metrics_port = free_port()
         proc = self.start(
             name,
             [
-                "worker", "--ps", f"127.0.0.1:{port}", "--worker-index", str(index), "--num-workers", str(num_workers),
+                "worker", "--ps", port if isinstance(port, str) else f"127.0.0.1:{port}", "--worker-index", str(index), "--num-workers", str(num_workers),
                 "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args,
             ],
             **kwargs,  # type: ignore[arg-type]

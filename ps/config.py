@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ps.core.config import ServerCoreConfig
-from rpcps.address import Address
+from rpcps.address import Address, EtcdAddress
 from rpcps.process import ProcessOptions, listen_setting, model_setting, trust_network_setting
 from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
@@ -171,10 +171,11 @@ class ServerRunConfig:
     """Server process."""
 
     listen: Address = listen_setting("where this server hosts the group's rendezvous store (without --store); workers use it as --ps")
-    store: Address | None = setting(
+    store: Address | EtcdAddress | None = setting(
         None,
-        help="HOST:PORT of the group's store to join: a `rpcps store` coordinator, or shard 0's --listen; "
-        "unset: this server hosts the store itself at --listen",
+        help="HOST:PORT of the group's store to join: a `rpcps store` coordinator, or shard 0's --listen; or "
+        "etcd://HOST:PORT[,HOST:PORT...]/PREFIX: the job's coordination state in an etcd cluster under a prefix of its "
+        "own (docs/FAULT_TOLERANCE.md); unset: this server hosts the store itself at --listen",
         metavar="HOST:PORT",
     )
     model: str = model_setting()
@@ -224,6 +225,6 @@ class ServerRunConfig:
         return self.store is None
 
     @property
-    def store_address(self) -> Address:
+    def store_address(self) -> Address | EtcdAddress:
         """Where the group's store is: this server's own --listen, or --store."""
         return self.listen if self.store is None else self.store

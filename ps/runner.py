@@ -131,6 +131,10 @@ def run_server(config: ServerRunConfig) -> int:
             janitor.start()
             store_guard = StoreGuard(metrics.store_repairs)  # right after serving: it remembers the store as it is now
             store_guard.start()
+        elif (duty := transport.shared_duty("janitor", name)) is not None:
+            # The store is in etcd: no coordinator, so the servers keep the member list, one at a time.
+            janitor = Janitor(registry, config.lease_s, on_removed=lambda gone: _member_gone(service, metrics, gone), duty=duty)
+            janitor.start()
         registry.claim_shard_count(config.core.shard_count)
         registry.put_replica(name, _replica_record(config, metrics_port, control.port))
         checkpoint_config, point = _find_resume(server, config, secret)

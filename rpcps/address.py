@@ -1,4 +1,4 @@
-"""HOST:PORT addresses as settings take and print them."""
+"""HOST:PORT addresses as settings take and print them, and the etcd URL a `--store`/`--ps` may be instead."""
 
 from __future__ import annotations
 
@@ -49,3 +49,50 @@ class Address:
     @property
     def is_loopback(self) -> bool:
         return is_loopback_host(self.host)
+
+
+ETCD_SCHEME = "etcd://"
+
+
+@dataclass(frozen=True)
+class EtcdAddress:
+    """``etcd://HOST:PORT[,HOST:PORT...]/PREFIX``: the group's store kept in an etcd cluster, under a prefix
+    of its own (one per job: two jobs under one prefix would read each other's member lists and views)."""
+
+    endpoints: tuple[Address, ...]
+    prefix: str
+    """Without leading or trailing '/'; every key of the job is ``/<prefix>/...``."""
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError(f"{ETCD_SCHEME}... needs at least one HOST:PORT of an etcd member")
+        if not self.prefix or self.prefix != self.prefix.strip("/"):
+            raise ValueError(
+                f"an etcd store needs a key prefix of its own for this job, as in {ETCD_SCHEME}127.0.0.1:2379/myjob "
+                f"(got {self.prefix!r})"
+            )
+
+    def __str__(self) -> str:
+        return f"{ETCD_SCHEME}{','.join(map(str, self.endpoints))}/{self.prefix}"
+
+    @classmethod
+    def parse(cls, text: str) -> EtcdAddress:
+        if not text.startswith(ETCD_SCHEME):
+            raise ValueError(f"{text!r} is not {ETCD_SCHEME}HOST:PORT[,HOST:PORT...]/PREFIX")
+        hosts, sep, prefix = text[len(ETCD_SCHEME):].partition("/")
+        if not sep:
+            raise ValueError(f"{text!r} has no /PREFIX: give this job a key prefix of its own, as in {ETCD_SCHEME}{hosts}/myjob")
+        return cls(tuple(Address.parse(h) for h in hosts.split(",") if h), prefix.strip("/"))
+
+    @property
+    def is_loopback(self) -> bool:
+        return all(e.is_loopback for e in self.endpoints)
+
+
+StoreAddress = Address | EtcdAddress
+"""Where the group's store is: HOST:PORT of a `rpcps store` coordinator (or an embedded server), or an etcd cluster."""
+
+
+def parse_store_address(text: str) -> StoreAddress:
+    """HOST:PORT, or ``etcd://HOST:PORT[,HOST:PORT...]/PREFIX``."""
+    return EtcdAddress.parse(text) if text.startswith(ETCD_SCHEME) else Address.parse(text)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rpcps.address import Address
+from rpcps.address import Address, StoreAddress, parse_store_address
 
 _KEY = "rpcps.setting"
 ENV_PREFIX = "RPCPS_"
@@ -191,11 +191,13 @@ def to_argv(config: Any, settings: Sequence[Declared]) -> list[str]:
 
 
 def _base_type(kind: Any) -> Any:
-    """``X`` for ``X | None``; the type itself otherwise."""
+    """``X`` for ``X | None`` (``StoreAddress`` for ``Address | EtcdAddress | None``); the type itself otherwise."""
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         if len(args) == 1:
             return args[0]
+        if set(args) == set(typing.get_args(StoreAddress)):
+            return StoreAddress
     return kind
 
 
@@ -221,9 +223,9 @@ def _parse_as(kind: Any, text: str) -> Any:
             return float(text)
         except ValueError:
             raise BadValue(f"{text!r} is not a number") from None
-    if base is Address:
+    if base is Address or base is StoreAddress:
         try:
-            return Address.parse(text)
+            return Address.parse(text) if base is Address else parse_store_address(text)
         except ValueError as e:
             raise BadValue(str(e)) from None
     if origin is tuple:

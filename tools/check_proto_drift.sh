@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Fails when the committed generated code under ps/control/ differs from what tools/gen_proto.sh
-# produces from ps/control/control.proto (someone edited the .proto and forgot to regenerate, or
+# Fails when the committed generated code under ps/control/ and rpcps/etcd/ differs from what
+# tools/gen_proto.sh produces from their .proto files (someone edited the .proto and forgot to regenerate, or
 # edited generated code by hand).
 #
 # Exit status: 0 up to date; 1 drift (the diff is printed); 3 cannot check here because the
@@ -21,12 +21,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 PYTHON="$python" "$root/tools/gen_proto.sh" "$tmp"
 status=0
-for f in control_pb2.py control_pb2_grpc.py control_pb2.pyi; do
-  if ! diff -u "$root/ps/control/$f" "$tmp/ps/control/$f"; then
+for f in ps/control/control_pb2.py ps/control/control_pb2_grpc.py ps/control/control_pb2.pyi \
+         rpcps/etcd/kv_pb2.py rpcps/etcd/kv_pb2.pyi rpcps/etcd/kv_pb2_grpc.py \
+         rpcps/etcd/rpc_pb2.py rpcps/etcd/rpc_pb2.pyi rpcps/etcd/rpc_pb2_grpc.py; do
+  if ! diff -u "$root/$f" "$tmp/$f"; then
     status=1
   fi
 done
 if [[ $status -ne 0 ]]; then
-  echo "ps/control generated code is out of date with control.proto: run tools/gen_proto.sh and commit" >&2
+  echo "generated code is out of date with its .proto: run tools/gen_proto.sh and commit" >&2
 fi
 exit $status

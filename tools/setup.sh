@@ -26,11 +26,12 @@ apt_install() {
 if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q -e '.[examples,safetensors,test]'
   # prometheus: prometheus + promtool; iproute2: `ip netns` for the multi-host test and `ss`;
-  # systemd: systemd-analyze for deploy/validate.sh; openssl: the TLS tests' certificates.
+  # systemd: systemd-analyze for deploy/validate.sh; openssl: the TLS tests' certificates;
+  # etcd-server, etcd-client: the 3-member etcd cluster of the `--store etcd://` tests (etcd, etcdctl).
   if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v shellcheck >/dev/null \
       || ! command -v ip >/dev/null || ! command -v ss >/dev/null || ! command -v systemd-analyze >/dev/null \
-      || ! command -v openssl >/dev/null; then
-    apt_install prometheus shellcheck iproute2 systemd openssl
+      || ! command -v openssl >/dev/null || ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
+    apt_install prometheus shellcheck iproute2 systemd openssl etcd-server etcd-client
   fi
 else
   .venv/bin/python -m pip install -q -e '.[examples,safetensors]'

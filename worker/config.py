@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rpcps import plugins
-from rpcps.address import Address
+from rpcps.address import Address, EtcdAddress
 from rpcps.process import ProcessOptions, loss_setting, model_setting
 from rpcps.settings import setting
 from rpcps.transport.config import TransportOptions
@@ -82,8 +82,11 @@ class WorkerConfig:
 class WorkerRunConfig:
     """Worker process."""
 
-    ps: Address | None = setting(
-        None, help="HOST:PORT of the server (its --listen)", torchrun=_torchrun_server, metavar="HOST:PORT"
+    ps: Address | EtcdAddress | None = setting(
+        None,
+        help="HOST:PORT of the server (its --listen) or of the group's `rpcps store`; or etcd://HOST:PORT[,...]/PREFIX, "
+        "the job's store in etcd (the servers' --store)",
+        torchrun=_torchrun_server, metavar="HOST:PORT",
     )
     metrics_port: int | None = setting(
         None,

@@ -315,7 +315,6 @@ class Standby:
             self.ledger.view(new.view)
         self.metrics.failovers.inc()
         self.metrics.role.set(ROLE_PRIMARY)
-        _forget(old, self.secret)
         took = time.monotonic() - noticed
         self.metrics.failover_seconds.set(took)
         logger.warning(
@@ -323,6 +322,9 @@ class Standby:
             server.version, 1000 * took,
         )
         self._on_promoted(new, took)
+        # Serving first: removing the old primary from the group takes the group token and a few
+        # store writes (etcd transactions when the store is in etcd), which the workers need not wait for.
+        _forget(old, self.secret)
 
     def _drain(self) -> None:
         """Applies every entry received from the old primary (they become part of the new history)."""

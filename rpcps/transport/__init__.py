@@ -24,7 +24,17 @@ from rpcps.transport.calls import (
     ping_all,
 )
 from rpcps.transport.config import Address, TransportOptions
-from rpcps.transport.group import JoinFailed, TransportError, group_registry, join, leave, serve, shutdown, store_host
+from rpcps.transport.group import (
+    JoinFailed,
+    TransportError,
+    group_registry,
+    join,
+    leave,
+    serve,
+    shared_duty,
+    shutdown,
+    store_host,
+)
 from rpcps.transport.pickling import Refusal, set_max_message_bytes
 from rpcps.transport.protection import Surface, protect, protected
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
@@ -65,6 +75,7 @@ __all__ = [
     "protected",
     "serve",
     "set_max_message_bytes",
+    "shared_duty",
     "shutdown",
     "store_host",
 ]

@@ -7,6 +7,10 @@ the rank of a dead one, and joins under a name of its own (``<base>_r<rank>``) t
 process reuses: peers cache a dead member's connection per name forever.
 
 Every member keeps one store client of its own for the group's shared facts (``registry``).
+
+With an etcd store (``--store etcd://...``, ``rpcps.etcd``) no process hosts the store: every
+process joins, ranks start at 1, and each member is its own "store host" (it changes the member
+list through its own client: ``store_host``, ``leave``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import time
 import torch.distributed as dist
 from torch.distributed import rpc
 
-from rpcps.address import Address
+from rpcps.address import Address, EtcdAddress, StoreAddress
+from rpcps.etcd.lease import HeldKey
+from rpcps.etcd.store import EtcdStore, open_store, register_rendezvous, rendezvous_url
 from rpcps.jobsecret import JobSecret
 from rpcps.transport import membership, protection, request_filter
 from rpcps.transport.config import TransportOptions
@@ -33,6 +39,8 @@ REGISTRY_TIMEOUT_S = 2.0
 (a view change must not hang a replica that is deciding whether to promote)."""
 
 _registry: Registry | None = None
+_etcd: EtcdStore | None = None
+"""The registry's store when the group's store is in etcd."""
 
 
 class TransportError(RuntimeError):
@@ -43,17 +51,17 @@ class JoinFailed(TransportError):
     """The store answered but joining the RPC group failed; a fresh process may succeed."""
 
 
-def _backend_options(address: Address, options: TransportOptions) -> rpc.TensorPipeRpcBackendOptions:
+def _backend_options(address: StoreAddress, options: TransportOptions) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=options.rpc_threads,
         rpc_timeout=options.rpc_timeout_s,
-        init_method=f"tcp://{address}",
+        init_method=rendezvous_url(address) if isinstance(address, EtcdAddress) else f"tcp://{address}",
         _transports=list(options.rpc_transports),
         _channels=list(options.channels()),
     )
 
 
-def _loopback_agent(address: Address) -> None:
+def _loopback_agent(address: StoreAddress) -> None:
     """Keeps TensorPipe's own port on loopback when the group's store is.
 
     TensorPipe listens on the interface named by TP_SOCKET_IFNAME, or else on the address the
@@ -72,7 +80,7 @@ def _require_protection() -> None:
         )
 
 
-def _init_filtered_rpc(name: str, rank: int, address: Address, options: TransportOptions) -> None:
+def _init_filtered_rpc(name: str, rank: int, address: StoreAddress, options: TransportOptions) -> None:
     """``init_rpc`` of a dynamic group, with an agent that refuses every request but a Python call.
 
     Raises:
@@ -108,28 +116,15 @@ def serve(address: Address, name: str, options: TransportOptions, secret: JobSec
     _open_registry(address)
 
 
-def join(address: Address, base_name: str, options: TransportOptions) -> str:
+def join(address: StoreAddress, base_name: str, options: TransportOptions) -> str:
     """Waits for the store at ``address``, takes a fresh rank and joins the group as ``<base_name>_r<rank>``.
 
     Returns the RPC name.
     """
     _require_protection()
     _loopback_agent(address)
-    unreachable = TransportError(
-        f"no parameter server answered at {address} within {options.connect_timeout_s:g}s; "
-        "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
-    )
     deadline = time.monotonic() + options.connect_timeout_s
-    if not _wait_for_listener(address, deadline):
-        raise unreachable
-    try:
-        store = dist.TCPStore(
-            address.host, address.port, is_master=False,
-            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
-        )
-        rank = int(store.add(membership.RANK_COUNTER_KEY, 1))
-    except (RuntimeError, dist.DistError) as e:
-        raise unreachable from e
+    rank = _etcd_rank(address, deadline) if isinstance(address, EtcdAddress) else _store_rank(address, deadline)
     if rank > membership.MAX_RANK:
         raise TransportError(f"the server at {address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
@@ -144,8 +139,48 @@ def join(address: Address, base_name: str, options: TransportOptions) -> str:
     return name
 
 
-def _open_registry(address: Address) -> None:
-    global _registry
+def _store_rank(address: Address, deadline: float) -> int:
+    """A fresh rank from the counter of the store ``address`` hosts (waiting for it until ``deadline``)."""
+    unreachable = TransportError(
+        f"no parameter server answered at {address} within {deadline - time.monotonic():.0f}s; "
+        "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
+    )
+    if not _wait_for_listener(address, deadline):
+        raise unreachable
+    try:
+        store = dist.TCPStore(
+            address.host, address.port, is_master=False,
+            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
+        )
+        return int(store.add(membership.RANK_COUNTER_KEY, 1))
+    except (RuntimeError, dist.DistError) as e:
+        raise unreachable from e
+
+
+def _etcd_rank(address: EtcdAddress, deadline: float) -> int:
+    """A fresh rank from the counter in etcd (no process hosts the store, so rank 0 is nobody's)."""
+    register_rendezvous()
+    store = open_store(address, REGISTRY_TIMEOUT_S)
+    try:
+        while True:
+            try:
+                return int(store.add(membership.RANK_COUNTER_KEY, 1))
+            except dist.DistStoreError as e:
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"the etcd cluster {address} did not answer: {e}; start it, or check --store / --ps and --connect-timeout-s"
+                    ) from e
+                time.sleep(0.5)
+    finally:
+        store.client.close()
+
+
+def _open_registry(address: StoreAddress) -> None:
+    global _registry, _etcd
+    if isinstance(address, EtcdAddress):
+        _etcd = open_store(address, REGISTRY_TIMEOUT_S)
+        _registry = Registry(_etcd)
+        return
     try:
         client = dist.TCPStore(
             address.host, address.port, is_master=False, timeout=datetime.timedelta(seconds=REGISTRY_TIMEOUT_S)
@@ -164,7 +199,10 @@ def group_registry() -> Registry:
 
 def store_host() -> str:
     """The RPC name of the member that hosts the group's store (rank 0: the coordinator, or an
-    embedded server): departing members ask it to drop them from the group."""
+    embedded server): departing members ask it to drop them from the group. With an etcd store,
+    this process's own name (it changes the member list itself)."""
+    if _etcd is not None:
+        return membership.my_name()
     members = membership.store_members()
     host = next((name for name, rank in members.items() if rank == 0), None)
     if host is None:
@@ -202,8 +240,10 @@ def leave(name: str, store_host: str, secret: JobSecret | None = None, timeout_s
     True when the host confirmed; False (logged at debug) when it could not be asked in time, or
     refused (a host with a job secret needs ``secret``'s proof).
     """
-    proof = secret.leave_proof(name) if secret is not None else ""
     deadline = time.monotonic() + timeout_s
+    if store_host == membership.my_name():
+        return _forget_here(name, deadline)
+    proof = secret.leave_proof(name) if secret is not None else ""
     while True:
         try:
             answer = rpc.rpc_sync(
@@ -221,6 +261,29 @@ def leave(name: str, store_host: str, secret: JobSecret | None = None, timeout_s
             logger.debug("could not leave the RPC group: a join held the group token for %.0fs", timeout_s)
             return False
         time.sleep(0.05)  # a join holds the token for milliseconds
+
+
+def _forget_here(name: str, deadline: float) -> bool:
+    """``leave`` when this process reaches the store itself: the member list changed by its own client."""
+    while True:
+        try:
+            membership.forget_member(name)
+            return True
+        except membership.TokenBusy:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)  # a join holds the token for milliseconds
+        except RuntimeError as e:
+            logger.debug("could not leave the RPC group: %s", str(e).splitlines()[0])
+            return False
+
+
+def shared_duty(duty: str, holder: str) -> HeldKey | None:
+    """With an etcd store, a started ``HeldKey`` that says when this process is the one to do ``duty``
+    (one holder in the group at a time, under an etcd lease); None when the store is not in etcd."""
+    if _etcd is None:
+        return None
+    return HeldKey(_etcd.client, _etcd.key(f"rpcps/duty/{duty}"), holder).start()
 
 
 def shutdown() -> None:

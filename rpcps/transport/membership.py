@@ -118,6 +118,22 @@ def tidy(names: Iterable[str], dead_holder: str = "") -> tuple[list[str], list[s
         return removed, failed
 
 
+def unknown_listed() -> list[str]:
+    """Members the store lists that this agent does not know: joins in progress, or joins that failed."""
+    known = set(member_names())
+    return [name for name in store_members() if name not in known]
+
+
+def forget_here(name: str) -> None:
+    """Makes this process's agent forget member ``name``, leaving the store's list as it is (the
+    member already took itself off it)."""
+    agent = api._get_current_rpc_agent()
+    info = next((w for w in agent.get_worker_infos() if w.name == name), None)
+    if info is not None:
+        agent._update_group_membership(info, [], {}, False)
+        logger.debug("forgot %s, which left the RPC group", peer_text(name))
+
+
 def _forget_locked(name: str) -> bool:
     agent = api._get_current_rpc_agent()
     forgotten = False

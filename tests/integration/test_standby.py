@@ -17,7 +17,18 @@ import pytest
 
 from harness.faults import ChaosPlan, FailPoint, Kill, run_chaos
 from harness.ledger import check_ledger, recovery_after
-from harness.procs import ENTRY, REPO, Proc, ProcessGroup, child_env, free_port, try_scrape, wait_until
+from harness.procs import (
+    ENTRY,
+    REPO,
+    Proc,
+    ProcessGroup,
+    child_env,
+    free_port,
+    freeze_past_promotion,
+    start_replica_pair,
+    try_scrape,
+    wait_until,
+)
 from tests.integration.conftest import run_ctl
 from tests.integration.paced_data import INTERVAL_ENV
 
@@ -37,12 +48,7 @@ def _start_pair(procs: ProcessGroup, tmp_path: Path, *extra: str, control: str |
     common = ("--store", f"127.0.0.1:{port}", "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"),
               "--digest-every", "10", *extra)
     own = ("--control-port", control.rsplit(":", 1)[1]) if control is not None else ()
-    a, _, ma = procs.ps("ps_a", *common, *own)
-    wait_until(lambda: _scrape(ma, "rpcps_replica_role") == 2 or not a.alive(), 60, "ps_a to serve as primary")
-    assert a.alive(), a.tail()
-    b, _, mb = procs.ps("ps_b", *common)
-    wait_until(lambda: _scrape(ma, "rpcps_replica_standby_in_sync") == 1 or not b.alive(), 60, "ps_b to be in sync")
-    assert b.alive(), b.tail()
+    [(a, ma), (b, mb)] = start_replica_pair(procs, common, own)
     wait_until(lambda: _scrape(mb, "rpcps_replica_role") == 1, 10, "ps_b to report itself an in-sync standby")
     return port, [(a, ma), (b, mb)]
 
@@ -110,11 +116,7 @@ def test_a_frozen_primary_never_applies_again_and_comes_back_as_standby(procs: P
     port, [(a, ma), (b, mb)] = _start_pair(procs, tmp_path)
     workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "700", *PACED)[0] for i in range(2)]
     wait_until(lambda: _scrape(ma, "rpcps_server_model_version") >= 150, 90, "150 updates")
-    a.freeze()
-    wait_until(lambda: _scrape(mb, "rpcps_replica_role") == 2, 10, "the standby to promote itself")
-    frozen_until = time.monotonic() + 5.0
-    wait_until(lambda: time.monotonic() >= frozen_until, 10, "5 s of freeze")  # the fault's duration, not a sync
-    a.thaw()
+    freeze_past_promotion(a, mb)
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert _scrape(mb, "rpcps_server_model_version") == 1400
     wait_until(lambda: _scrape(ma, "rpcps_replica_role") == 1, 60, "the old primary to return as an in-sync standby")

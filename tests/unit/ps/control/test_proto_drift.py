@@ -1,4 +1,4 @@
-"""The committed generated control-plane code matches ps/control/control.proto."""
+"""The committed generated code matches its .proto: the control plane (ps/control/) and the etcd client (rpcps/etcd/)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def test_generated_grpc_code_imports_package_qualified() -> None:
     text = (ROOT / "ps" / "control" / "control_pb2_grpc.py").read_text()
     assert "from ps.control import control_pb2" in text
     import ps.control.control_pb2_grpc  # noqa: F401  (fails if the import were top-level `control_pb2`)
+    assert "from rpcps.etcd import rpc_pb2" in (ROOT / "rpcps" / "etcd" / "rpc_pb2_grpc.py").read_text()
+    import rpcps.etcd.rpc_pb2_grpc  # noqa: F401
 
 
 def test_the_test_extras_pin_the_grpcio_tools_that_generated_the_committed_code() -> None:

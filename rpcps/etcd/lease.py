@@ -1,0 +1,77 @@
+"""``HeldKey``: a key held under an etcd lease, so one process at a time does a job (the group
+janitor in a job whose store is in etcd), and another takes it over when the holder dies or is cut off.
+
+The holder renews its lease every third of its time to live. It counts itself the holder only
+until ``ttl_s`` minus a margin after the last renewal etcd acknowledged: a holder frozen or cut
+off from etcd stops before etcd lets the lease end and another process take the key (etcd ends a
+lease no sooner than its TTL after the last renewal it granted).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from rpcps.etcd.client import EtcdClient, EtcdUnavailable, absent, put_op
+
+logger = logging.getLogger(__name__)
+
+MARGIN_S = 0.5
+"""A holder stops counting itself the holder this long before its lease can have ended."""
+
+
+class HeldKey:
+    """Tries to hold ``key`` (with ``holder`` as its value) for as long as this process runs."""
+
+    def __init__(self, client: EtcdClient, key: bytes, holder: str, ttl_s: int = 3) -> None:
+        if ttl_s < 2:
+            raise ValueError(f"ttl_s must be >= 2 (etcd's leases count whole seconds), got {ttl_s}")
+        self._client = client
+        self._key = key
+        self._holder = holder.encode()
+        self.ttl_s = ttl_s
+        self._lease = 0
+        self._valid_until = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"etcd-lease-{key.decode(errors='replace')}", daemon=True)
+
+    def start(self) -> HeldKey:
+        self._thread.start()
+        return self
+
+    def held(self) -> bool:
+        """Whether this process holds the key now (and will until at least the next renewal is due)."""
+        return time.monotonic() < self._valid_until
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._valid_until = 0.0
+        if self._lease:
+            self._client.revoke(self._lease)  # the next holder need not wait out the TTL
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._step()
+            except EtcdUnavailable as e:
+                logger.warning("etcd did not answer for the lease on %s: %s", self._key.decode(errors="replace"), e)
+            if self._stop.wait(self.ttl_s / 3):
+                return
+
+    def _step(self) -> None:
+        if self._lease:
+            asked = time.monotonic()
+            if self._client.keep_alive(self._lease) > 0:
+                self._valid_until = asked + self.ttl_s - MARGIN_S
+                return
+            logger.warning("lost the etcd lease on %s (it ended before it was renewed)", self._key.decode(errors="replace"))
+            self._lease, self._valid_until = 0, 0.0
+        asked = time.monotonic()
+        lease = self._client.grant(self.ttl_s)
+        if self._client.txn([absent(self._key)], [put_op(self._key, self._holder, lease)]).succeeded:
+            self._lease, self._valid_until = lease, asked + self.ttl_s - MARGIN_S
+            logger.info("holding %s in etcd", self._key.decode(errors="replace"))
+        else:
+            self._client.revoke(lease)
