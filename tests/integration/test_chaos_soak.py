@@ -25,7 +25,8 @@ PACED = ("--data", "tests.integration.paced_data:paced_data")
 SOAK_PACE_S = "0.04"
 SOAK_STEPS = 3000
 """At 25 steps/s per worker the soak trains for 2 minutes undisturbed; its 21 kills, each waiting for
-the shard to have its standby back in sync, stretch it to ~N minutes (measured: see below)."""
+the shard to have its standby back in sync (or its target to be back), stretch it; the run's own
+limit (540 s) keeps it within the slow pass's 10 minutes."""
 
 
 def _seeds(count: int) -> list[int]:
