@@ -42,13 +42,17 @@ from rpcps.failpoints import POINTS, REPLICATED_POINTS
 from rpcps.scrape import try_scrape
 
 POLL_S = 0.02
+EVALUATOR_ARGS = ("--eval-data", "rpcps.tasks:teacher_student_held_out", "--every-seconds", "1")
+"""A sidecar evaluator for the built-in task (``ChaosPlan.every_role`` kills it too)."""
 
 
 @dataclass(frozen=True)
 class Kill:
     target: str
-    """'ps', 'psK' (shard K), 'workerN', or 'primary' / 'primaryK' (shard 0's / shard K's serving
-    replica, with replicas=2)."""
+    """'ps', 'psK' (shard K), 'workerN', 'primary' / 'primaryK' (shard 0's / shard K's serving
+    replica, with replicas=2), 'standby' / 'standbyK' (its in-sync standby), 'store' (the
+    coordinator, with replicas=2), 'evaluator'; or several joined by '+' ('primary+store'), killed
+    at once."""
     at_version: int
     sig: int = signal.SIGKILL
 
@@ -122,6 +126,22 @@ class ChaosPlan:
             else:
                 kills.append(Kill(rng.choice(targets), rng.randint(total // 10, total * 8 // 10)))
         return cls(workers=workers, steps=steps, kills=tuple(kills), **kw)
+
+    @classmethod
+    def every_role(cls, rounds: int, pairs: int, seed: int, workers: int = 2, steps: int = 600, **kw: Any) -> ChaosPlan:
+        """Every role killed ``rounds`` times (each worker, the primary, the standby, the coordinator,
+        the evaluator) and ``pairs`` kills of the primary and the coordinator at once, in an order
+        drawn from ``seed``, spread evenly over 5% to 85% of the run. Needs replicas=2 and an
+        evaluator (``--eval-data`` in ``extra_args``)."""
+        rng = random.Random(seed)
+        roles = [f"worker{i}" for i in range(workers)] + ["primary", "standby", "store", "evaluator"]
+        targets = roles * rounds + ["primary+store"] * pairs
+        rng.shuffle(targets)
+        total = workers * steps
+        first, last = total // 20, total * 17 // 20
+        gap = (last - first) // max(len(targets), 1)
+        kills = tuple(Kill(target, first + i * gap) for i, target in enumerate(targets))
+        return cls(workers=workers, steps=steps, kills=kills, **{"replicas": 2, **kw})
 
     @property
     def in_flight(self) -> int:
@@ -223,17 +243,20 @@ def _marker(run_dir: Path, point: FailPoint) -> Path:
 
 
 def _hits_server(fault: Fault) -> bool:
+    """Whether ``fault`` crashes a serving process (recovery is then measured from it); a fail point
+    that holds instead of killing crashes nothing."""
     if isinstance(fault, FailPoint):
         return fault.hold_s is None
-    return not isinstance(fault, Kill) or fault.target.startswith(("ps", "primary"))
+    return not isinstance(fault, Kill) or any(t.startswith(("ps", "primary")) for t in fault.target.split("+"))
 
 
-def _shard_of(fault: Fault) -> int:
+def _shard_of(fault: Fault | str) -> int:
     """The shard a server crash hits (fail points and kills after a finish hit shard 0)."""
-    if isinstance(fault, Kill):
-        for prefix in ("primary", "ps"):
-            rest = fault.target.removeprefix(prefix)
-            if rest != fault.target:
+    targets = fault.target.split("+") if isinstance(fault, Kill) else [fault] if isinstance(fault, str) else []
+    for target in targets:
+        for prefix in ("primary", "standby", "ps"):
+            rest = target.removeprefix(prefix)
+            if rest != target:
                 return int(rest.split("_")[0] or 0)
     return 0
 
@@ -253,6 +276,7 @@ class _Driver:
         self.workers = [f"worker{i}" for i in range(plan.workers)]
         """Per shard, the children serving it (two each with replicas)."""
         self.shard0 = replicas[0]
+        self.servers = {name for shard in replicas for name in shard}
         self.killed_pids: dict[int, int] = {}
         """Index in ``fired`` -> pid of the process that kill hit."""
         self.deferred = 0
@@ -269,24 +293,16 @@ class _Driver:
         self.worst_unreplicated = max(self.worst_unreplicated, _shard0_max(children, self.shard0, "rpcps_replication_unreplicated_updates"))
         if self.by_version and _server_version(children, self.shard0) >= self.by_version[0].at_version:
             kill = self.by_version.pop(0)
-            primary = kill.target.startswith("primary")
-            target = self._primary(children, _shard_of(kill)) if primary else kill.target
-            if target is None:
+            targets = [self._resolve(children, kill, part) for part in kill.target.split("+")]
+            if None in targets:
                 self.deferred += 1
-                self.by_version.insert(0, kill)  # no in-sync pair right now: try again on the next poll
+                self.by_version.insert(0, kill)  # no in-sync pair (or no such process) right now: try again on the next poll
                 return
-            pid = _pid(children, target)
-            if pid is None or not pid_alive(pid) or self._finished(target):
-                fallback = self._primary(children, _shard_of(kill)) if len(self.shard0) > 1 else "ps"
-                if fallback is None:
-                    self.by_version.insert(0, kill)
-                    return
-                self.notes.append(f"{kill}: {target} was not running; killed {fallback} instead")
-                target = fallback
-            pid = _pid(children, target)
-            if self._signal(children, target, kill.sig):
-                if pid is not None:
-                    self.killed_pids[len(self.fired)] = pid
+            pids = [_pid(children, target) for target in targets if target is not None]
+            if all(self._signal(children, target, kill.sig) for target in targets if target is not None):
+                server_pids = [pid for pid, target in zip(pids, targets) if target in self.servers and pid is not None]
+                if server_pids:
+                    self.killed_pids[len(self.fired)] = server_pids[0]
                 self.fired.append((kill, time.time()))
             else:
                 self.by_version.insert(0, kill)  # the server is restarting: try again on the next poll
@@ -298,13 +314,37 @@ class _Driver:
                 self.after_finish.remove(kill)
                 self.fired.append((kill, time.time()))
 
+    def _resolve(self, children: dict[str, Any], kill: Kill, part: str) -> str | None:
+        """The child to signal for one ``part`` of ``kill``'s target (None: none fits right now, e.g.
+        it is restarting). A worker that already finished is replaced by the shard's primary (or
+        'ps'), so every planned crash hurts something."""
+        shard = _shard_of(part)
+        if part.startswith(("primary", "standby")):
+            pair = self._pair(children, shard)
+            return None if pair is None else pair[0 if part.startswith("primary") else 1]
+        if not self._finished(part):
+            pid = _pid(children, part)
+            return part if pid is not None and pid_alive(pid) else None  # restarting: wait for it
+        fallback = self._primary(children, shard) if len(self.shard0) > 1 else "ps"
+        if fallback is not None:
+            self.notes.append(f"{kill}: {part} was not running; killed {fallback} instead")
+        return fallback
+
     def _primary(self, children: dict[str, Any], shard: int) -> str | None:
         """The shard's serving replica, when it has an in-sync standby; else None."""
+        pair = self._pair(children, shard)
+        return None if pair is None else pair[0]
+
+    def _pair(self, children: dict[str, Any], shard: int) -> tuple[str, str] | None:
+        """(the shard's serving replica, its in-sync standby), when it has one; else None."""
         for name in self.replicas[shard]:
             port = children.get(name, {}).get("metrics_port")
             metrics = try_scrape(port) if port is not None else {}
             if metrics.get("rpcps_replica_role") == 2:
-                return name if metrics.get("rpcps_replica_standby_in_sync") == 1 else None
+                if metrics.get("rpcps_replica_standby_in_sync") != 1:
+                    return None
+                others = [other for other in self.replicas[shard] if other != name]
+                return (name, others[0]) if others else None
         return None
 
     def _finished(self, worker: str) -> float | None:

@@ -192,6 +192,17 @@ class Registered(WireRecord):
 
 
 @dataclass(frozen=True)
+class Removed(WireRecord):
+    """A worker's registration ended (it left, or the server found its process gone or silent past its
+    lease): what that incarnation sends from now on is refused, by a standby that takes over too."""
+
+    index: int
+    epoch: int
+    slot: int
+    incarnation: str
+
+
+@dataclass(frozen=True)
 class Control(WireRecord):
     """Serving state changed by the control plane: 'pause' or 'resume'."""
 
@@ -200,7 +211,7 @@ class Control(WireRecord):
     action: str
 
 
-LogEntry = Update | Mark | Registered | Control
+LogEntry = Update | Mark | Registered | Removed | Control
 """Everything that changes a shard's replicated state, in the order both replicas apply it."""
 
 

@@ -5,6 +5,7 @@
     python tools/chaos.py --kills 8 --seeds 20 --seed 100   # 20 seeds in a row (100..119)
     python tools/chaos.py --kill ps@300 --kill worker1@700   # chosen ones
     python tools/chaos.py --replicas 2 --kills 10 --pace-s 0.04 --steps 1600   # failovers of a hot standby
+    python tools/chaos.py --every-role 3 --pairs 3 --pace-s 0.05 --steps 3000 --no-baseline   # every role, pairs too
 
 Runs an undisturbed baseline first (unless --no-baseline) and compares final losses. Prints each
 seed's plan and outcome; exit status 0 when every check of docs/FAULT_TOLERANCE.md held for every seed.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.faults import ChaosPlan, ChaosResult, Kill, run_chaos
+from harness.faults import EVALUATOR_ARGS, ChaosPlan, ChaosResult, Kill, run_chaos
 
 
 def main() -> int:
@@ -40,6 +41,10 @@ def main() -> int:
                    help="with --replicas 2: asynchronous replication with this lag bound (default: synchronous)")
     p.add_argument("--model", default=None, help="a model other than the built-in task (e.g. rpcps.tasks:mlp_5m)")
     p.add_argument("--data", default=None, help="its data (e.g. rpcps.tasks:mlp_5m_data); --pace-s paces the built-in task only")
+    p.add_argument("--every-role", type=int, default=0, metavar="ROUNDS",
+                   help="kill every role ROUNDS times in random order: each worker, the primary, the standby, the "
+                   "coordinator and an evaluator (implies --replicas 2 and starts the evaluator)")
+    p.add_argument("--pairs", type=int, default=0, help="with --every-role: also kill the primary and the coordinator at once, N times")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--run-dir", type=Path, default=None)
     args = p.parse_args()
@@ -52,13 +57,18 @@ def main() -> int:
     common = {"workers": args.workers, "steps": args.steps, "checkpoint_every_updates": args.checkpoint_every_updates,
               "replicas": args.replicas, "extra_args": extra, "timeout_s": max(240.0, 4.0 * args.steps * (args.pace_s or 0.0)),
               "max_replica_lag": args.max_replica_lag}
+    if args.every_role:
+        common["replicas"] = 2
+        common["extra_args"] = (*extra, *EVALUATOR_ARGS)
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="rpcps-chaos-"))
     baseline_loss = None
     if not args.no_baseline:
         base = run_chaos(ChaosPlan(**common), root / "baseline")
         baseline_loss = base.summary.get("final_loss")
         print(f"baseline: exit {base.exit_code}, final loss {baseline_loss}", flush=True)
-    if args.kill:
+    if args.every_role:
+        plans = {seed: ChaosPlan.every_role(args.every_role, args.pairs, seed, **common) for seed in range(args.seed, args.seed + args.seeds)}
+    elif args.kill:
         kills = tuple(Kill(target, int(version)) for target, _, version in (spec.partition("@") for spec in args.kill))
         plans = {args.seed: ChaosPlan(kills=kills, **common)}
     else:

@@ -7,7 +7,9 @@ parameters bit-identical and is counted by reason; a refused or skipped step is 
 processed through the log (a ``Mark``), so a standby knows it too.
 
 Registrations go through the log as well (``Registered``, with the incarnation drawn here), so a
-standby that takes over knows every worker's incarnation and the workers need not register again.
+standby that takes over knows every worker's incarnation and the workers need not register again;
+so do removals (``Removed``: a worker left, or the reaper or the janitor found it dead), so a
+standby that takes over refuses a removed incarnation as its primary did.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from rpcps.messages import (
     Registered,
     Registration,
     RegistrationProof,
+    Removed,
 )
 from rpcps.signature import ModelSignature
 from rpcps.sparse.spec import SparsePull
@@ -309,9 +312,9 @@ class WorkerService:
     def leave(self, slot: int, incarnation: str) -> None:
         with self.server.lock:
             record = self.server.workers.get(slot, incarnation)
-            record.left = True
-            self.mode.drop_locked(slot)
+            applied = self._remove_locked(record, "left")
             self.server.workers.retired_rpc_names.append(record.rpc_name)
+        answer(applied)
         logger.info("worker slot %d (%s) left", slot, peer_text(record.rpc_name))
 
     # ---- the roster (what the membership reaper sees) ----------------------------------------------
@@ -341,20 +344,35 @@ class WorkerService:
 
     def member_gone(self, rpc_name: str) -> None:
         """The group janitor removed RPC member ``rpc_name``: if it is a registered worker, its slot is dead."""
+        applied = []
         with self.server.lock:
-            for record in self.server.workers.records.values():
+            for record in list(self.server.workers.records.values()):
                 if record.rpc_name == rpc_name and not record.left:
-                    record.live = False
-                    record.left = True
-                    self.mode.drop_locked(record.slot)
+                    applied += self._remove_locked(record, "gone")
+        answer(applied)
 
     def mark_dead(self, slot: int, incarnation: str) -> None:
+        applied = []
         with self.server.lock:
             record = self._current(slot, incarnation)
-            if record is not None:
-                record.live = False
-                record.left = True
-                self.mode.drop_locked(slot)
+            if record is not None and not record.left:
+                applied = self._remove_locked(record, "dead")
+        answer(applied)
+
+    def _remove_locked(self, record: WorkerRecord, why: str) -> list[tuple[Future, object]]:
+        """Under the lock: ends ``record``'s registration here at once (nothing it sends from now on
+        counts) and, on the primary, through the log, so a standby that takes over refuses it too.
+        A process that does not serve leaves it to its primary's log: its own reaper or janitor must
+        not end a registration its primary still holds. Returns what to answer after the lock."""
+        server = self.server
+        if server.mirroring or server.deposed:
+            return []
+        server.workers.remove(record.slot, record.incarnation)
+        self.mode.drop_locked(record.slot)
+        slot, incarnation = record.slot, record.incarnation
+        server.sequence_locked(lambda index, epoch: Removed(index, epoch, slot, incarnation))
+        self.metrics.workers_removed.labels(why).inc()
+        return server.apply_committed_locked()
 
     # ---- the run summary ---------------------------------------------------------------------------
 

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 PING_FAILURES = ("unreachable", "unknown", "timeout", "error")
 """How a ping failed (a metric label; ``ps.lifecycle.reaper`` sorts them): the process is gone, this
 agent does not know the name, no answer in time, anything else."""
+REMOVALS = ("left", "dead", "gone")
+"""Why a worker's registration ended (a metric label): it said it left, the reaper found it dead or
+hung past its lease, the group's janitor dropped its process."""
 REGISTRATION_REFUSALS = ("no_proof", "unknown_challenge", "bad_proof")
 """Why a registration was refused (a metric label; ``ps.api.registration_auth`` refuses them)."""
 
@@ -88,6 +91,10 @@ class ServerMetrics:
         self.registrations = Counter("rpcps_server_worker_registrations", "Worker registrations (joins and rejoins).", registry=r)
         self.workers_reaped = Counter(
             "rpcps_server_workers_reaped", "Worker processes found dead and removed from the RPC group.", registry=r
+        )
+        self.workers_removed = _labelled_counter(
+            r, "rpcps_server_workers_removed", "Worker registrations this server ended (as primary), by why; replicated to its standby.",
+            "why", REMOVALS,
         )
         self.reaper_ping_failures = _labelled_counter(
             r, "rpcps_server_reaper_ping_failures", "Liveness pings of registered workers and the store's host that failed, by kind.",

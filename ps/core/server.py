@@ -47,7 +47,7 @@ from ps.sparse.store import CheckedPush, SparseStore
 from ps.sparse.table import ClosedFull
 from rpcps import threads
 from rpcps.errors import NotPrimary
-from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Update
+from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Removed, Update
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, named_state, persistent_buffers
 from rpcps.sparse.spec import declared_tables
@@ -255,6 +255,8 @@ class ParameterServer:
             self.workers.records[entry.slot].tracker.mark(entry.seq)
         elif isinstance(entry, Registered):
             self.workers.register(entry.slot, entry.rpc_name, entry.incarnation)
+        elif isinstance(entry, Removed):
+            self.workers.remove(entry.slot, entry.incarnation)  # the primary removed it when it sequenced this
         elif isinstance(entry, Control):
             (self._running.clear if entry.action == "pause" else self._running.set)()
             self.metrics.paused.set(1 if entry.action == "pause" else 0)
@@ -361,10 +363,11 @@ class ParameterServer:
         """Under the lock: the applied state as a new standby must start from it, exactly.
 
         Beyond a snapshot on disk: every registration (a standby that takes over must know the
-        workers' incarnations), the pause state, and the log index the state corresponds to.
+        workers' incarnations) and every removed one (it must refuse them as this primary does), the pause state, and the log index the state corresponds to.
         """
         _, state = self.capture_state_locked()
         state["registrations"] = {str(slot): [r.rpc_name, r.incarnation] for slot, r in self.workers.records.items() if not r.left}
+        state["removed"] = {str(slot): [r.rpc_name, r.incarnation] for slot, r in self.workers.records.items() if r.left and r.incarnation}
         state["paused"] = self.paused
         state["log_index"] = self.log.applied_index
         return state
@@ -385,7 +388,8 @@ class ParameterServer:
                 self.schedule.load_state_dict(state["schedule"])
             self.version = int(state["version"])
             self.epoch = max(self.epoch, int(state.get("epoch", 0)))
-            self.workers.restore({int(k): SequenceTracker.from_state(v) for k, v in state["workers"].items()})
+            removed = {int(slot): (name, incarnation) for slot, (name, incarnation) in state.get("removed", {}).items()}
+            self.workers.restore({int(k): SequenceTracker.from_state(v) for k, v in state["workers"].items()}, removed)
             for slot, (rpc_name, incarnation) in state.get("registrations", {}).items():
                 self.workers.register(int(slot), rpc_name, incarnation)
             (self._running.clear if state.get("paused") else self._running.set)()

@@ -66,10 +66,24 @@ class WorkerTable:
         self.records[slot] = record
         return record
 
-    def restore(self, progress: dict[int, SequenceTracker]) -> None:
-        """Recreates slots from a snapshot: progress only; each slot is absent until it registers again."""
+    def remove(self, slot: int, incarnation: str) -> WorkerRecord | None:
+        """Ends registration ``incarnation`` of ``slot``; returns its record, or None when that
+        registration is not current (replaced, or removed already)."""
+        record = self.records.get(slot)
+        if record is None or record.incarnation != incarnation or record.left:
+            return None
+        record.live = False
+        record.left = True
+        return record
+
+    def restore(self, progress: dict[int, SequenceTracker], removed: dict[int, tuple[str, str]] | None = None) -> None:
+        """Recreates slots from a snapshot: progress only; each slot is absent until it registers again.
+        ``removed``: slot -> (rpc name, incarnation) of registrations that ended (a primary's state
+        transfer), kept so that incarnation is told it was removed rather than replaced."""
+        removed = removed or {}
         self.records = {
-            slot: WorkerRecord(slot=slot, rpc_name="", incarnation="", tracker=tracker, live=False, left=True)
+            slot: WorkerRecord(slot=slot, rpc_name=removed.get(slot, ("", ""))[0], incarnation=removed.get(slot, ("", ""))[1],
+                               tracker=tracker, live=False, left=True)
             for slot, tracker in progress.items()
         }
 

@@ -2,7 +2,7 @@
 worker never would, then prints what happened as one JSON line on stdout.
 
 Runs in its own process (torch RPC allows one agent per process):
-    python tests/integration/rpc_client.py HOST:PORT bad_pushes
+    python tests/integration/rpc_client.py HOST:PORT bad_pushes|removed_then_failover
 The server must run plain SGD with lr=1 and the built-in model, so a zero gradient leaves the
 parameters bit-identical while still producing a new version (and a fresh snapshot to pull).
 """
@@ -71,7 +71,22 @@ def bad_pushes(client: ServerClient, name: str) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"bad_pushes": bad_pushes}
+def removed_then_failover(client: ServerClient, name: str) -> dict[str, Any]:
+    """Registers on slot 2 and pushes step 0, says so on stdout, then (the test freezes this process
+    until its primary removed it and a standby took over) pushes step 1 to the new primary with the
+    removed incarnation."""
+    signature = ModelSignature.of_module(plugins.load_model(plugins.BUILTIN_MODEL))
+    reg = client.register(2, name, signature.to_wire())
+    layout = FlatLayout(signature, reg.chunk_bytes)
+    zeros = [torch.zeros(n) for n in layout.chunk_numels]
+    first = _attempt(lambda: result(client.push(2, reg.incarnation, 0, reg.version, zeros, 1.0)))
+    print(json.dumps({"registered": reg.incarnation, "epoch": client.view.epoch}), flush=True)
+    successor = ServerClient(20.0, wait_s=120.0, newer_than=client.view.epoch)
+    after = _attempt(lambda: result(successor.push(2, reg.incarnation, 1, reg.version, zeros, 1.0)))
+    return {"first_push": first, "after_failover": after, "epoch": successor.view.epoch}
+
+
+SCENARIOS = {"bad_pushes": bad_pushes, "removed_then_failover": removed_then_failover}
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""Longer chaos runs: random crashes of servers and workers (marked slow; CI runs them separately).
+"""Longer chaos runs: random crashes of servers and workers, and a soak that kills every role (marked
+slow; CI runs them separately).
 
 Each CI run draws fresh seeds, so the suite keeps looking where bugs hide instead of replaying the
 same plans; the seeds are in the test ids and printed, so a failure can be replayed with
@@ -14,11 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from harness.faults import ChaosPlan, Kill, run_chaos
+from harness.faults import EVALUATOR_ARGS, ChaosPlan, Kill, run_chaos
+from tests.integration.paced_data import INTERVAL_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SEEDS_ENV = "RPCPS_CHAOS_SEEDS"
+PACED = ("--data", "tests.integration.paced_data:paced_data")
+SOAK_PACE_S = "0.04"
+SOAK_STEPS = 3000
+"""At 25 steps/s per worker the soak trains for 2 minutes undisturbed; its 21 kills, each waiting for
+the shard to have its standby back in sync (or its target to be back), stretch it; the run's own
+limit (540 s) keeps it within the slow pass's 10 minutes."""
 
 
 def _seeds(count: int) -> list[int]:
@@ -48,3 +56,25 @@ def test_random_crashes_with_two_shards(tmp_path: Path) -> None:
     print(f"chaos seed {seed} (two shards): {[str(k) for k in plan.kills]}")
     result = run_chaos(plan, tmp_path / "run")
     assert result.problems(plan) == [], f"seed {seed}\n" + (tmp_path / "run" / "local.log").read_text()[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_every_role_killed_three_times_and_in_pairs_loses_nothing_and_applies_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak: ``local --replicas 2`` with an evaluator; each worker, the primary, the standby, the
+    coordinator and the evaluator killed 3 times, and the primary with the coordinator at once 3
+    times, in an order drawn from the seed. Every planned kill fires; the ledger holds one history
+    (no version twice, no (slot, step) twice) and the final version is workers x steps."""
+    seed = _seeds(1)[0]
+    monkeypatch.setenv(INTERVAL_ENV, SOAK_PACE_S)
+    plan = ChaosPlan.every_role(3, 3, seed, workers=2, steps=SOAK_STEPS, extra_args=(*PACED, *EVALUATOR_ARGS), timeout_s=540)
+    print(f"chaos seed {seed} (every role): {[str(k) for k in plan.kills]}")
+    result = run_chaos(plan, tmp_path / "run")
+    problems = result.problems(plan)
+    fired = [str(k) for k, _ in result.fired]
+    print(f"seed {seed}: fired {fired}; recovery after server kills {[round(r, 3) for r in result.recovery_s]}; notes {result.notes}")
+    assert problems == [], f"seed {seed} (replay: {SEEDS_ENV}={seed}): {problems}\n" + (tmp_path / "run" / "local.log").read_text()[-3000:]
+    assert not [n for n in result.notes if "was not running" in n], result.notes  # every kill hit its role
+    for role in ("worker0", "worker1", "primary", "standby", "store", "evaluator"):
+        assert sum(role in k.split("+") for k in fired) >= 3, (role, fired)

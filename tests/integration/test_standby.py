@@ -41,10 +41,12 @@ def _scrape(port: int, key: str) -> float:
     return try_scrape(port).get(key, -1)
 
 
-def _start_pair(procs: ProcessGroup, tmp_path: Path, *extra: str, control: str | None = None) -> tuple[int, list[tuple[Proc, int]]]:
+def _start_pair(
+    procs: ProcessGroup, tmp_path: Path, *extra: str, control: str | None = None, store_lease_s: float = 3.0
+) -> tuple[int, list[tuple[Proc, int]]]:
     """A coordinator and two replicas of shard 0, the second in the view as standby. Returns (store
     port, [(process, metrics port)] primary first). ``control``: the primary's control-plane address."""
-    _store, port, _ = procs.store("store", "--lease-s", "3")
+    _store, port, _ = procs.store("store", "--lease-s", str(store_lease_s))
     common = ("--store", f"127.0.0.1:{port}", "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"),
               "--digest-every", "10", *extra)
     own = ("--control-port", control.rsplit(":", 1)[1]) if control is not None else ()
@@ -103,6 +105,40 @@ def test_kill_9_of_the_primary_loses_nothing_and_applies_nothing_twice(procs: Pr
     recovery = recovery_after(report, killed_at, a.pid)
     assert recovery is not None
     print(f"kill -> next applied update: {recovery:.3f}s")
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_the_primary_removed_stays_removed_after_a_failover(
+    procs: ProcessGroup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The removal is replicated: a hand-driven worker on slot 2 is frozen until the primary's reaper
+    removes it (silent past --lease-s 2); kill -9 of the primary; once thawed, the same incarnation
+    is refused by the new primary with WorkerRemoved, and the two real workers' history is exact.
+    (The coordinator's own lease is long, so the frozen member stays in the RPC group.)"""
+    monkeypatch.setenv(INTERVAL_ENV, "0.02")
+    port, [(a, ma), (b, mb)] = _start_pair(procs, tmp_path, "--lease-s", "2", store_lease_s=120.0)
+    workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "600", *PACED)[0] for i in range(2)]
+    client = procs.start("removed", [str(REPO / "tests/integration/rpc_client.py"), f"127.0.0.1:{port}", "removed_then_failover"],
+                         script=None)
+    wait_until(lambda: "registered" in client.stdout() or not client.alive(), 60, "the hand-driven worker to register")
+    client.freeze()
+    removed = 'rpcps_server_workers_removed_total{why="dead"}'
+    wait_until(lambda: _scrape(ma, removed) >= 1, 30, "the primary's reaper to remove the frozen worker")
+    a.kill()
+    wait_until(lambda: _scrape(mb, "rpcps_replica_role") == 2, 30, "the standby to take over")
+    client.thaw()
+    assert client.wait(120) == 0, client.tail()
+    outcome = json.loads(client.stdout().splitlines()[-1])
+    assert outcome["first_push"]["raised"] == "", outcome
+    assert outcome["epoch"] == 2 and outcome["after_failover"]["raised"] == "WorkerRemoved", outcome
+    assert "was removed from this server; register again" in outcome["after_failover"]["message"]
+    assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
+    assert _scrape(mb, "rpcps_server_model_version") == 1201  # 2 x 600 steps, and the removed worker's step 0 once
+    b.send(15)
+    b.wait(60)
+    report = check_ledger(tmp_path / "audit.log")
+    assert report.problems == [], report.problems[:5]
+    assert report.final_version == 1201
 
 
 @pytest.mark.slow  # a fault run of 20-25 s on 2 cores: CI runs it in its slow pass

@@ -12,6 +12,7 @@ import torch
 from harness.inprocess import assert_bit_identical, make_server, pack
 from ps.core.optim import OptimizerConfig
 from ps.core.server import ParameterServer
+from ps.core.update_log import Sequenced
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1})
@@ -150,6 +151,56 @@ def test_a_reaped_worker_is_refused_until_it_registers_again(server: ParameterSe
     assert_bit_identical(before, server.master_tensors())
     new = _register(server, 0)
     assert server.push(0, new, 1, 1, _good_chunks(server)).status == "applied" and server.version == 2
+
+
+def _follower_of(primary: ParameterServer) -> ParameterServer:
+    """A second server started from ``primary``'s state transfer, as a standby is."""
+    follower = make_server(SGD)[0]
+    with primary.lock:
+        state = primary.capture_replica_state_locked()
+    follower.restore_state(state)
+    return follower
+
+
+@pytest.mark.parametrize("how", ["reaper", "janitor", "leave"])
+def test_a_removal_goes_through_the_log_so_a_successor_refuses_the_removed_worker(server: ParameterServer, how: str) -> None:
+    """The removal is a log entry: a standby that applied it (and took over) refuses the removed
+    incarnation as its primary did, and counts nothing from it; the other worker goes on."""
+    server.log.retain_from = 1  # as with a follower attached: the entries stay readable
+    follower = _follower_of(server)
+    old, other = _register(server, 0), _register(server, 1)
+    assert server.push(0, old, 0, 0, _good_chunks(server)).status == "applied"
+    {"reaper": lambda: server.mark_dead(0, old), "janitor": lambda: server.member_gone("worker0_r1"),
+     "leave": lambda: server.leave(0, old)}[how]()
+    follower.core.mirroring = True
+    for sequenced in server.log.entries_from(1, 1 << 30):
+        follower.log.append(Sequenced(sequenced.entry))
+    with follower.lock:
+        follower.apply_committed_locked()
+    follower.core.mirroring = False  # it took over
+    assert follower.version == 1
+    with pytest.raises(WorkerRemoved, match="worker slot 0 .* was removed from this server; register again"):
+        follower.push(0, old, 1, 1, _good_chunks(follower))
+    assert follower.push(1, other, 0, 1, _good_chunks(follower)).status == "applied" and follower.version == 2
+    assert server.metrics.workers_removed.labels({"reaper": "dead", "janitor": "gone", "leave": "left"}[how])._value.get() == 1
+
+
+def test_a_state_transfer_carries_removed_registrations(server: ParameterServer) -> None:
+    old = _register(server, 0)
+    server.mark_dead(0, old)
+    successor = _follower_of(server)
+    with pytest.raises(WorkerRemoved, match="worker slot 0 .* was removed from this server"):
+        successor.push(0, old, 0, 0, _good_chunks(successor))
+    assert successor.push(0, _register(successor, 0), 0, 0, _good_chunks(successor)).status == "applied"
+
+
+def test_a_process_that_does_not_serve_leaves_removals_to_its_primary_s_log(server: ParameterServer) -> None:
+    """A standby's own reaper must not end a registration its primary still holds."""
+    old = _register(server, 0)
+    server.core.mirroring = True
+    server.mark_dead(0, old)
+    server.core.mirroring = False
+    assert server.push(0, old, 0, 0, _good_chunks(server)).status == "applied"
 
 
 def test_registration_outside_the_slot_range_says_which_flag_to_change() -> None:
