@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="served parameters moved AHEAD Adam steps ahead (no value: the delay; Adam only)")
     p.add_argument("--warmup", type=int, default=0, help="the first W steps use fresh gradients")
     p.add_argument("--beta1", type=float, help="Adam's beta1 (default: torch's 0.9)")
+    p.add_argument("--lr", type=float, help="default: the example's RECIPE")
     a = p.parse_args(argv)
     if a.delay < 0:
         p.error("--delay must be >= 0")
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_at = {int(s) for s in a.eval_at.split(",") if s}
     model, stale = example.model(seed=a.seed), example.model(seed=a.seed)
     loss_fn = plugins.load_loss(recipe.loss)
-    kwargs: dict = {"lr": recipe.lr}
+    lr = a.lr or recipe.lr
+    kwargs: dict = {"lr": lr}
     if a.beta1 is not None:
         kwargs["betas"] = (a.beta1, 0.999)
     optimizer, _ = build_optimizer(OptimizerConfig(name=recipe.optimizer, kwargs=kwargs), list(model.parameters()))
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             before = [p_.detach().clone() for p_ in params] if a.gap_aware else []
             scale = staleness.lr_scale(tau) if a.lr_scale else 1.0
             for group in optimizer.param_groups:
-                group["lr"] = recipe.lr * scale
+                group["lr"] = lr * scale
             optimizer.step()
             for rms, b, p_ in zip(step_rms, before, params):
                 rms.record(b, p_)
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             scores[str(t + 1)] = example.evaluate(model)
     scores[str(steps)] = example.evaluate(model)
     report = {"example": a.example, "delay": a.delay, "steps": steps, "seed": a.seed, "optimizer": recipe.optimizer,
-              "lr": recipe.lr, "lr_scale": a.lr_scale, "dc_lambda": a.dc_lambda, "gap_aware": a.gap_aware,
+              "lr": lr, "lr_scale": a.lr_scale, "dc_lambda": a.dc_lambda, "gap_aware": a.gap_aware,
               "predict": ahead, "warmup": a.warmup, "beta1": a.beta1, "train_s": round(train_s, 2),
               "held_out": scores[str(steps)], "held_out_at": scores}
     emit_json(report)

@@ -112,8 +112,31 @@ def predict(params: torch.Tensor, adam: AdamView | None, ahead: float) -> torch.
 
     A new tensor; ``params`` itself is not changed. Before Adam's first step (no moments), a copy.
     """
+    out = torch.empty_like(params)
+    predict_into(out, params, adam, ahead, torch.empty_like(params))
+    return out
+
+
+def predict_into(out: torch.Tensor, params: torch.Tensor, adam: AdamView | None, ahead: float, scratch: torch.Tensor) -> None:
+    """``predict`` written into ``out`` (``scratch``: a tensor like ``params`` it may overwrite), so a
+    caller that predicts every version allocates nothing."""
+    out.copy_(params)
     if adam is None or adam.step == 0 or ahead == 0:
-        return params.clone()
+        return
     t = adam.step
-    denom = (adam.exp_avg_sq.sqrt() / math.sqrt(1 - adam.beta2**t)).add_(adam.eps)
-    return torch.addcdiv(params, adam.exp_avg, denom, value=-ahead * adam.lr / (1 - adam.beta1**t))
+    torch.sqrt(adam.exp_avg_sq, out=scratch)
+    scratch.div_(math.sqrt(1 - adam.beta2**t)).add_(adam.eps)
+    out.addcdiv_(adam.exp_avg, scratch, value=-ahead * adam.lr / (1 - adam.beta1**t))
+
+
+class StalenessMean:
+    """A running mean of the staleness of applied pushes (exponential, weight ``alpha`` on the newest):
+    how far ahead a prediction should look. A function of the applied updates alone, so it is the same
+    on every replica that applied the same log."""
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.value = 0.0
+
+    def record(self, tau: int) -> None:
+        self.value += self.alpha * (tau - self.value)

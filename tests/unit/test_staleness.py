@@ -83,3 +83,21 @@ def test_predict_without_moments_is_a_copy() -> None:
     params = _t(1, 2)
     out = staleness.predict(params, None, ahead=2)
     assert out.tolist() == [1, 2] and out is not params
+
+
+def test_predict_into_gives_predicts_bits_and_uses_the_scratch() -> None:
+    torch.manual_seed(1)
+    params, m, v = torch.randn(7), torch.randn(7) * 0.01, torch.rand(7) * 1e-4
+    adam = AdamView(m, v, step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    out, scratch = torch.empty(7), torch.empty(7)
+    staleness.predict_into(out, params, adam, 1.5, scratch)
+    assert torch.equal(out, staleness.predict(params, adam, 1.5))
+    assert not torch.equal(out, params)
+
+
+def test_staleness_mean_moves_a_tenth_of_the_way() -> None:
+    mean = staleness.StalenessMean(alpha=0.1)
+    mean.record(2)
+    assert mean.value == pytest.approx(0.2)
+    mean.record(2)
+    assert mean.value == pytest.approx(0.2 + 0.1 * 1.8)
