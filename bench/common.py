@@ -279,7 +279,7 @@ def run_ranks(argv: list[str], ranks: int, timeout_s: float = 900) -> dict[str, 
 
 
 def print_table(columns: list[str], rows: list[list[str]]) -> str:
-    """Prints a Markdown table (pasted into docs/BENCHMARKS.md as is) and returns it."""
+    """Prints a Markdown table (pasted into docs/benchmarks-log.md as is) and returns it."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     text = "\n".join(lines)

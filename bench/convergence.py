@@ -14,7 +14,7 @@ For an example and a budget of ``--batches`` training batches (the example's bat
   of K batches each (the same global batch as K sync workers).
 - **rpcps**: a real ``rpcps local`` run per mode and worker count K, each worker ``--batches / K``
   steps, the example's optimizer recipe on the server, a final checkpoint; the trained model is
-  exported from it (``ps.export``), buffers included, and scored on the held-out set.
+  exported from it (``ps.checkpoints.export``), buffers included, and scored on the held-out set.
   ``bounded`` uses ``--max-staleness K``.
 
 ``--seeds`` runs every row once per seed: the model's initialisation and the data order both come
@@ -44,7 +44,7 @@ from typing import Any
 
 from bench.common import child_env, emit_json
 from bench.reference_train import RunConfig, train
-from ps.export import read_checkpoint
+from ps.checkpoints.export import read_checkpoint
 from rpcps import examples
 
 REPO = Path(__file__).resolve().parents[1]

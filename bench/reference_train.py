@@ -14,7 +14,7 @@ forward/backward each, as that many sync workers would; BatchNorm sees each batc
 with K workers of N steps each, "equal samples seen" is ``--streams K --steps K*N`` for async and
 ``--streams K --batches-per-step K --steps N`` for sync.
 
-The optimizer is built by the server's own ps.optim.build_optimizer, from the same names and
+The optimizer is built by the server's own ps.core.optim.build_optimizer, from the same names and
 arguments the server's ``--optimizer`` and ``--optimizer-args`` take. Threads are left at torch's
 defaults (the figures measure the defaults); the JSON records how many there were.
 
@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from bench.common import emit_json
-from ps.config import OptimizerConfig
-from ps.optim import OPTIMIZERS, build_optimizer
+from ps.core.optim import OPTIMIZERS, OptimizerConfig, build_optimizer
 from rpcps import examples, plugins
 from rpcps.examples.stream import Batch
 
@@ -50,7 +49,7 @@ class RunConfig:
     steps: int
     """Optimizer steps, >= 1."""
     optimizer: str
-    """One of ps.optim.OPTIMIZERS."""
+    """One of ps.core.optim.OPTIMIZERS."""
     lr: float
     optimizer_args: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments for the optimizer (momentum, betas...); ``lr`` comes from ``lr``."""

@@ -38,15 +38,16 @@ from torch import nn
 from bench.common import run_in_scratch
 from bench.sparse_core import Zipf
 from harness.inprocess import InProcessServer, pack
-from ps.checkpointer import Checkpointer
-from ps.config import CheckpointConfig, ServerCoreConfig, SparseConfig
-from ps.snapshot_files import list_snapshots, peek_manifest
-from ps.sparse_checkpoint import SPARSE_FILE, read_layouts
-from ps.sparse_store import SparseStore
+from ps.checkpoints.checkpointer import Checkpointer
+from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
+from ps.checkpoints.sparse_checkpoint import SPARSE_FILE, read_layouts
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
+from ps.sparse.store import SparseConfig, SparseStore
 from rpcps.messages import PushStatus
+from rpcps.sparse.embedding import SparseEmbeddingBagCollection
 from rpcps.sparse.hashing import derive_key, keyed_hash
 from rpcps.sparse.spec import TableSpec
-from worker.sparse_embedding import SparseEmbeddingBagCollection
 
 TABLE = "t"
 

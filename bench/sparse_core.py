@@ -17,7 +17,7 @@ What it measures, in this order, on one table (dim 16, row-wise Adagrad by defau
    (all of it under the table lock, so it is the training pause) and size against touched x
    (id + row) bytes.
 4. Full snapshot into memory: bytes/s, and the longest single lock hold during it.
-5. With ``--write-dir``: the full written to disk with ps/snapshot_files.py (torch.save, fsync,
+5. With ``--write-dir``: the full written to disk with ps/checkpoints/snapshot_files.py (torch.save, fsync,
    SHA-256 manifest, rename) and read back verified with weights_only=True, in MB/s.
 6. Raw IdIndex.insert speed on a fresh index.
 
@@ -43,13 +43,12 @@ from typing import Any
 import torch
 
 from bench.common import proc_memory_kb
-from ps.config import SparseConfig
-from ps.snapshot_files import load_snapshot, write_snapshot
+from ps.checkpoints.snapshot_files import load_snapshot, write_snapshot
 from ps.sparse.checkpoint import payload_nbytes
 from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
+from ps.sparse.store import SparseConfig, SparseStore
 from ps.sparse.table import SparseTable, TableConfig
-from ps.sparse_store import SparseStore
 from rpcps.memory import Trimmer, start_trimming, tune_malloc
 from rpcps.process import ProcessOptions
 from rpcps.sparse.hashing import derive_key, keyed_hash
@@ -144,7 +143,7 @@ Pull = Callable[[torch.Tensor], object]
 
 def _table(config: TableConfig, via_store: bool) -> tuple[SparseTable, Pull]:
     """A fresh table and the call that pulls its ids: the table itself, or the server's SparseStore
-    (``ps.sparse_store``: the table built from a SparseConfig as the server builds it, pulls through
+    (``ps.sparse.store``: the table built from a SparseConfig as the server builds it, pulls through
     the store's request checks, rows returned in the fp32 wire dtype)."""
     if not via_store:
         table = SparseTable(config)
@@ -186,7 +185,7 @@ def _measure_build(config: TableConfig, rows: int, batch: int, key: int, via_sto
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss2, _ = _rss_kb()
     stats = table.stats()
-    print(f"build{' through ps.sparse_store.SparseStore' if via_store else ''}: {rows} rows in {build_s:.1f} s = "
+    print(f"build{' through ps.sparse.store.SparseStore' if via_store else ''}: {rows} rows in {build_s:.1f} s = "
           f"{rows / build_s / 1e6:.2f} M rows/s (pull of new ids)")
     per_row = {name: (kb - base) * 1024 / rows for name, kb, base in (("rss", rss1, rss0), ("hwm", hwm1, hwm0), ("trim", rss2, rss0))}
     print(
@@ -207,7 +206,7 @@ def main() -> None:
     p.add_argument("--delta-steps", default="10,100", help="comma-separated step counts, one delta after each")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--write-dir", type=Path, help="an empty scratch directory on the disk to measure (removed after)")
-    p.add_argument("--via-store", action="store_true", help="build the table as the server does (ps.sparse_store) and pull through it")
+    p.add_argument("--via-store", action="store_true", help="build the table as the server does (ps.sparse.store) and pull through it")
     p.add_argument("--build-only", action="store_true", help="stop after the build (memory) figures")
     p.add_argument(
         "--malloc-trim-s",

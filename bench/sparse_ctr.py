@@ -5,7 +5,7 @@ and against the design of PyTorch's RPC tutorial for remote embeddings (not a te
     flock /tmp/rpcps-cpu.lock python -m bench.sparse_ctr                 # batch 4096, 2 workers
     flock /tmp/rpcps-cpu.lock python -m bench.sparse_ctr --steps 40 --batch-size 4096 --workers 2
 
-In one run, same model (``worker.ctr`` DLRM: 26 tables of dim 16, bottom/top MLPs), same data
+In one run, same model (``rpcps.examples.ctr`` DLRM: 26 tables of dim 16, bottom/top MLPs), same data
 generator, same batches:
 
 * **rpcps**: ``trainer_entry.py local`` with 1 server and ``--workers`` workers, rows on the server
@@ -40,13 +40,14 @@ from torch import nn
 
 from bench.common import local_argv, print_table, run_local, run_ranks, steady_rate
 from harness.sparse_eval import model_from_snapshot
-from ps.config import DEFAULT_LR, SparseConfig
+from ps.core.optim import DEFAULT_LR
+from ps.sparse.store import SparseConfig
+from rpcps.examples import ctr
 from rpcps.ports import free_ports
-from worker import ctr
 
 
 class DenseHead(nn.Module):
-    """``worker.ctr.DLRM`` without its sparse collection: bottom MLP, dot interaction, top MLP.
+    """``rpcps.examples.ctr.DLRM`` without its sparse collection: bottom MLP, dot interaction, top MLP.
 
     Takes the 26 pooled vectors from wherever the baseline keeps its tables (local nn.EmbeddingBag,
     or the tutorial design's RemoteModules). Built from the same seed as rpcps's model, so every
@@ -133,11 +134,11 @@ def one_process(steps: int, batch: int, workers: int, warmup: int) -> dict[str, 
 
 
 def rpcps(steps: int, batch: int, workers: int, extra: list[str]) -> dict[str, Any]:
-    data = "worker.ctr:ctr_data" if batch == ctr.BATCH else "worker.ctr:ctr_data_small"
+    data = "rpcps.examples.ctr:ctr_data" if batch == ctr.BATCH else "rpcps.examples.ctr:ctr_data_small"
     with tempfile.TemporaryDirectory(prefix="bench-sparse-ctr-") as tmp:
         run_dir = Path(tmp)
-        argv = local_argv(run_dir, model="worker.ctr:dlrm_model", data=data, workers=workers, steps=steps,
-                          extra=["--loss", "worker.ctr:bce_loss", "--checkpoint-dir", str(run_dir / "ckpt"), *extra])
+        argv = local_argv(run_dir, model="rpcps.examples.ctr:dlrm_model", data=data, workers=workers, steps=steps,
+                          extra=["--loss", "rpcps.examples.ctr:bce_loss", "--checkpoint-dir", str(run_dir / "ckpt"), *extra])
         run = run_local(argv, run_dir)
         optimizer = extra[extra.index("--sparse-optimizer") + 1]
         model = model_from_snapshot(run_dir / "ckpt", ctr.dlrm_model, SparseConfig(optimizer=optimizer))

@@ -3,7 +3,7 @@
 1. Builds a checkpoint in ``--dir`` with the server's real checkpointer: one table of ``--rows`` rows
    (dim ``--dim``, the default row-wise Adagrad), a full snapshot, ``--deltas`` more snapshots after
    Zipf pushes (deltas, so the export folds a chain), all with the product's commit protocol.
-2. Exports it in a fresh child process (``ps.export.export_checkpoint``, what ``rpcps export`` runs)
+2. Exports it in a fresh child process (``ps.checkpoints.export.export_checkpoint``, what ``rpcps export`` runs)
    in each ``--format`` (``--repeats`` times, interleaved), and reports: the export's own time and MB/s (bytes written / time), the
    child's peak RSS (VmHWM) against the table's bytes (ids + embeddings: what the export holds),
    and the child's RSS before the export began (interpreter and torch).
@@ -31,14 +31,15 @@ import torch
 from bench.common import child_env, run_in_scratch
 from bench.sparse_checkpoint import TABLE, OneTable, Pusher
 from harness.inprocess import InProcessServer
-from ps.checkpointer import Checkpointer
-from ps.config import CheckpointConfig, ServerCoreConfig
-from ps.snapshot_files import list_snapshots, peek_manifest
+from ps.checkpoints.checkpointer import Checkpointer
+from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
 from rpcps.sparse.hashing import derive_key, keyed_hash
 
 _CHILD = """
 import json, sys, time
-from ps.export import export_checkpoint
+from ps.checkpoints.export import export_checkpoint
 def hwm():
     return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM"))) * 1024
 before = hwm()

@@ -1,6 +1,6 @@
 """Where a CTR step's sparse server time goes, in one process without RPC (not a test).
 
-Builds the server's ``SparseStore`` for the CTR task's 26 tables (``worker.ctr``) and feeds it what a
+Builds the server's ``SparseStore`` for the CTR task's 26 tables (``rpcps.examples.ctr``) and feeds it what a
 server with two workers sees: per step, a pull of one 4096-sample batch's unique ids per table, and a
 push of (seeded random) gradients for exactly the ids of an earlier pull, through ``check_push`` and
 ``apply``, as a worker pushes the unique ids it pulled. The push comes ``--push-lag`` pulls after its
@@ -34,14 +34,13 @@ from typing import Any
 import torch
 
 import ps.sparse.table as table_module
-from ps.config import SPARSE_OPTIMIZERS, SparseConfig
 from ps.sparse.index import IdIndex
+from ps.sparse.store import SPARSE_OPTIMIZERS, SparseConfig, SparseStore
 from ps.sparse.table import SparseTable
-from ps.sparse_store import SparseStore
+from rpcps.examples import ctr
 from rpcps.sparse.hashing import keyed_hash
 from rpcps.sparse.spec import SparsePull
 from rpcps.threads import split_cores, usable_cores
-from worker import ctr
 
 
 @dataclass

@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.common import emit_json
 from bench.sparse_ctr import DENSE_LR, SPARSE_LR, DenseHead, held_out_auc, init_tables, table_rows
-from worker import ctr
+from rpcps.examples import ctr
 
 SERVER = "ps"
 

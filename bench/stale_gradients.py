@@ -6,7 +6,7 @@
 
 Step t computes its gradient on the parameters (and buffers) served at step t - N and applies it to
 the current ones, with the example's recipe (optimizer and learning rate, built by the server's own
-``ps.optim``) and its data order for one worker. That is what an async worker sees when its
+``ps.core.optim``) and its data order for one worker. That is what an async worker sees when its
 gradient is N updates old, without any process, RPC or other worker, so it tells staleness apart
 from everything else rpcps does. ``--delay 0`` is ``bench.reference_train``'s one-process run.
 
@@ -28,8 +28,7 @@ from collections import deque
 import torch
 
 from bench.common import emit_json
-from ps.config import OptimizerConfig
-from ps.optim import build_optimizer
+from ps.core.optim import OptimizerConfig, build_optimizer
 from rpcps import examples, plugins, staleness
 
 

@@ -1,4 +1,4 @@
-"""``rpcps export``: a checkpoint to the model's own ``state_dict`` file (the work is ``ps.export``'s).
+"""``rpcps export``: a checkpoint to the model's own ``state_dict`` file (the work is ``ps.checkpoints.export``'s).
 
     rpcps export --checkpoint DIR --out model.pt [--format auto|torch|safetensors]
     rpcps export --checkpoint DIR --out EXPORT_DIR [--optimizer-state on]     (a model with sparse tables)
@@ -10,7 +10,7 @@ missing a shard, is one line on stderr and exit 2; a failed write exit 1 (``cli.
 from __future__ import annotations
 
 from cli.config import ExportConfig
-from ps.export import export_checkpoint
+from ps.checkpoints.export import export_checkpoint
 
 
 def run_export(config: ExportConfig) -> int:

@@ -29,7 +29,7 @@ from cli import ctl, exits, progress
 from cli.config import LocalConfig, StoreConfig
 from evaluator.config import EvaluatorRunConfig
 from evaluator.scoring import check_model_spec
-from ps.checkpointer import shard_checkpoint_config
+from ps.checkpoints.checkpointer import shard_checkpoint_config
 from ps.config import ServerRunConfig
 from rpcps import plugins
 from rpcps.address import Address

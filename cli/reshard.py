@@ -1,5 +1,5 @@
 """``rpcps reshard``: a stopped job's checkpoint directory rewritten for another --shards (the work is
-``ps.reshard_files``'s).
+``ps.checkpoints.reshard_files``'s).
 
     rpcps reshard --checkpoint-dir DIR --shards N [--sign-checkpoints --job-secret-file PATH]
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cli.config import ReshardConfig
-from ps.reshard_files import reshard_directory
+from ps.checkpoints.reshard_files import reshard_directory
 from rpcps.jobsecret import JobSecret
 
 

@@ -8,8 +8,8 @@ views on /metrics, so an alert can say which shard runs without a standby.
 
 It is protected like every rpcps process (``rpc_policy.protect`` before it serves), demands the
 job secret's proof before it drops a member (``--job-secret-file``), puts back what a stranger
-changed in its store (``ps.store_guard``), and refuses to listen off loopback without
-``--trust-network`` and a job secret (as ``rpcps ps`` does, ``ps.exposure``).
+changed in its store (``ps.lifecycle.store_guard``), and refuses to listen off loopback without
+``--trust-network`` and a job secret (as ``rpcps ps`` does, ``ps.lifecycle.exposure``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cli.config import StoreConfig
-from ps.exposure import TP_IFNAME, Exposed
-from ps.store_guard import StoreGuard
+from ps.lifecycle.exposure import TP_IFNAME, Exposed
+from ps.lifecycle.store_guard import StoreGuard
 from rpcps import memory, rpc_policy, signals, threads, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.metrics_http import build_info, serve_metrics

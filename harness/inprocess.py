@@ -7,10 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ps.config import OptimizerConfig, ServerCoreConfig
-from ps.metrics import ServerStats
-from ps.server import ParameterServer
-from ps.service import WorkerService
+from ps.api.service import WorkerService
+from ps.core.config import ServerCoreConfig
+from ps.core.metrics import ServerStats
+from ps.core.optim import OptimizerConfig
+from ps.core.server import ParameterServer
 from rpcps.signature import FlatLayout
 
 # 1 KiB chunks (256 floats) split this model over several chunks, so every test also checks that

@@ -1,4 +1,4 @@
-"""Replays a shard's audit ledger (``ps.audit``), written by every server process of the shard, and
+"""Replays a shard's audit ledger (``ps.checkpoints.audit``), written by every server process of the shard, and
 checks the promises of docs/FAULT_TOLERANCE.md:
 
 - the primaries' history is one line: each update V follows V-1 (across a failover too: a promoted

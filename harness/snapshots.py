@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ps.snapshot_files import InvalidSnapshot, list_snapshots, read_manifest
+from ps.checkpoints.snapshot_files import InvalidSnapshot, list_snapshots, read_manifest
 
 
 def verify_all(directory: Path) -> dict[Path, str | None]:

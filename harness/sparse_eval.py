@@ -1,7 +1,7 @@
 """Builds a model with sparse tables from a server's snapshot, in this process, to evaluate it.
 
-The dense parameters come from the snapshots' chunks (ps/export.py), the sparse rows from their
-chains (restored into one ``ps.sparse_store.SparseStore``, as a resuming server would), and the model's
+The dense parameters come from the snapshots' chunks (ps/checkpoints/export.py), the sparse rows from their
+chains (restored into one ``ps.sparse.store.SparseStore``, as a resuming server would), and the model's
 ``SparseEmbeddingBagCollection`` modules read rows from that store directly, with no RPC.
 """
 
@@ -12,13 +12,12 @@ from pathlib import Path
 
 import torch
 
-from ps.config import SparseConfig
-from ps.export import read_checkpoint
-from ps.snapshot_files import list_snapshots
-from ps.sparse_checkpoint import read_layouts
-from ps.sparse_store import SparseStore
+from ps.checkpoints.export import read_checkpoint
+from ps.checkpoints.snapshot_files import list_snapshots
+from ps.checkpoints.sparse_checkpoint import read_layouts
+from ps.sparse.store import SparseConfig, SparseStore
+from rpcps.sparse.embedding import collections_of
 from rpcps.sparse.spec import SparsePull, declared_tables
-from worker.sparse_embedding import collections_of
 
 
 class StoreRows:

@@ -14,23 +14,23 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ps import exposure, supervisor
-from ps.audit import AuditLog
-from ps.checkpointer import Checkpointer, ResumePoint, find_resume_point, shard_checkpoint_config
+from ps.api.registration_auth import RegistrationGate
+from ps.api.service import WorkerService
+from ps.checkpoints.audit import AuditLog
+from ps.checkpoints.checkpointer import Checkpointer, ResumePoint, find_resume_point, shard_checkpoint_config
 from ps.config import CheckpointConfig, ServerRunConfig
 from ps.control.service import ControlServer, start_control_server
-from ps.listener_recovery import ListenerRecovery
-from ps.metrics import ServerMetrics
-from ps.optim import torch_kwargs
-from ps.reaper import MembershipReaper
-from ps.registration_auth import RegistrationGate
+from ps.core.metrics import ServerMetrics
+from ps.core.optim import torch_kwargs
+from ps.core.server import ParameterServer
+from ps.lifecycle import exposure, supervisor
+from ps.lifecycle.listener_recovery import ListenerRecovery
+from ps.lifecycle.reaper import MembershipReaper
+from ps.lifecycle.store_guard import StoreGuard
 from ps.replication.claim import Claim, claim_shard
 from ps.replication.metrics import ReplicationMetrics
 from ps.replication.replica import ShardReplica
 from ps.replication.standby import CatchUpFailed
-from ps.server import ParameterServer
-from ps.service import WorkerService
-from ps.store_guard import StoreGuard
 from rpcps import endpoints, memory, plugins, replica_endpoints, rpc_policy, signals, threads, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.listen_sockets import ListenerWatch
@@ -92,7 +92,7 @@ def run_server(config: ServerRunConfig) -> int:
         max_message_bytes=rpc_policy.message_limit(server.signature.numel, config.transport.max_message_mb),
         extra_calls=replica_endpoints.SERVER_ENDPOINTS,  # the other replica of this shard calls them
     )
-    service = WorkerService(server, gate=RegistrationGate(secret, metrics))
+    service = WorkerService(server, gate=RegistrationGate(secret, metrics.registrations_refused))
     logger.info(
         "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),

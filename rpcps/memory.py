@@ -12,7 +12,7 @@ transparent huge pages) the 25M MLP's RSS fell to within issue 12's budgets on t
 run made 7.0 updates/s against 10.5 with the dynamic threshold, back to back (docs/BENCHMARKS.md).
 So: few arenas (freed blocks are reused by whichever thread allocates next) and the dynamic
 threshold kept (large blocks are reused, not re-faulted); the server and the worker reuse their own
-large buffers instead of allocating them per message (``ps.pull_copies``, ``GradientStager.bind``).
+large buffers instead of allocating them per message (``ps.core.pull_copies``, ``GradientStager.bind``).
 
 A setting whose ``MALLOC_*_`` environment variable is set is left to glibc (which read it at
 start-up): an operator's choice wins. Other allocators (musl, jemalloc via LD_PRELOAD) are left alone.

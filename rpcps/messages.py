@@ -167,7 +167,7 @@ class Update(WireRecord):
     its pushes carried; None when they carried none."""
     absent: int = 0
     """Presence mask: bit i set means the shard's parameter i (signature order) got no gradient in
-    any push of this step, and the step leaves it and its optimizer state as they are (``ps.presence``)."""
+    any push of this step, and the step leaves it and its optimizer state as they are (``ps.core.presence``)."""
 
 
 @dataclass(frozen=True)

@@ -179,3 +179,13 @@ class FlatLayout:
             if s.chunk == chunk and s.offset <= index < s.offset + s.spec.numel:
                 return s.spec.name
         return f"<chunk {chunk} element {index}>"
+
+
+def named_state(layout: FlatLayout, masters: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters (from flat master chunks, in the signature's dtypes) and then buffers, by name."""
+    state = {
+        slot.spec.name: view.to(getattr(torch, slot.spec.dtype)).clone()
+        for slot, view in zip(layout.slots, layout.views(masters))
+    }
+    state.update(buffers)
+    return state

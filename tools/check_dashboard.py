@@ -6,7 +6,7 @@ Two checks, both of which must pass:
 1. Every expression parses and type-checks as PromQL. We do not trust a home-made parser for
    that: the expressions go into a temporary rules file, one recording rule each, and
    ``promtool check rules`` parses them with Prometheus's own parser.
-2. Every metric an expression selects is one rpcps defines (ps/metrics.py, worker/metrics.py,
+2. Every metric an expression selects is one rpcps defines (ps/core/metrics.py, worker/metrics.py,
    evaluator/metrics.py, cli/store.py, rpcps/metrics_http.py, read from the live registries, not from a list kept by hand) or one
    Prometheus adds to every target (``up``, ``scrape_*``), and every label matcher names a label
    that metric has or a target label. A renamed metric otherwise leaves a panel silently empty.
@@ -178,7 +178,7 @@ def rpcps_families() -> list[Metric]:
 
     from cli.store import CoordinatorMetrics
     from evaluator.metrics import EvaluatorMetrics
-    from ps.metrics import ServerMetrics
+    from ps.core.metrics import ServerMetrics
     from ps.replication.metrics import ReplicationMetrics
     from ps.sparse.table import TableStats
     from rpcps.metrics_http import build_info
@@ -356,7 +356,7 @@ def reference_errors(queries: list[Query], series: dict[str, frozenset[str] | No
                 continue
             if sel.metric not in series:
                 problems.append(
-                    f"{q.where}: metric {sel.metric!r} is not defined by rpcps (ps/metrics.py, worker/metrics.py, "
+                    f"{q.where}: metric {sel.metric!r} is not defined by rpcps (ps/core/metrics.py, worker/metrics.py, "
                     f"cli/store.py, rpcps/metrics_http.py); check the name and its suffix (_total, _bucket, _seconds)"
                 )
                 continue

@@ -124,12 +124,21 @@ def thread_settings(where: str, args: Iterable[str], env: Iterable[str]) -> list
             "and one set here pins the threads for good)" for name in named if name in THREAD_SETTINGS]
 
 
+def restart_layers(where: str, role: str, args: Iterable[str], env: dict[str, Any], restarter: str) -> list[str]:
+    """A server that restarts itself under a platform that restarts it too: one layer restarts it in
+    every recipe (docs/DEPLOY.md, "Who restarts what"); two stack their backoffs and give-up rules."""
+    if role != "ps" or setting(args, env, "--supervise", "on") in ("off", "false", "no", "0"):
+        return []
+    return [(f"{where}: rpcps ps supervises itself (--supervise is on by default) and {restarter} restarts it too: "
+             "pass --supervise off (one layer of restarts per recipe, docs/DEPLOY.md \"Who restarts what\")")]
+
+
 def _loopback(host: str) -> bool:
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def exposure_problems(where: str, role: str, args: list[str], env: dict[str, Any]) -> list[str]:
-    """What rpcps itself would refuse at start (ps/exposure.py), caught before anyone deploys it.
+    """What rpcps itself would refuse at start (ps/lifecycle/exposure.py), caught before anyone deploys it.
 
     The server's RPC ports off loopback need --trust-network on and a job secret; every worker of
     such a server needs the secret too (it cannot register without it); a control plane off
@@ -234,6 +243,8 @@ def check_compose_variant(path: Path, outer: dict[str, str], where: str) -> list
         problems += exposure_problems(f"{where}: service {name}", commands[name][0], commands[name], envs[name])
         problems += unknown_settings(f"{where}: service {name}", commands[name][0], commands[name][1:], envs[name])
         problems += thread_settings(f"{where}: service {name}", commands[name][1:], envs[name])
+        problems += restart_layers(f"{where}: service {name}", commands[name][0], commands[name][1:], envs[name],
+                                   "Docker's restart policy")
 
     prometheus = next((s for s in services.values() if "prom/prometheus" in str(s.get("image", ""))), None)
     if prometheus is None:
@@ -410,6 +421,7 @@ def check_k8s(docs: list[dict[str, Any]]) -> list[str]:
                 problems += exposure_problems(f"k8s: {workload}", args[0], args, env_list(c))
                 problems += unknown_settings(f"k8s: {workload}", args[0], args[1:], env_list(c))
                 problems += thread_settings(f"k8s: {workload}", args[1:], env_list(c))
+                problems += restart_layers(f"k8s: {workload}", args[0], args[1:], env_list(c), "the kubelet")
         if spec["kind"] == "Job":
             problems += _check_worker_job(spec, template, services, pods)
         if spec["kind"] == "StatefulSet":

@@ -1,5 +1,5 @@
 """The model's buffers on the worker: sent with every push to the shard that holds them, loaded with
-every full pull from it (how the server keeps them: ``ps.buffers``).
+every full pull from it (how the server keeps them: ``ps.core.buffers``).
 
 A model without buffers has none to send: nothing here runs per step.
 """

@@ -19,7 +19,7 @@ from worker.client import ServerClient, result
 
 
 class SparseRouter:
-    """A ``RowSource`` over server shards (``worker.sparse_embedding``).
+    """A ``RowSource`` over server shards (``rpcps.sparse.embedding``).
 
     Args:
         specs: every table the model declares.

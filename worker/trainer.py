@@ -50,6 +50,7 @@ from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.sparse.embedding import collections_of
 from rpcps.sparse.spec import SparsePush, declared_tables
 from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
@@ -60,7 +61,6 @@ from worker.config import WorkerConfig
 from worker.device import GradientStager, ParameterSink, memory_in_use, pick_device
 from worker.metrics import WorkerMetrics
 from worker.sparse_client import SparseRouter
-from worker.sparse_embedding import collections_of
 from worker.step import Step, StepEnded
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class _InFlight:
     sparse: SparsePush | None = None
     """This shard's sparse rows of the step (models with sparse tables only)."""
     absent: int = 0
-    """The presence mask: bit i set when this shard's parameter i got no gradient (``ps.presence``)."""
+    """The presence mask: bit i set when this shard's parameter i got no gradient (``ps.core.presence``)."""
     future: Any = None
     sent: float = 0.0
     attempts: int = 1
@@ -488,7 +488,7 @@ class Trainer:
 
     def skip_step(self, step: Step) -> None:
         """Records ``step`` as processed with nothing applied (``Step.skip``): a push whose presence
-        mask names every parameter, which the server records without an update (``ps.presence``)."""
+        mask names every parameter, which the server records without an update (``ps.core.presence``)."""
         state: _OpenStep = step._state
         comm = state.blocked
         for module in self.sparse_modules:

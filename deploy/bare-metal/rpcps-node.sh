@@ -47,10 +47,10 @@ options (flag / environment variable / default):
                                                      restart from the newest snapshot, not in swapping
                                                      the node; under systemd prefer the unit's MemoryMax=
   --no-supervise         RPCPS_SUPERVISE=0           run one process in place (exec), no restarts:
-                                                     for systemd, Kubernetes or any other supervisor.
-                                                     rpcps ps reads RPCPS_SUPERVISE too (its own
-                                                     --supervise): the variable turns both off, the
-                                                     flag only this launcher's
+                                                     for systemd or any other supervisor, which then
+                                                     owns every restart
+  Either way the server runs with 'rpcps ps --supervise off': one layer restarts it, this launcher
+  or what runs it in place (docs/DEPLOY.md, "Who restarts what"), never also rpcps ps's own supervisor.
   --dry-run                                          print the commands and exit
 
 server:
@@ -200,9 +200,10 @@ command -v "$python" >/dev/null 2>&1 || die "--python $python not found; point -
 
 # The repository's entry point when this script runs from a checkout, else the installed module.
 if [ -f "$repo/trainer_entry.py" ]; then entry=("$repo/trainer_entry.py"); else entry=(-m trainer_entry); fi
-# Set by rpcps processes when they restart themselves in place; a stale value must not leak into a
-# fresh process (a worker would count old reconnects, a server would resume a specific snapshot).
-unset RPCPS_RECONNECTS RPCPS_RESTART_FROM
+# Set by rpcps processes when they restart themselves in place, and by this launcher for a server it
+# restarts; a stale value must not leak into a fresh process (a worker would count old reconnects, a
+# server would resume a specific snapshot or report restarts it never had).
+unset RPCPS_RECONNECTS RPCPS_RESTART_FROM RPCPS_CRASH_RESTARTS
 
 names=()
 logs=()
@@ -239,8 +240,10 @@ if [ "$role" = server ]; then
         die "--replicas $replicas needs --store HOST:PORT: a standby cannot take over from a primary that hosts the group's store; start '$prog store' and pass its address"
     fi
     ((replicas > 1)) && replication+=(--replicas "$replicas")
+    # --supervise off: this launcher (or, with --no-supervise, systemd) restarts the server; its own
+    # supervisor under it would be a second layer with its own backoff and give-up rule.
     add_process ps "$(log_for ps)" "" "$python" "${entry[@]}" ps --listen "$listen" --checkpoint-dir "$checkpoint_dir" \
-        --metrics-port "$metrics_port" --control-port "$control_port" "${replication[@]}" "${extra[@]}"
+        --metrics-port "$metrics_port" --control-port "$control_port" "${replication[@]}" --supervise off "${extra[@]}"
 elif [ "$role" = store ]; then
     listen=$(setting listen RPCPS_STORE 0.0.0.0:29400)
     metrics_port=$(setting metrics-port RPCPS_STORE_METRICS_PORT 9390)
@@ -360,12 +363,15 @@ run_one() {
 # (0 when it finished or was stopped by a signal to this script).
 supervise() {
     local k=$1 name=${names[$1]} log=${logs[$1]}
-    local restarts=0 delay=$backoff_s rc started child=""
+    local restarts=0 total=0 delay=$backoff_s rc started child=""
     local stopping=0
     trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
     [ -n "${envs[$k]}" ] && export "${envs[$k]?}"
     while :; do
         started=$SECONDS
+        # rpcps ps reports this as rpcps_server_crash_restarts (what its own supervisor would set), so
+        # the RpcpsServerCrashRestarted alert sees this launcher's restarts.
+        [ "$name" = ps ] && export RPCPS_CRASH_RESTARTS=$total
         if [ "$log" = - ]; then
             eval "${cmds[$k]} &"
         else
@@ -404,6 +410,7 @@ supervise() {
             return "$rc"
         fi
         restarts=$((restarts + 1))
+        total=$((total + 1))
         note "$name" "$log" "exited with $rc ($(meaning "$rc")); restart $restarts/$max_restarts in ${delay}s"
         sleep "$delay" &
         child=$!

@@ -26,11 +26,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from ps.checkpoints.sparse_export import export_files, live_tables
 from ps.config import ControlConfig
 from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
 from ps.control.hooks import CheckpointHook, ReplicaState
-from ps.sparse_export import export_files, live_tables
 from rpcps.errors import NotPrimary
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.model_file import to_bytes
@@ -39,9 +39,9 @@ from rpcps.sparse.export_files import DEFAULT_PART_ROWS, SUFFIX, PartFile
 if TYPE_CHECKING:
     import torch
 
-    from ps.server import ServerStatus
+    from ps.core.server import ServerStatus
+    from ps.sparse.store import SparseStore
     from ps.sparse.table import ClosedFull
-    from ps.sparse_store import SparseStore
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ EXPORT_PIECE_BYTES = 1 << 20
 
 
 class Steerable(Protocol):
-    """What the control plane sees of the server (``ps.server.ParameterServer``)."""
+    """What the control plane sees of the server (``ps.core.server.ParameterServer``)."""
 
     version: int
 

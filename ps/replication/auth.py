@@ -6,7 +6,7 @@ whole model and optimizer state, or send a standby forged log entries. So:
 - ``replica_attach`` carries, with a job secret, an HMAC over a fresh nonce, its unix time, the
   standby's name and the primary's (``rpcps.jobsecret``). The primary accepts a time within
   ``WINDOW_S`` of its own clock and each nonce once (it remembers those it saw for that long), so a
-  proof seen on the wire cannot be replayed. Without a job secret (loopback only, ``ps.exposure``)
+  proof seen on the wire cannot be replayed. Without a job secret (loopback only, ``ps.lifecycle.exposure``)
   every attach is accepted, as worker registrations are.
 - Only then does the primary issue an attach id: 128 random bits (``secrets``), the only credential
   the rest of that attachment carries (snapshot pieces, ready, the death watch, and the primary's

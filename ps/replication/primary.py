@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.futures import Future
 
-from ps.audit import AuditLog
+from ps.checkpoints.audit import AuditLog
 from ps.config import ReplicationConfig
+from ps.core.server import ParameterServer
+from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
 from ps.replication.auth import ReplicaGate, new_attach_id
-from ps.replication.log import ReplicationLog, Sequenced
 from ps.replication.metrics import ReplicationMetrics
-from ps.server import ParameterServer, UpdateApplied
 from rpcps import failpoints, replica_endpoints, transport
 from rpcps.errors import AttachRefused
 from rpcps.jobsecret import JobSecret

@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from ps.audit import AuditLog
+from ps.checkpoints.audit import AuditLog
 from ps.config import ReplicationConfig, ServerRunConfig
 from ps.control.hooks import ReplicaState
+from ps.core.server import ParameterServer
 from ps.replication.metrics import ROLE_STEPPING_DOWN, ReplicationMetrics
 from ps.replication.primary import Primary
 from ps.replication.standby import Standby
-from ps.server import ParameterServer
 from rpcps import replica_endpoints, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import View

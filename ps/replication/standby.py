@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from torch.futures import Future
 
-from ps.audit import AuditLog
+from ps.checkpoints.audit import AuditLog
 from ps.config import ReplicationConfig
+from ps.core.server import ParameterServer
+from ps.core.update_log import ReorderBuffer, Sequenced
 from ps.replication.auth import ReplicaGate, attach_proof
-from ps.replication.log import ReorderBuffer, Sequenced
 from ps.replication.metrics import ROLE_PRIMARY, ROLE_STANDBY, ReplicationMetrics
-from ps.server import ParameterServer
 from rpcps import replica_endpoints, transport
 from rpcps.errors import ERROR_TYPES, RpcpsError
 from rpcps.jobsecret import JobSecret

@@ -2,7 +2,7 @@
 
 A payload is a plain dict of tensors, ints, floats and strings, so ``torch.save`` writes it and
 ``torch.load(weights_only=True)`` reads it back without running code. Writing it to disk (commit
-marker, SHA-256 manifest, fsync, rename) is ps/snapshot_files.py's job, not this module's.
+marker, SHA-256 manifest, fsync, rename) is ps/checkpoints/snapshot_files.py's job, not this module's.
 
     {"meta": {...}, "records": {"ids", "rows", "last_seen", "count"},
      "tombstones": int64 [m]   (delta only),

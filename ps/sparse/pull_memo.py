@@ -1,7 +1,7 @@
 """PullMemo: the id -> row resolutions of one table's recent pulls, for the pushes that follow them.
 
 A worker pushes gradients for exactly the unique ids it pulled for that step, split by shard the
-same way (``worker.sparse_embedding`` pulls and pushes the same ``torch.unique`` tensor per table;
+same way (``rpcps.sparse.embedding`` pulls and pushes the same ``torch.unique`` tensor per table;
 ``worker.sparse_client.SparseRouter`` splits both by the same manifest), so a push's index lookup
 repeats its pull's: about a quarter of the server's per-id path (docs/BENCHMARKS.md). The table
 remembers its last few pulls' (ids, rows) here, and a push whose ids equal a remembered pull's

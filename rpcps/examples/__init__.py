@@ -5,6 +5,11 @@
 - ``charlm``: a byte-level transformer language model on this interpreter's own standard library
   source.
 
+``ctr`` (the built-in CTR task: a Criteo-shaped generator and a DLRM model with sparse tables) lives
+here too, so a server building its model loads no worker code; it is named by spec
+(``--model rpcps.examples.ctr:dlrm_model``, docs/SPARSE.md), not in ``NAMES``: its evaluation is AUC
+on sparse batches, not this protocol.
+
 Each example module offers ``model()``, ``data(worker_index, num_workers)`` (an endless stream with
 ``seek``), ``eval_batches()``, ``evaluate(model, batches) -> dict`` and ``RECIPE`` (the optimizer
 settings it trains well with). ``bench/reference_train.py`` trains one in a single plain process.

@@ -10,7 +10,7 @@ class Recipe:
     """Optimizer settings under which an example visibly learns; the same names the server's flags take."""
 
     optimizer: str
-    """A name from ps.optim.OPTIMIZERS (``--optimizer`` on the server)."""
+    """A name from ps.core.optim.OPTIMIZERS (``--optimizer`` on the server)."""
     lr: float
     """Learning rate (``--optimizer-args '{"lr": ...}'`` on the server), > 0."""
     steps: int
@@ -20,7 +20,7 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if not self.optimizer:
-            raise ValueError("optimizer must name one of ps.optim.OPTIMIZERS, got ''")
+            raise ValueError("optimizer must name one of ps.core.optim.OPTIMIZERS, got ''")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.steps < 1:

@@ -23,7 +23,7 @@ and deleted after; anything else at ``OUT`` is refused. A reader sees the old ex
 or (between the two renames) none, never half of one.
 
 Importing this module does not load torch (``rpcps ctl export`` writes a server's export with it).
-What must not live here: where the rows come from (``ps.sparse_export``) and looking them up
+What must not live here: where the rows come from (``ps.checkpoints.sparse_export``) and looking them up
 (``rpcps.sparse.serving``).
 """
 

@@ -5,7 +5,7 @@ each of its sparse modules (``SparseEmbeddingBagCollection``) a row source that 
 rows, so ``model(batch)`` works in a plain process, on the CPU or a GPU::
 
     from rpcps.sparse.serving import load_export
-    from worker import ctr
+    from rpcps.examples import ctr
     model = load_export(ctr.dlrm_model(), "/tmp/ctr-export")     # device="auto": a GPU when there is one
     scores = model(batch.to(model_device(model)))
 
@@ -90,7 +90,7 @@ class ExportedTable:
 
 
 class ExportedRows:
-    """A row source (``worker.sparse_embedding.RowSource``) over exported tables: read-only lookups."""
+    """A row source (``rpcps.sparse.embedding.RowSource``) over exported tables: read-only lookups."""
 
     def __init__(self, tables: dict[str, ExportedTable]) -> None:
         self.tables = tables

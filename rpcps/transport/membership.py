@@ -229,7 +229,7 @@ class StoreKeeper:
     coordinator, or the server that embeds the store).
 
     The store has no authentication: one ``set`` used to block every later join for good. Checked
-    (``check``, every second from ``ps.store_guard``):
+    (``check``, every second from ``ps.lifecycle.store_guard``):
 
     - the member list holds every member this agent knows, under its rank, and nothing unparsable
       (checked while holding the group token, when no join can be changing it; names the agent does

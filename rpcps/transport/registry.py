@@ -21,7 +21,7 @@ member, its epoch and its writer (``JobSecret.store_record_mac``), as part of it
 compare-and-set still compares exactly what was written). Readers ignore a record that is unsigned,
 wrongly signed, malformed, or (views) older than one this process already saw, and count it once
 per distinct text (``rpcps_store_records_refused_total``). Without a secret the store is trusted
-as it stands, which rpcps allows only on loopback (``ps.exposure``, ``cli.store``, ``worker.runner``).
+as it stands, which rpcps allows only on loopback (``ps.lifecycle.exposure``, ``cli.store``, ``worker.runner``).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def require_secret_off_loopback(store_loopback: bool, secret: JobSecret | None, 
 
     Without a job secret nothing in the store can be verified, so whoever reaches its port could
     name the process a worker sends its gradients to (a shard's view); ``rpcps ps`` and ``rpcps
-    store`` already refuse to listen off loopback without a secret (``ps.exposure``, ``cli.store``).
+    store`` already refuse to listen off loopback without a secret (``ps.lifecycle.exposure``, ``cli.store``).
     """
     if secret is None and not store_loopback:
         raise ValueError(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ps.snapshot_files import list_snapshots, load_snapshot
+from ps.checkpoints.snapshot_files import list_snapshots, load_snapshot
 from rpcps.signature import ModelSignature
 
 

@@ -25,9 +25,9 @@ from torch.distributed import rpc
 from torch.distributed.rpc import _utils
 
 from ps import runner
+from ps.api.service import WorkerService
+from ps.core.server import ParameterServer
 from ps.replication.auth import attach_proof
-from ps.server import ParameterServer
-from ps.service import WorkerService
 from rpcps import endpoints, plugins, replica_endpoints
 from rpcps.address import Address
 from rpcps.jobsecret import JobSecret

@@ -23,12 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.inprocess import InProcessServer
 from harness.procs import ENTRY, REPO, child_env
-from ps.config import ControlConfig, ServerCoreConfig
+from ps.config import ControlConfig
 from ps.control import control_pb2 as pb
 from ps.control.auth import bearer_metadata
 from ps.control.control_pb2_grpc import ControlStub
 from ps.control.hooks import CheckpointHook
 from ps.control.service import CONTROL_SERVICE, ControlServer, start_control_server
+from ps.core.config import ServerCoreConfig
 from rpcps.tasks import teacher_student_model
 from tests.integration.certs import self_signed
 from tests.integration.conftest import imported_modules, run_ctl

@@ -1,4 +1,4 @@
-"""Pins the private torch RPC membership handling in ``rpcps.transport.membership`` and ``ps.reaper``.
+"""Pins the private torch RPC membership handling in ``rpcps.transport.membership`` and ``ps.lifecycle.reaper``.
 
 In a dynamic torch RPC group every join calls every listed member, so one listed process that is
 gone makes every later join fail. These tests check the ways a member leaves the list: a worker

@@ -79,7 +79,7 @@ def test_the_node_launcher_trains_the_ctr_task_with_sparse_settings_from_an_env_
     refused ids, so rows exist only for ids pulled twice."""
     env_file = tmp_path / "rpcps.env"
     env_file.write_text(
-        "RPCPS_MODEL=worker.ctr:dlrm_model\nRPCPS_DATA=worker.ctr:ctr_data_small\nRPCPS_LOSS=worker.ctr:bce_loss\n"
+        "RPCPS_MODEL=rpcps.examples.ctr:dlrm_model\nRPCPS_DATA=rpcps.examples.ctr:ctr_data_small\nRPCPS_LOSS=rpcps.examples.ctr:bce_loss\n"
         "RPCPS_SPARSE_ADMIT_COUNT=2\nRPCPS_SPARSE_TTL=1000\n"
     )
     listen, metrics, control = free_ports(3)

@@ -22,7 +22,7 @@ except ImportError:  # tests/ laid out as a package
 
 PROMETHEUS = shutil.which("prometheus")
 STEPS = 20000  # far more than the tests need: each stops its run (a leaked run still ends by itself)
-CTR = ["--model", "worker.ctr:dlrm_model", "--data", "worker.ctr:ctr_data_small", "--loss", "worker.ctr:bce_loss"]
+CTR = ["--model", "rpcps.examples.ctr:dlrm_model", "--data", "rpcps.examples.ctr:ctr_data_small", "--loss", "rpcps.examples.ctr:bce_loss"]
 
 pytestmark = [
     pytest.mark.integration,

@@ -20,7 +20,7 @@ import torch
 from harness.faults import ChaosPlan, Kill, run_chaos
 from harness.procs import Proc, ProcessGroup, free_port, try_scrape, wait_until
 from harness.snapshots import verify_all
-from ps.snapshot_files import list_snapshots
+from ps.checkpoints.snapshot_files import list_snapshots
 from tests.integration.checkpoints import newest_snapshot, tensors_of
 from tests.integration.conftest import UNTRAINED_LOSS
 from tests.integration.conftest import model_version as version
@@ -130,7 +130,7 @@ def test_stray_connections_to_every_port_do_not_take_the_system_down(procs: Proc
     wait_until(lambda: version(mport) > before + 20, 30, "training to go on after the scan")
     # TensorPipe's own listener closes on a bare connect; the server notices, keeps serving w0, and
     # restarts itself from a fresh snapshot (same pid: it re-executes) once a new process wants to
-    # join (ps/listener_recovery.py); the workers rejoin.
+    # join (ps/lifecycle/listener_recovery.py); the workers rejoin.
     tp_port = _tensorpipe_port(ps.pid, exclude={port, mport, control_port})
     socket.create_connection(("127.0.0.1", tp_port), timeout=5).close()
     wait_until(lambda: "was closed by a stray connection" in ps.stderr(), 30, "the server to notice its closed listener")
@@ -152,7 +152,7 @@ def test_a_lost_rpc_listener_stays_counted_after_the_server_restarts_itself(proc
     tp_port = _tensorpipe_port(ps.pid, exclude={port, mport, _control_port(ps)})
     socket.create_connection(("127.0.0.1", tp_port), timeout=5).close()
     wait_until(lambda: "was closed by a stray connection" in ps.stderr(), 30, "the server to notice its closed listener")
-    # The restart waits for a process that wants to join (ps/listener_recovery.py).
+    # The restart waits for a process that wants to join (ps/lifecycle/listener_recovery.py).
     procs.worker("w0", port, 0, 1, "--steps", "5")
     wait_until(lambda: try_scrape(mport).get("rpcps_server_resumes_total", 0) == 1, 60, "the server to restart itself")
     assert try_scrape(mport)["rpcps_server_rpc_listener_lost_total"] == 1, "the loss must stay visible to Prometheus"

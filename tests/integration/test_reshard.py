@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from harness.procs import ENTRY, REPO, Proc, ProcessGroup, child_env, try_scrape, wait_until
-from ps.export import read_checkpoint
-from ps.snapshot_files import list_snapshots, load_snapshot
+from ps.checkpoints.export import read_checkpoint
+from ps.checkpoints.snapshot_files import list_snapshots, load_snapshot
 from tests.integration.conftest import read_json, wait_for_updates
 
 pytestmark = pytest.mark.integration

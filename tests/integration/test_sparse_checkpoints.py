@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from harness.procs import ProcessGroup
-from ps.config import SparseConfig
-from ps.snapshot_files import list_snapshots, peek_manifest
-from ps.sparse_checkpoint import SPARSE_FILE, TableChains, read_layouts, snapshot_tables
-from ps.sparse_store import SparseStore
+from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
+from ps.checkpoints.sparse_checkpoint import SPARSE_FILE, TableChains, read_layouts, snapshot_tables
+from ps.sparse.store import SparseConfig, SparseStore
+from rpcps.examples import ctr
 from rpcps.ports import free_port
 from rpcps.sparse.spec import declared_tables
 from tests.integration.test_sparse_ctr import CTR, _distinct_ids
-from worker import ctr
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # one ~30 s CTR training shared by both: the slow pass
 

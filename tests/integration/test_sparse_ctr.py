@@ -8,25 +8,26 @@ parameters and every sparse row), against the untrained model.
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness.faults import ChaosPlan, Kill, run_chaos
-from harness.procs import ProcessGroup
+from harness.procs import ENTRY, ProcessGroup, try_scrape, wait_until
 from harness.sparse_eval import model_from_snapshot
-from ps.config import SparseConfig
-from ps.snapshot_files import list_snapshots
-from ps.sparse_checkpoint import snapshot_tables
-from ps.sparse_store import SparseStore
+from ps.checkpoints.snapshot_files import list_snapshots
+from ps.checkpoints.sparse_checkpoint import snapshot_tables
+from ps.sparse.store import SparseConfig, SparseStore
+from rpcps.examples import ctr
 from rpcps.sparse.spec import declared_tables
-from tests.integration.conftest import read_json
-from worker import ctr
+from tests.integration.conftest import imported_modules, read_json
 
 pytestmark = pytest.mark.integration
 
-CTR = ("--model", "worker.ctr:dlrm_model", "--data", "worker.ctr:ctr_data_small", "--loss", "worker.ctr:bce_loss")
+CTR = ("--model", "rpcps.examples.ctr:dlrm_model", "--data", "rpcps.examples.ctr:ctr_data_small", "--loss", "rpcps.examples.ctr:bce_loss")
 STEPS = 120
 
 
@@ -63,6 +64,26 @@ def test_local_trains_the_ctr_task_with_one_server_and_two_workers(procs: Proces
     untrained, trained = _auc(tmp_path / "no-such-dir"), _auc(tmp_path / "ckpt")
     assert abs(untrained - 0.5) < 0.1, f"an untrained model should be near chance, got AUC {untrained:.3f}"
     assert trained > 0.75, f"AUC {untrained:.3f} untrained -> {trained:.3f} after {2 * STEPS} updates; expected > 0.75"
+
+
+@pytest.mark.timeout(120)
+def test_a_server_of_the_ctr_task_loads_no_worker_module(procs: ProcessGroup) -> None:
+    """The role rule holds for the shipped sparse task too: the model and its sparse embedding live
+    where both roles may import them (``rpcps.examples.ctr``, ``rpcps.sparse.embedding``), so a
+    server that builds the CTR model never imports ``worker``."""
+    ps, _, metrics = procs.ps("ps", "--model", CTR[1], program=[sys.executable, "-X", "importtime", str(ENTRY)])
+
+    def serving() -> bool | None:
+        assert ps.alive(), f"the CTR server exited with {ps.returncode}\n{ps.tail()}"
+        return any(k.startswith("rpcps_sparse_") for k in try_scrape(metrics)) or None
+
+    wait_until(serving, 90, "the CTR server's tables on /metrics")
+    ps.send(signal.SIGTERM)
+    assert ps.wait(60) == 0, ps.tail()
+    modules = imported_modules(ps.stderr())
+    assert {"rpcps.sparse.embedding", "ps.sparse.store"} <= modules  # the CTR model was built here (plugins load it by spec)
+    worker_side = sorted(m for m in modules if m == "worker" or m.startswith("worker."))
+    assert not worker_side, f"the CTR server imported worker modules: {worker_side}"
 
 
 @pytest.mark.slow  # over 40 s on 2 cores: CI runs it in its slow pass

@@ -20,28 +20,28 @@ import torch
 
 from harness.procs import ENTRY, REPO, ProcessGroup, child_env
 from harness.sparse_eval import model_from_snapshot
-from ps.config import ControlConfig, SparseConfig
+from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest
+from ps.checkpoints.sparse_checkpoint import read_layouts
+from ps.config import ControlConfig
 from ps.control.service import start_control_server
-from ps.snapshot_files import list_snapshots, peek_manifest
-from ps.sparse_checkpoint import read_layouts
-from ps.sparse_store import SparseStore
+from ps.sparse.store import SparseConfig, SparseStore
+from rpcps.examples import ctr
 from rpcps.sparse.export_files import load_table, read_manifest
 from rpcps.sparse.serving import load_export
 from rpcps.sparse.spec import declared_tables
 from tests.integration.conftest import run_ctl
 from tests.unit.test_sparse_checkpoints import _Trainer
 from tests.unit.test_sparse_server import TinyModel, _rows, _server
-from worker import ctr
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("safetensors")
 
-CTR = ("--model", "worker.ctr:dlrm_model", "--data", "worker.ctr:ctr_data_small", "--loss", "worker.ctr:bce_loss")
+CTR = ("--model", "rpcps.examples.ctr:dlrm_model", "--data", "rpcps.examples.ctr:ctr_data_small", "--loss", "rpcps.examples.ctr:bce_loss")
 STEPS = 30
 SERVE = """
 import json, sys
 from rpcps.sparse.serving import load_export
-from worker import ctr
+from rpcps.examples import ctr
 model = load_export(ctr.dlrm_model(), sys.argv[1])
 scores = ctr.evaluate(model, ctr.eval_batches(8, 512, at_batch=int(sys.argv[2])))
 print(json.dumps({**scores, "server_modules": sorted(m for m in sys.modules if m == "ps" or m.startswith("ps."))}))
@@ -125,9 +125,9 @@ def test_the_export_in_a_plain_process_scores_the_auc_of_the_in_process_referenc
 @pytest.mark.timeout(120)
 def test_local_refuses_eval_data_for_a_sparse_model_before_starting_anything(tmp_path: Path) -> None:
     done = _entry("local", "--workers", "1", "--steps", "5", "--run-dir", tmp_path / "run", *CTR,
-                  "--eval-data", "worker.ctr:eval_batches", "--eval-fn", "worker.ctr:evaluate")
+                  "--eval-data", "rpcps.examples.ctr:eval_batches", "--eval-fn", "rpcps.examples.ctr:evaluate")
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "the sidecar evaluator cannot score --model worker.ctr:dlrm_model yet: it has 26 sparse tables" in done.stderr
+    assert "the sidecar evaluator cannot score --model rpcps.examples.ctr:dlrm_model yet: it has 26 sparse tables" in done.stderr
     assert "rpcps export --checkpoint DIR --out EXPORT_DIR" in done.stderr
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir()), "nothing may start"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.ledger import check_ledger, first_apply_after
-from ps.audit import AuditLog
-from ps.server import UpdateApplied
+from ps.checkpoints.audit import AuditLog
+from ps.core.update_log import UpdateApplied
 
 
 def ledger(tmp_path: Path, lines: list[str]) -> Path:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from bench.sparse_ctr import HELD_OUT_BATCH, HELD_OUT_BATCHES, DenseHead, table_rows
-from worker import ctr
+from rpcps.examples import ctr
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from harness.inprocess import InProcessServer, pack
-from ps.checkpointer import _check_compatible
-from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.checkpoints.checkpointer import _check_compatible
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps.errors import PushRejected, SignatureMismatch
 from rpcps.messages import PushStatus
 from rpcps.partition import partition_digest, shard_signature

@@ -87,6 +87,8 @@ K8S_BREAKAGES: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
     ("failure policy", lambda d: find(d, "Job")["spec"].pop("podFailurePolicy"), "has no podFailurePolicy"),
     ("thread setting", lambda d: container(d, "Job")["env"].append({"name": "OMP_NUM_THREADS", "value": "4"}),
      "sets OMP_NUM_THREADS; no recipe needs a thread setting"),
+    ("two restart layers", lambda d: container(d, "StatefulSet")["args"].remove("--supervise=off"),
+     "rpcps ps supervises itself (--supervise is on by default) and the kubelet restarts it too: pass --supervise off"),
 ]
 
 
@@ -139,6 +141,8 @@ def _edit(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
          "service worker1: sets OMP_NUM_THREADS; no recipe needs a thread setting"),
         ("docker/compose.yaml", lambda d: d["services"]["ps"]["command"].append("--threads=2"),
          "service ps: sets --threads; no recipe needs a thread setting"),
+        ("docker/compose.yaml", lambda d: d["services"]["ps"]["command"].remove("--supervise=off"),
+         "service ps: rpcps ps supervises itself (--supervise is on by default) and Docker's restart policy restarts it too"),
     ],
 )
 def test_compose_disagreement_is_reported(deploy_copy: Path, file: str, edit: Callable[[dict[str, Any]], None], message: str) -> None:
@@ -232,6 +236,8 @@ STANDBY_BREAKAGES: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]]
     ("flag typo", lambda d: container(d, "StatefulSet")["args"].append("--replica=2"), "rpcps ps has no flag --replica"),
     ("variable typo", lambda d: container(d, "StatefulSet")["env"].append({"name": "RPCPS_REPLICA", "value": "2"}),
      "no rpcps role reads RPCPS_REPLICA"),
+    ("two restart layers", lambda d: container(d, "StatefulSet")["args"].remove("--supervise=off"),
+     "k8s: rpcps-ps: rpcps ps supervises itself (--supervise is on by default) and the kubelet restarts it too"),
 ]
 
 

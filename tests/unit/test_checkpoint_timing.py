@@ -10,9 +10,10 @@ import torch
 
 from harness.inprocess import make_server, pack
 from harness.ledger import check_ledger
-from ps.audit import AuditLog
-from ps.checkpointer import Checkpointer
-from ps.config import CheckpointConfig, OptimizerConfig
+from ps.checkpoints.audit import AuditLog
+from ps.checkpoints.checkpointer import Checkpointer
+from ps.config import CheckpointConfig
+from ps.core.optim import OptimizerConfig
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.01})
 

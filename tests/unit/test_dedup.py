@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ps.dedup import SequenceTracker
+from ps.core.dedup import SequenceTracker
 
 
 def test_in_order_sequence_advances_the_floor() -> None:

@@ -19,7 +19,8 @@ from evaluator.observer import Observer
 from evaluator.runner import BestModel
 from evaluator.scoring import CannotScore, check_scorable, checked, loss_and_accuracy
 from harness.inprocess import InProcessServer, pack
-from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps import endpoints
 from rpcps.address import Address
 from rpcps.errors import SignatureMismatch

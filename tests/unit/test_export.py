@@ -12,10 +12,11 @@ from torch import nn
 
 from cli.main import main
 from harness.inprocess import InProcessServer
-from ps.config import ServerCoreConfig, ServerRunConfig
-from ps.export import ExportError, export_checkpoint, read_checkpoint
+from ps.checkpoints.export import ExportError, export_checkpoint, read_checkpoint
+from ps.checkpoints.snapshot_files import write_snapshot
+from ps.config import ServerRunConfig
+from ps.core.config import ServerCoreConfig
 from ps.runner import _meta
-from ps.snapshot_files import write_snapshot
 from rpcps import plugins
 from rpcps.address import Address
 from rpcps.model_file import load_state_dict

@@ -8,7 +8,7 @@ import pytest
 
 from cli.main import parse
 from ps.config import ControlConfig, ServerRunConfig
-from ps.exposure import Exposed, check
+from ps.lifecycle.exposure import Exposed, check
 from rpcps.address import Address, is_loopback_host
 from rpcps.transport.config import TransportOptions
 

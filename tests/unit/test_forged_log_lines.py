@@ -9,8 +9,8 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ps.metrics import ServerMetrics
-from ps.registration_auth import RegistrationGate
+from ps.api.registration_auth import RegistrationGate
+from ps.core.metrics import ServerMetrics
 from ps.replication.auth import ReplicaGate
 from ps.replication.metrics import ReplicationMetrics
 from rpcps.errors import RegistrationRefused, ReplicaRefused
@@ -34,7 +34,7 @@ def _one_line_each(caplog: pytest.LogCaptureFixture) -> str:
 
 def test_a_refused_registration_logs_its_name_and_slot_escaped(caplog: pytest.LogCaptureFixture) -> None:
     metrics = ServerMetrics(CollectorRegistry())
-    gate = RegistrationGate(SECRET, metrics)
+    gate = RegistrationGate(SECRET, metrics.registrations_refused)
     with caplog.at_level(logging.WARNING), pytest.raises(RegistrationRefused):
         gate.check(0, FORGED, None)
     with caplog.at_level(logging.WARNING), pytest.raises(RegistrationRefused):
@@ -55,7 +55,7 @@ def test_a_refused_attach_logs_the_standby_name_escaped(caplog: pytest.LogCaptur
 
 
 def test_a_long_name_is_cut_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
-    gate = RegistrationGate(SECRET, ServerMetrics(CollectorRegistry()))
+    gate = RegistrationGate(SECRET, ServerMetrics(CollectorRegistry()).registrations_refused)
     with caplog.at_level(logging.WARNING), pytest.raises(RegistrationRefused):
         gate.check(0, "n" * 1_000_000, None)
     (record,) = caplog.records

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ps import registration_auth
-from ps.metrics import ServerMetrics
-from ps.registration_auth import RegistrationGate
+from ps.api import registration_auth
+from ps.api.registration_auth import RegistrationGate
+from ps.core.metrics import REGISTRATION_REFUSALS, ServerMetrics
 from rpcps.errors import RegistrationRefused
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.messages import RegistrationProof
@@ -20,11 +20,11 @@ SECRET = JobSecret("s" * 64)
 
 
 def gate(secret: JobSecret | None = SECRET) -> RegistrationGate:
-    return RegistrationGate(secret, ServerMetrics(CollectorRegistry()))
+    return RegistrationGate(secret, ServerMetrics(CollectorRegistry()).registrations_refused)
 
 
 def refused(g: RegistrationGate, reason: str) -> float:
-    return g.metrics.registrations_refused.labels(reason)._value.get()
+    return g.refused.labels(reason)._value.get()
 
 
 def answer(g: RegistrationGate, slot: int = 0, name: str = "worker0_r1", secret: JobSecret = SECRET) -> RegistrationProof:
@@ -58,7 +58,7 @@ def test_refusals_name_the_reason_and_never_the_secret(caplog: pytest.LogCapture
     with pytest.raises(RegistrationRefused, match="not issued here"):
         g.check(0, "w", RegistrationProof("made-up", "x"))
     assert "s" * 32 not in caplog.text and "refused registration of worker slot 0" in caplog.text
-    assert [refused(g, r) for r in registration_auth.REASONS] == [1, 1, 1]
+    assert [refused(g, r) for r in REGISTRATION_REFUSALS] == [1, 1, 1]
 
 
 def test_an_observation_of_the_model_needs_its_own_fresh_proof(caplog: pytest.LogCaptureFixture) -> None:
@@ -74,7 +74,7 @@ def test_an_observation_of_the_model_needs_its_own_fresh_proof(caplog: pytest.Lo
         g.check_observer(None)
     with pytest.raises(RegistrationRefused, match="wrong proof"):
         g.check_observer(answer(g))  # a registration proof is not an observation proof
-    assert [refused(g, r) for r in registration_auth.REASONS] == [1, 1, 1]
+    assert [refused(g, r) for r in REGISTRATION_REFUSALS] == [1, 1, 1]
     assert "refused an observation of the model" in caplog.text
     gate(None).check_observer(None)  # no secret configured (loopback only): open, as registration is
 

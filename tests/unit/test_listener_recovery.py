@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ps.listener_recovery import MAX_WAIT_S, MIN_UPTIME_S, ListenerRecovery
+from ps.lifecycle.listener_recovery import MAX_WAIT_S, MIN_UPTIME_S, ListenerRecovery
 
 
 class Ranks:

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from harness.inprocess import InProcessServer
-from ps.config import OptimizerConfig, ServerCoreConfig
-from ps.server import Contribution
-from ps.sync_rounds import RoundKeeper, SyncContribution
-from ps.workers import WorkerRecord
+from ps.api.sync_rounds import RoundKeeper, SyncContribution
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
+from ps.core.server import Contribution
+from ps.core.workers import WorkerRecord
 from rpcps.partition import imbalance, partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.tasks import mlp_25m, teacher_student_data, teacher_student_model

@@ -1,5 +1,5 @@
 """No gradient, no move: a parameter a push has no gradient for keeps its value and optimizer state,
-as ``torch.optim`` skips a parameter whose ``.grad`` is None (``ps.presence``), on the server, on a
+as ``torch.optim`` skips a parameter whose ``.grad`` is None (``ps.core.presence``), on the server, on a
 standby fed the log, across a snapshot, in a sync round, and in what the worker's stager reports."""
 
 from __future__ import annotations
@@ -9,15 +9,14 @@ import torch
 from torch import nn
 
 from harness.inprocess import assert_bit_identical, grads_like, make_server, pack
-from ps.config import OptimizerConfig
-from ps.optim import OPTIMIZERS, torch_kwargs
-from ps.presence import check_absent
-from ps.replication.log import Sequenced
+from ps.core.optim import OPTIMIZERS, OptimizerConfig, torch_kwargs
+from ps.core.presence import check_absent
+from ps.core.update_log import Sequenced
 from rpcps.errors import PushRejected
 from rpcps.signature import FlatLayout, ModelSignature
+from rpcps.sparse.embedding import SparseEmbeddingBagCollection
 from rpcps.sparse.spec import TableSpec
 from worker.device import GradientStager
-from worker.sparse_embedding import SparseEmbeddingBagCollection
 
 ADAM_WD = OptimizerConfig(name="adam", kwargs={"lr": 1e-2, "weight_decay": 0.1})
 UNUSED = (2, 3)

@@ -99,7 +99,7 @@ def test_server_command_takes_flags_over_the_env_file_over_defaults(tmp_path: Pa
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
     assert f"{REPO}/trainer_entry.py ps --listen 0.0.0.0:29500 --checkpoint-dir /from/flag --metrics-port 9401" in line
-    assert line.endswith("--control-port 9500 --optimizer sgd > /nonexistent/logs/ps.log")
+    assert line.endswith("--control-port 9500 --supervise off --optimizer sgd > /nonexistent/logs/ps.log")
 
 
 def test_workers_get_consecutive_slots_metrics_ports_and_local_ranks() -> None:
@@ -141,9 +141,9 @@ def test_store_role_starts_the_coordinator_where_the_servers_look_for_it() -> No
 def test_a_server_with_a_standby_joins_the_coordinator() -> None:
     result = dry("server", "--store", "10.0.0.9:29400", "--replicas", "2", "--metrics-port", "9401", "--control-port", "9501")
     assert result.returncode == 0, result.stderr
-    assert "--metrics-port 9401 --control-port 9501 --store 10.0.0.9:29400 --replicas 2 > " in result.stdout
+    assert "--metrics-port 9401 --control-port 9501 --store 10.0.0.9:29400 --replicas 2 --supervise off > " in result.stdout
     from_env = dry("server", env={"RPCPS_STORE": "10.0.0.9:29400", "RPCPS_REPLICAS": "2"})
-    assert "--store 10.0.0.9:29400 --replicas 2 > " in from_env.stdout
+    assert "--store 10.0.0.9:29400 --replicas 2 --supervise off > " in from_env.stdout
     alone = dry("server")
     assert "--store" not in alone.stdout and "--replicas" not in alone.stdout
 
@@ -217,6 +217,18 @@ def test_a_crashing_process_is_restarted_until_it_finishes(stub: Stub) -> None:
     assert "exited with 1 (could not start: port in use, server unreachable or I/O error); restart 1/10" in log
     assert "exited with 137 (killed by signal 9); restart 2/10" in log
     assert log.count("stub ps exits") == 3 and "ps: finished" in log
+
+
+def test_the_launcher_is_the_servers_only_restarter_and_reports_its_restarts_to_it(stub: Stub) -> None:
+    """One layer of restarts (docs/DEPLOY.md, "Who restarts what"): rpcps ps runs without its own
+    supervisor, and learns how often the launcher restarted it (rpcps_server_crash_restarts)."""
+    stub.script("ps", 137, 1, 0)
+    result = stub.run("server", "--checkpoint-dir", "/ck", env={"RPCPS_CRASH_RESTARTS": "9"})
+    assert result.returncode == 0, result.stderr
+    starts = stub.starts("ps")
+    assert all("--supervise off" in s["args"] for s in starts), [s["args"] for s in starts]
+    assert [[v for v in s["env"] if v.startswith("RPCPS_CRASH_RESTARTS=")] for s in starts] == [
+        ["RPCPS_CRASH_RESTARTS=0"], ["RPCPS_CRASH_RESTARTS=1"], ["RPCPS_CRASH_RESTARTS=2"]]
 
 
 def test_backoff_doubles_up_to_its_maximum(stub: Stub) -> None:

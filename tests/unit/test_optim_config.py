@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.config import OptimizerConfig, ServerCoreConfig
-from ps.optim import build_optimizer
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig, build_optimizer
 
 
 def test_unknown_optimizer_is_named_with_the_choices() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.pull_copies import PullCopies
+from ps.core.pull_copies import PullCopies
 
 pytestmark = pytest.mark.timeout(30)
 

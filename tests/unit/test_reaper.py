@@ -1,4 +1,4 @@
-"""The membership reaper (``ps.reaper``) judges each member's failed ping on its own, whatever the
+"""The membership reaper (``ps.lifecycle.reaper``) judges each member's failed ping on its own, whatever the
 failure, and logs a failure that repeats every sweep once, with a count (issue 24, part 5: a worker
 that exited without leaving made every sweep raise ``PeerUnknown`` before any member was judged)."""
 
@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from torch.futures import Future
 
-from ps.metrics import ServerMetrics
-from ps.reaper import MembershipReaper, RepeatedFailures
+from ps.core.metrics import ServerMetrics
+from ps.lifecycle.reaper import MembershipReaper, RepeatedFailures
 from rpcps import transport
 from rpcps.transport import calls, membership
 
@@ -91,7 +91,7 @@ def failures(metrics: ServerMetrics, kind: str) -> float:
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "ps.reaper"]
+    return [r.getMessage() for r in caplog.records if r.name == "ps.lifecycle.reaper"]
 
 
 def unknown(name: str) -> transport.PeerUnknown:
@@ -106,7 +106,7 @@ def test_peer_unknown_when_starting_a_ping_marks_that_worker_dead_and_the_sweep_
     pings["left_r1"] = raising(unknown("left_r1"))  # exited without leave; the janitor removed it
     pings["killed_r3"] = lambda: failed_with(RuntimeError("ECONNREFUSED: connection refused"))
     metrics = ServerMetrics(CollectorRegistry())
-    with caplog.at_level(logging.INFO, logger="ps.reaper"):
+    with caplog.at_level(logging.INFO, logger="ps.lifecycle.reaper"):
         reaper(roster, metrics).sweep()
     assert sorted(roster.dead) == [0, 2] and roster.alive == [1]
     assert failures(metrics, "unknown") == 1 and failures(metrics, "unreachable") == 1
@@ -122,7 +122,7 @@ def test_an_unexpected_error_from_ping_counts_as_no_answer_logged_once(
     pings["late_r2"] = lambda: failed_with(ValueError("not a RuntimeError"))  # raised while waiting for it
     metrics = ServerMetrics(CollectorRegistry())
     r = reaper(roster, metrics)
-    with caplog.at_level(logging.INFO, logger="ps.reaper"):
+    with caplog.at_level(logging.INFO, logger="ps.lifecycle.reaper"):
         for _ in range(5):
             r.sweep()
     assert roster.dead == [] and roster.silent.count(0) == 5 and roster.silent.count(1) == 5
@@ -134,7 +134,7 @@ def test_an_unexpected_error_from_ping_counts_as_no_answer_logged_once(
     assert "failed: TypeError: no;" in logged[0], "the first line of the error only"
     # Past its lease it is dead, as a member that never answers is.
     roster.workers = {slot: (inc, name, now - LEASE_S - 1) for slot, (inc, name, _) in roster.workers.items()}
-    with caplog.at_level(logging.INFO, logger="ps.reaper"):
+    with caplog.at_level(logging.INFO, logger="ps.lifecycle.reaper"):
         r.sweep()
     assert sorted(roster.dead) == [0, 1]
     assert any("odd_r1 (slot 0) has not answered" in line and "its pings failed" in line for line in lines(caplog))
@@ -147,7 +147,7 @@ def test_a_store_host_that_fails_every_sweep_is_logged_once_with_a_count(
     pings[STORE] = raising(unknown(STORE))
     metrics = ServerMetrics(CollectorRegistry())
     r = reaper(roster, metrics, store_host=STORE)
-    with caplog.at_level(logging.INFO, logger="ps.reaper"):
+    with caplog.at_level(logging.INFO, logger="ps.lifecycle.reaper"):
         for _ in range(30):
             r.sweep()
         assert not r.store_host_lost, "a name this agent does not know is not proof that the store is gone"
@@ -172,7 +172,7 @@ def test_a_roster_that_raises_for_one_member_does_not_stop_the_sweep(
     now = time.monotonic()
     roster = FakeRoster({0: ("a", "w_r1", now), 1: ("b", "w_r2", now)}, broken={0})
     r = reaper(roster)
-    with caplog.at_level(logging.INFO, logger="ps.reaper"):
+    with caplog.at_level(logging.INFO, logger="ps.lifecycle.reaper"):
         r.sweep()
         r.sweep()
     assert roster.alive == [1, 1]
@@ -181,7 +181,7 @@ def test_a_roster_that_raises_for_one_member_does_not_stop_the_sweep(
 
 def test_repeated_failures_remind_once_a_while_and_sum_up_at_the_end(caplog: pytest.LogCaptureFixture) -> None:
     repeats = RepeatedFailures(remind_s=60.0)
-    with caplog.at_level(logging.INFO, logger="ps.reaper"):
+    with caplog.at_level(logging.INFO, logger="ps.lifecycle.reaper"):
         assert repeats.failed("x\nERROR forged", "error", "E", now=0.0)
         assert not any(repeats.failed("x\nERROR forged", "error", "E", now=float(t)) for t in range(1, 121))
         assert repeats.count("x\nERROR forged") == 121

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from torch.distributed.rpc import internal
 
 from ps.config import ReplicationConfig
+from ps.core.update_log import ReplicationLog
 from ps.replication import auth, standby
 from ps.replication.auth import ReplicaRefused, attach_proof
-from ps.replication.log import ReplicationLog
 from ps.replication.metrics import ReplicationMetrics
 from ps.replication.primary import Primary
 from ps.replication.standby import Standby

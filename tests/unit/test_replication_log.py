@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from harness.inprocess import InProcessServer, grads_like, make_server, pack
-from ps.config import OptimizerConfig
-from ps.replication.log import ReorderBuffer, ReplicationLog, Sequenced
+from ps.core.optim import OptimizerConfig
+from ps.core.update_log import ReorderBuffer, ReplicationLog, Sequenced
 from rpcps.messages import Mark, Update
 
 

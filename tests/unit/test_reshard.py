@@ -1,4 +1,4 @@
-"""Resharding a stopped job's state (ps/reshard.py) and its checkpoint directory (ps/reshard_files.py),
+"""Resharding a stopped job's state (ps/checkpoints/reshard.py) and its checkpoint directory (ps/checkpoints/reshard_files.py),
 in-process on real files (no processes): parameters and Adam state move bit for bit, training
 then continues exactly as on the old shards, a retried step is still a duplicate, sparse rows
 follow their buckets, and every case that would mix or lose state is refused naming what to do."""
@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from harness.inprocess import SMALL_CHUNK_BYTES, InProcessServer, grads_like, make_model
-from ps import reshard_files
-from ps.checkpointer import Checkpointer, ResumeRefused, find_resume_point, shard_checkpoint_config
-from ps.config import CheckpointConfig, OptimizerConfig, ServerCoreConfig
-from ps.reshard import OldShard, ReshardRefused, reshard
-from ps.reshard_files import JOURNAL, reshard_directory
-from ps.snapshot_files import FINISHED_FILE, list_snapshots
+from ps.checkpoints import reshard_files
+from ps.checkpoints.checkpointer import Checkpointer, ResumeRefused, find_resume_point, shard_checkpoint_config
+from ps.checkpoints.reshard import OldShard, ReshardRefused, reshard
+from ps.checkpoints.reshard_files import JOURNAL, reshard_directory
+from ps.checkpoints.snapshot_files import FINISHED_FILE, list_snapshots
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import PushStatus
 from tests.unit.test_sparse_server import TinyModel, _rows, _train_sharded

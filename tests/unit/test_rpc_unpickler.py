@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.distributed.rpc import internal
 
+from ps.api.service import WorkerService
 from ps.control.service import ControlServicer
-from ps.server import ParameterServer
-from ps.service import WorkerService
+from ps.core.server import ParameterServer
 from rpcps import endpoints, replica_endpoints, rpc_policy
 from rpcps.messages import (
     Ack,

@@ -1,6 +1,6 @@
 """The server's optimizer over flat chunks gives what torch.optim gives on the model's own tensors, bit for bit.
 
-The reference is built with the same arguments as the server's optimizer (``ps.optim.torch_kwargs``),
+The reference is built with the same arguments as the server's optimizer (``ps.core.optim.torch_kwargs``),
 so with the same kernel: the fused CPU kernels the server uses by default round differently from
 torch's single-tensor loop in the last bit (Adam, AdamW, Adagrad), so comparing across kernels could
 only check closeness. Same kernel, same elements: what this proves is that stepping flat chunks
@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from harness.inprocess import grads_like, make_model, make_server, pack
-from ps.config import OptimizerConfig
-from ps.optim import FAST_KERNELS, OPTIMIZERS, SCHEDULES, torch_kwargs
+from ps.core.optim import FAST_KERNELS, OPTIMIZERS, SCHEDULES, OptimizerConfig, torch_kwargs
 
 STEPS = 25
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from harness.inprocess import assert_bit_identical, make_server, pack
-from ps.config import OptimizerConfig
-from ps.server import ParameterServer
+from ps.core.optim import OptimizerConfig
+from ps.core.server import ParameterServer
 from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1})

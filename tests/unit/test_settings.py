@@ -153,7 +153,7 @@ def test_a_bad_flag_is_one_line_that_names_it(capsys: pytest.CaptureFixture[str]
 
 
 def test_choices_come_from_the_registries_that_implement_them() -> None:
-    from ps.optim import OPTIMIZERS, SCHEDULES
+    from ps.core.optim import OPTIMIZERS, SCHEDULES
     from rpcps.wire import WIRE_DTYPES
 
     by_flag = {d.flag: d for d in declared(ServerRunConfig)}

@@ -11,9 +11,11 @@ import torch
 
 from harness.inprocess import InProcessServer
 from harness.snapshots import verify_all
-from ps.checkpointer import Checkpointer, ResumeRefused, find_resume_point
-from ps.config import CheckpointConfig, OptimizerConfig, ServerCoreConfig
-from ps.snapshot_files import InvalidSnapshot, list_snapshots, load_snapshot, read_manifest
+from ps.checkpoints.checkpointer import Checkpointer, ResumeRefused, find_resume_point
+from ps.checkpoints.snapshot_files import InvalidSnapshot, list_snapshots, load_snapshot, read_manifest
+from ps.config import CheckpointConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps.errors import NotPrimary
 from rpcps.tasks import teacher_student_model
 
@@ -179,7 +181,7 @@ def test_snapshot_files_load_without_executing_code(tmp_path: Path) -> None:
     path = Path(checkpointer(server, tmp_path).checkpoint_now()[0])
     torch.save({"evil": os.system}, path / "state.pt")
     manifest = json.loads((path / "manifest.json").read_text())
-    from ps.snapshot_files import _sha256
+    from ps.checkpoints.snapshot_files import _sha256
 
     manifest["files"]["state.pt"] = {"size": (path / "state.pt").stat().st_size, "sha256": _sha256(path / "state.pt")}
     (path / "manifest.json").write_text(json.dumps(manifest))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ps.snapshot_files import list_snapshots, load_snapshot, write_snapshot
+from ps.checkpoints.snapshot_files import list_snapshots, load_snapshot, write_snapshot
 from ps.sparse.admission import CountAdmissionConfig
 from ps.sparse.checkpoint import InvalidPayload, RowRecords, compact, payload_nbytes
 from ps.sparse.eviction import EvictionConfig

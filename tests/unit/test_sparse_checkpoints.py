@@ -14,12 +14,12 @@ import torch
 from prometheus_client import generate_latest
 
 from harness.inprocess import InProcessServer
-from ps import checkpointer as checkpointer_module
-from ps.checkpointer import Checkpointer, ResumeRefused, find_resume_point
-from ps.config import CheckpointConfig, SparseConfig
-from ps.snapshot_files import list_snapshots, peek_manifest, write_snapshot
-from ps.sparse_checkpoint import SPARSE_FILE, BrokenChain, read_layouts, snapshot_tables
-from ps.sparse_store import SparseStore
+from ps.checkpoints import checkpointer as checkpointer_module
+from ps.checkpoints.checkpointer import Checkpointer, ResumeRefused, find_resume_point
+from ps.checkpoints.snapshot_files import list_snapshots, peek_manifest, write_snapshot
+from ps.checkpoints.sparse_checkpoint import SPARSE_FILE, BrokenChain, read_layouts, snapshot_tables
+from ps.config import CheckpointConfig
+from ps.sparse.store import SparseConfig, SparseStore
 from rpcps.messages import PushStatus
 from tests.unit.test_sparse_server import TABLES, TinyModel, _Rows, _rows, _server, _step, _train_sharded
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from harness.sparse_eval import StoreRows
-from ps.config import SparseConfig
+from ps.checkpoints.sparse_export import TableSource, chain_slices, export_files
+from ps.sparse.store import SparseConfig, SparseStore
 from ps.sparse.table import SparseTable
-from ps.sparse_export import TableSource, chain_slices, export_files
-from ps.sparse_store import SparseStore
 from rpcps.sparse.export_files import ExportFormatError, load_table, read_manifest, write_export
 from rpcps.sparse.serving import load_export, load_rows
 from rpcps.sparse.sharding import BucketManifest

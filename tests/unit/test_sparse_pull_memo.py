@@ -181,8 +181,7 @@ def test_every_push_matches_when_each_worker_has_its_window_of_pulls_waiting(wor
 
 
 def test_the_store_applies_only_what_its_own_check_made() -> None:
-    from ps.config import SparseConfig
-    from ps.sparse_store import SparseStore
+    from ps.sparse.store import SparseConfig, SparseStore
     from rpcps.sparse.spec import TableSpec
 
     store = SparseStore((TableSpec(name="t", table_id=0, dim=4),), SparseConfig(optimizer="sgd"), 0, 1)

@@ -12,12 +12,14 @@ from prometheus_client import generate_latest
 from torch import nn
 
 from harness.inprocess import InProcessServer, pack
-from ps.config import OptimizerConfig, ServerCoreConfig, SparseConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
+from ps.sparse.store import SparseConfig
 from rpcps.errors import PushRejected
 from rpcps.messages import PushStatus
+from rpcps.sparse.embedding import NotAttached, SparseEmbeddingBagCollection
 from rpcps.sparse.spec import SparsePull, TableSpec, declared_tables
 from worker.sparse_client import SparseRouter
-from worker.sparse_embedding import NotAttached, SparseEmbeddingBagCollection
 
 TABLES = (TableSpec(name="user", table_id=0, dim=4), TableSpec(name="item", table_id=1, dim=3))
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from harness.procs import pid_alive, wait_until
-from ps import supervisor
-from ps.supervisor import Supervisor
+from ps.lifecycle import supervisor
+from ps.lifecycle.supervisor import Supervisor
 
 CHILD = textwrap.dedent(
     """

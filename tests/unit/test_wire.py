@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from harness.inprocess import InProcessServer
-from ps.config import OptimizerConfig, ServerCoreConfig
+from ps.core.config import ServerCoreConfig
+from ps.core.optim import OptimizerConfig
 from rpcps.errors import PushRejected
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.tasks import teacher_student_model

@@ -7,7 +7,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from ps.dedup import SequenceTracker
+from ps.core.dedup import SequenceTracker
 from rpcps.errors import UnknownWorker, WorkerRemoved
 
 

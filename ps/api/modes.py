@@ -4,7 +4,7 @@
 - ``bounded``: like async, but a push more than ``max_staleness`` updates old is answered ``stale``
   (not recorded as processed: the worker recomputes that step on fresh parameters).
 - ``sync``: pushes wait in a round; the round is applied as one step from the averaged gradients of
-  the live workers (``ps.sync_rounds``), and every push in it is answered when it closes.
+  the live workers (``ps.api.sync_rounds``), and every push in it is answered when it closes.
 
 A mode gets admitted pushes (deduplicated, validated, fp32) and decides when the server sequences
 them as an update (``ParameterServer.sequence_update_locked``); the server applies it once it is
@@ -23,11 +23,11 @@ from typing import Any, Protocol
 import torch
 from torch.futures import Future
 
-from ps.config import ServerCoreConfig
-from ps.server import Contribution, ParameterServer, answer
-from ps.sparse_store import CheckedPush
-from ps.sync_rounds import RoundKeeper, SyncContribution
-from ps.workers import WorkerRecord
+from ps.api.sync_rounds import RoundKeeper, SyncContribution
+from ps.core.config import ServerCoreConfig
+from ps.core.server import Contribution, ParameterServer, answer
+from ps.core.workers import WorkerRecord
+from ps.sparse.store import CheckedPush
 from rpcps.errors import ServerStopping
 from rpcps.messages import ErrorReply, Mode, PushReply, PushStatus
 
@@ -49,7 +49,7 @@ class ConsistencyMode(Protocol):
 
         ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``, in this process
         only: a server with sparse tables refuses to start with a standby, and in sync mode.
-        ``absent``: the parameters the push has no gradient for (``ps.presence``)."""
+        ``absent``: the parameters the push has no gradient for (``ps.core.presence``)."""
         ...
 
     def drop_locked(self, slot: int) -> None:

@@ -5,7 +5,7 @@ take it over (the real worker's calls are refused from then on). With a job secr
 out a fresh random challenge per registration attempt (``challenge``); the worker answers with an
 HMAC over that challenge, its slot and its RPC name (``rpcps.jobsecret``). A challenge is good once
 and for ``TTL_S``, so a proof seen on the wire cannot be replayed, for any slot or name. Without a
-job secret (allowed only on loopback, ``ps.exposure``) every registration is accepted.
+job secret (allowed only on loopback, ``ps.lifecycle.exposure``) every registration is accepted.
 
 ``observe`` (the sidecar evaluator's read-only look at the parameters) answers a challenge the same
 way, with its own HMAC purpose: the parameters are the job's model, not something to hand to anyone
@@ -19,15 +19,13 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+
+from prometheus_client import Counter
 
 from rpcps.errors import RegistrationRefused
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.logsafe import peer_text
 from rpcps.messages import RegistrationProof
-
-if TYPE_CHECKING:
-    from ps.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +33,13 @@ TTL_S = 60.0
 """How long a challenge stays good (a registration answers it within one RPC round trip)."""
 MAX_OUTSTANDING = 1024
 """Challenges kept at once; a peer asking for more only evicts the oldest (bounded memory)."""
-REASONS = ("no_proof", "unknown_challenge", "bad_proof")
-"""Why a registration was refused (a metric label)."""
 
 
 class RegistrationGate:
-    def __init__(self, secret: JobSecret | None, metrics: ServerMetrics) -> None:
+    def __init__(self, secret: JobSecret | None, refused: Counter) -> None:
+        """``refused``: counts each refusal, labelled by ``reason`` (``ps.core.metrics.REGISTRATION_REFUSALS``)."""
         self.secret = secret
-        self.metrics = metrics
+        self.refused = refused
         self._issued: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -103,11 +100,11 @@ class RegistrationGate:
             self._issued.popitem(last=False)
 
     def _refuse_observer(self, reason: str, why: str) -> None:
-        self.metrics.registrations_refused.labels(reason).inc()
+        self.refused.labels(reason).inc()
         logger.warning("refused an observation of the model: %s", why)
         raise RegistrationRefused(f"observation of the model refused: {why}")
 
     def _refuse(self, reason: str, slot: int, rpc_name: str, why: str) -> None:
-        self.metrics.registrations_refused.labels(reason).inc()
+        self.refused.labels(reason).inc()
         logger.warning("refused registration of worker slot %s by '%s': %s", peer_text(slot), peer_text(rpc_name), why)
         raise RegistrationRefused(f"registration of worker slot {slot} refused: {why}")

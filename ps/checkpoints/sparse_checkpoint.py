@@ -1,6 +1,6 @@
 """Chained checkpoints of one server's sparse tables: a full every few snapshots, a delta in between.
 
-Each snapshot directory (ps/snapshot_files.py) holds, beside ``state.pt``, a ``sparse.pt`` with
+Each snapshot directory (ps/checkpoints/snapshot_files.py) holds, beside ``state.pt``, a ``sparse.pt`` with
 either a **full** (every row of this server's buckets, one payload per table and bucket range) or a
 **delta** (per table: the rows changed since the previous snapshot and the ids evicted since;
 ps/sparse/checkpoint.py). Its manifest says which, and names the chain the sparse tables need:
@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ps.metrics import ServerMetrics
-from ps.snapshot_files import (
+from ps.checkpoints.snapshot_files import (
     STATE_FILE,
     InvalidSnapshot,
     Signer,
@@ -48,9 +47,10 @@ from ps.snapshot_files import (
     load_file,
     read_manifest,
 )
+from ps.core.metrics import ServerMetrics
 from ps.sparse.checkpoint import InvalidPayload, check_chain, payload_nbytes
+from ps.sparse.store import SparseStore
 from ps.sparse.table import Chain, ClosedFull, FullCapture
-from ps.sparse_store import SparseStore
 
 logger = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ class SparseEmbeddingBagCollection(nn.Module):
         """``{table: (unique ids, fp32 grads summed per id)}`` of the training forwards since the last
         call (one per micro-batch), after their backward; clears them. Ids whose gradient is all zeros
         are kept (the server counts them); rows whose forward got no gradient at all (its output did
-        not reach the loss) are left out, so they do not move (no gradient, no move: ``ps.presence``)."""
+        not reach the loss) are left out, so they do not move (no gradient, no move: ``ps.core.presence``)."""
         pending, self._pending = self._pending, {}
         grads: SparsePush = {}
         for name, entries in pending.items():

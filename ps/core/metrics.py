@@ -11,16 +11,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ps.admission import RejectReason
-from ps.reaper import PING_FAILURES
-from ps.registration_auth import REASONS as REGISTRATION_REFUSALS
+from ps.core.push_checks import RejectReason
 from rpcps.rpc_policy import refusal_counter, store_refusal_counter
 from rpcps.threads import BudgetGauges
 from rpcps.transport.membership import REPAIR_KINDS
 
 if TYPE_CHECKING:
-    from ps.server import UpdateApplied
+    from ps.core.update_log import UpdateApplied
     from ps.sparse.table import TableStats
+
+PING_FAILURES = ("unreachable", "unknown", "timeout", "error")
+"""How a ping failed (a metric label; ``ps.lifecycle.reaper`` sorts them): the process is gone, this
+agent does not know the name, no answer in time, anything else."""
+REGISTRATION_REFUSALS = ("no_proof", "unknown_challenge", "bad_proof")
+"""Why a registration was refused (a metric label; ``ps.api.registration_auth`` refuses them)."""
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -183,7 +187,7 @@ class ServerMetrics:
 
     def watch_sparse(self, stats: Callable[[], dict[str, TableStats]]) -> None:
         """Registers the sparse tables' series: their snapshots' and, read at scrape time, every table's
-        counters (``ps.sparse_store.SparseStore.stats``). Only a server with sparse tables calls it, so a
+        counters (``ps.sparse.store.SparseStore.stats``). Only a server with sparse tables calls it, so a
         dense job's /metrics has no ``rpcps_sparse_*`` family."""
         r = self.registry
         self.sparse_capture_seconds = Histogram(

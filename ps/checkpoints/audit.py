@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ps.server import UpdateApplied
+    from ps.core.update_log import UpdateApplied
     from rpcps.messages import View
 
 

@@ -1,7 +1,7 @@
 """The rows of a model's sparse tables for an export (rpcps/sparse/export_files.py), streamed in slices.
 
 From a checkpoint (``rpcps export``): each server's newest snapshot names a chain (a full and the
-deltas after it; ps/sparse_checkpoint.py). The chain is folded the way a restore folds it
+deltas after it; ps/checkpoints/sparse_checkpoint.py). The chain is folded the way a restore folds it
 (ps/sparse/checkpoint.py ``compact``), but without building the compacted table: the deltas (small:
 a full is due once they outweigh it) are folded into an overlay and a set of ids they replace or
 evict, and the full's records are then read one slice at a time, minus those ids, followed by the
@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from ps.snapshot_files import STATE_FILE, load_file
+from ps.checkpoints.snapshot_files import STATE_FILE, load_file
+from ps.checkpoints.sparse_checkpoint import as_chains, chain_names, read_chain
 from ps.sparse.checkpoint import (
     RowRecords,
     apply_delta,
@@ -44,7 +45,6 @@ from ps.sparse.checkpoint import (
     payload_records,
 )
 from ps.sparse.table import Chain, ClosedFull
-from ps.sparse_checkpoint import as_chains, chain_names, read_chain
 from rpcps.sparse.export_files import PartFile, TableParts, dense_file, manifest_bytes
 from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
 

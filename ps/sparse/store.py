@@ -20,12 +20,63 @@ from typing import Any
 
 import torch
 
-from ps.config import SPARSE_OPTIMIZERS, SparseConfig
 from ps.sparse import CountAdmissionConfig, EvictionConfig, RowInitConfig, SparseTable, TableConfig, TableStats
+from ps.sparse.row_optim import ROW_OPTIMIZERS
+from rpcps.settings import setting
 from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
 from rpcps.sparse.spec import SparsePull, TableSpec
 
 logger = logging.getLogger(__name__)
+
+SPARSE_OPTIMIZERS = {cls.name: cls for cls in ROW_OPTIMIZERS}  # type: ignore[attr-defined]
+
+
+@dataclass(kw_only=True, frozen=True)
+class SparseConfig:
+    """Sparse embedding tables (the tables a model declares; docs/SPARSE.md)."""
+
+    optimizer: str = setting(
+        "rowwise_adagrad", flag="--sparse-optimizer", help="row optimizer of every sparse table, applied in place on the server",
+        choices=lambda: sorted(SPARSE_OPTIMIZERS),
+    )
+    lr: float = setting(0.05, flag="--sparse-lr", help="learning rate of the sparse row optimizer")
+    init_scale: float = setting(0.01, flag="--sparse-init-scale", help="new rows start uniform in [-scale, scale) from (seed, table, id)")
+    seed: int = setting(0, flag="--sparse-seed", help="seed of the deterministic row initialisation")
+    admit_count: int | None = setting(
+        None, flag="--sparse-admit-count", help="admit an id once it was pulled this many times (count-min, 4 MiB per table); "
+        "unset admits on first sight", metavar="N",
+    )
+    ttl: int | None = setting(
+        None, flag="--sparse-ttl", help="evict rows not updated for this many updates of their table", metavar="UPDATES"
+    )
+    max_rows: int | None = setting(
+        None, flag="--sparse-max-rows", help="row cap per table on each server: a sweep above it evicts the least used down to 0.9 of it",
+        metavar="N",
+    )
+    evict_every_s: float = setting(1.0, flag="--sparse-evict-every-s", help="seconds between eviction slices (off the request path)")
+    full_every_deltas: int = setting(
+        8, flag="--sparse-full-every-deltas", help="snapshots hold a delta of the sparse tables (rows changed since the previous "
+        "one); every this many, or once the deltas outweigh the full, a full copy taken off the request path starts a new chain",
+        metavar="N",
+    )
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"sparse optimizer {self.optimizer!r} is not supported; choose one of {sorted(SPARSE_OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise ValueError(f"sparse lr must be > 0, got {self.lr}")
+        if not self.init_scale > 0:
+            raise ValueError(f"sparse init_scale must be > 0, got {self.init_scale}")
+        if self.admit_count is not None and not 1 <= self.admit_count <= 255:
+            raise ValueError(f"sparse admit_count must be in [1, 255], got {self.admit_count}")
+        if self.ttl is not None and self.ttl < 1:
+            raise ValueError(f"sparse ttl must be >= 1, got {self.ttl}")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"sparse max_rows must be >= 1, got {self.max_rows}")
+        if not self.evict_every_s > 0:
+            raise ValueError(f"sparse evict_every_s must be > 0, got {self.evict_every_s}")
+        if not 1 <= self.full_every_deltas <= 1000:
+            raise ValueError(f"sparse full_every_deltas must be in [1, 1000], got {self.full_every_deltas}")
 
 @dataclass(frozen=True)
 class CheckedPush:
@@ -142,7 +193,7 @@ class SparseStore:
     def restore(self, saved: dict[str, list[Any]]) -> None:
         """Loads saved tables into these (empty) ones, keeping the rows of this server's buckets.
 
-        ``saved``: per table, (full, deltas) chains (ps/sparse_checkpoint.py; from any number of old
+        ``saved``: per table, (full, deltas) chains (ps/checkpoints/sparse_checkpoint.py; from any number of old
         servers: their buckets are placed by this server's manifest), or bare fulls (what ``capture``
         gives). Raises ValueError on a mismatch (ps.sparse.InvalidPayload is one).
         """

@@ -1,7 +1,7 @@
 """Resharding: the captured states of S server shards turned into the states of S' shards (pure logic).
 
 Each new shard gets the parameters ``rpcps.partition`` gives it for S' shards, the same rule a fresh
-start uses. The server steps its optimizer over flat chunks (ps/optim.py), so optimizer state is
+start uses. The server steps its optimizer over flat chunks (ps/core/optim.py), so optimizer state is
 moved element by element: a state tensor shaped like its chunk is cut at the parameters' offsets in
 the old chunk and packed at their offsets in the new one, bit for bit. Any other state of a chunk
 (Adam's ``step``, a 0-dim tensor) is one value per chunk: every parameter packed into a new chunk
@@ -21,7 +21,7 @@ Per-shard progress, the rule (docs/FAULT_TOLERANCE.md, "Resharding"):
   handled here: the caller hands every new shard all of them, and each keeps its own buckets at
   restore (``SparseStore.restore``).
 
-What must not live here: reading and writing snapshot directories (ps/reshard_files.py).
+What must not live here: reading and writing snapshot directories (ps/checkpoints/reshard_files.py).
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ buffers. Parameters the model does not train (``requires_grad=False``) never rea
 not in the file: such a model loads it with ``strict=False`` and keeps those from its factory.
 
 A model with sparse tables is exported as a directory instead (rpcps/sparse/export_files.py): the
-same state_dict plus every table's ids and rows, which ``ps.sparse_export`` streams out of each
+same state_dict plus every table's ids and rows, which ``ps.checkpoints.sparse_export`` streams out of each
 server's chain of snapshots, and ``rpcps.sparse.serving.load_export`` reads back.
 
 Used by ``rpcps export`` (``cli.export``), the control plane's ``ExportModel`` (through
 ``ParameterServer.model_state``) and from Python::
 
-    from ps.export import export_checkpoint
+    from ps.checkpoints.export import export_checkpoint
     export_checkpoint("/ckpt", "model.pt")
     model.load_state_dict(torch.load("model.pt", weights_only=True))
 
@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from ps.snapshot_files import MANIFEST_FILE, InvalidSnapshot, list_snapshots, load_snapshot
+from ps.checkpoints.snapshot_files import MANIFEST_FILE, InvalidSnapshot, list_snapshots, load_snapshot
+from ps.checkpoints.sparse_checkpoint import chain_names
+from ps.checkpoints.sparse_export import checkpoint_tables, export_files
 from ps.sparse.checkpoint import InvalidPayload
-from ps.sparse_checkpoint import chain_names
-from ps.sparse_export import checkpoint_tables, export_files
 from rpcps.model_file import save_state_dict
-from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature
+from rpcps.signature import DEFAULT_CHUNK_BYTES, FlatLayout, ModelSignature, named_state
 from rpcps.sparse.export_files import DEFAULT_PART_ROWS, MANIFEST, PartFile, check_out, directory_format, write_export
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Exported:
     manifests: tuple[dict[str, Any], ...] = ()
     """Each snapshot's verified manifest, in shard order."""
     sparse: bool = False
-    """The snapshots hold sparse tables (their rows are exported by ``ps.sparse_export``)."""
+    """The snapshots hold sparse tables (their rows are exported by ``ps.checkpoints.sparse_export``)."""
 
 
 @dataclass(frozen=True)
@@ -71,16 +71,6 @@ class ExportResult:
     tensors: int
     tables: dict[str, int] | None = None
     """Rows exported per sparse table; None for a model without them (``path`` is then one file)."""
-
-
-def named_state(layout: FlatLayout, masters: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameters (from flat master chunks, in the signature's dtypes) and then buffers, by name."""
-    state = {
-        slot.spec.name: view.to(getattr(torch, slot.spec.dtype)).clone()
-        for slot, view in zip(layout.slots, layout.views(masters))
-    }
-    state.update(buffers)
-    return state
 
 
 def read_checkpoint(path: str | Path) -> Exported:

@@ -1,4 +1,6 @@
-"""A shard's replication log: every state change in index order, from sequenced to committed to applied.
+"""A shard's log of applied updates: every state change in index order, from sequenced to committed to
+applied, and the ``UpdateApplied`` event each applied update tells its listeners (metrics, checkpointer,
+audit, the primary). The core keeps it; ``ps.replication`` ships it to a standby.
 
 The primary *sequences* an entry under the server's lock (it gets the next index and, for an update,
 the next version), *commits* it once the standby holds it (or at once without a standby in the
@@ -30,6 +32,25 @@ from torch.futures import Future
 from rpcps.messages import LogEntry, Update
 
 
+@dataclass(frozen=True)
+class UpdateApplied:
+    """Told to every ``on_applied`` listener, under the lock, in version order."""
+
+    version: int
+    step_seconds: float
+    applied: tuple[tuple[int, int, int], ...]
+    """(slot, step, staleness) of every contribution."""
+    grad_bytes: int
+    epoch: int = 0
+    """The epoch of the primary that sequenced the update."""
+    stamp: float | None = None
+    """Unix time of the check that allowed this apply (a primary's lease check): what the ledger records."""
+    mirrored: bool = False
+    """Applied by a standby following its primary (not served to anyone yet)."""
+    sparse_rows: int = 0
+    """Sparse rows this update changed."""
+
+
 @dataclass(eq=False)
 class Sequenced:
     """One entry in this process's log, with what only this process needs beside the shipped record."""
@@ -44,7 +65,7 @@ class Sequenced:
     on_release: Callable[[], None] | None = None
     """Called once nobody needs the entry any more (a sync round's sum buffers go back to the pool)."""
     sparse: Any = None
-    """An update's checked sparse rows (``ps.sparse_store.CheckedPush``): applied by this process
+    """An update's checked sparse rows (``ps.sparse.store.CheckedPush``): applied by this process
     only, never shipped (a server with sparse tables runs without a standby)."""
 
     @property

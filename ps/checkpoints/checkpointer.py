@@ -7,7 +7,7 @@ at a time: a periodic trigger that fires during a write is folded into the next 
 
 Sparse tables are not copied whole under the lock: each snapshot holds a delta of them (the rows
 touched since the previous snapshot) chained to an earlier full, and a full is copied by this
-module's thread between snapshots, off the request path (ps/sparse_checkpoint.py). The purge keeps
+module's thread between snapshots, off the request path (ps/checkpoints/sparse_checkpoint.py). The purge keeps
 every snapshot a kept snapshot's chain needs.
 
 A failed write (full disk, read-only or vanished directory) is logged and counted, leaves the
@@ -26,12 +26,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ps.audit import AuditLog
-from ps.config import CheckpointConfig
-from ps.metrics import ServerMetrics
-from ps.reshard import ReshardRefused
-from ps.reshard_files import JOURNAL, journal_of, layout_dir, layouts
-from ps.snapshot_files import (
+from ps.checkpoints.audit import AuditLog
+from ps.checkpoints.reshard import ReshardRefused
+from ps.checkpoints.reshard_files import JOURNAL, journal_of, layout_dir, layouts
+from ps.checkpoints.snapshot_files import (
     FINISHED_FILE,
     InvalidSnapshot,
     Signer,
@@ -45,7 +43,7 @@ from ps.snapshot_files import (
     write_json_durably,
     write_snapshot,
 )
-from ps.sparse_checkpoint import (
+from ps.checkpoints.sparse_checkpoint import (
     MANIFEST_KEY,
     SPARSE_FILE,
     BrokenChain,
@@ -54,18 +52,20 @@ from ps.sparse_checkpoint import (
     chain_names,
     read_chain,
 )
-from ps.sparse_store import SparseStore
+from ps.config import CheckpointConfig
+from ps.core.metrics import ServerMetrics
+from ps.sparse.store import SparseStore
 from rpcps import failpoints
 from rpcps.errors import NotPrimary
 from rpcps.signature import ModelSignature
 
 if TYPE_CHECKING:
-    from ps.server import UpdateApplied
+    from ps.core.update_log import UpdateApplied
 
 logger = logging.getLogger(__name__)
 
 class Snapshottable(Protocol):
-    """What the checkpointer needs of the server (``ps.server.ParameterServer``)."""
+    """What the checkpointer needs of the server (``ps.core.server.ParameterServer``)."""
 
     version: int
     mirroring: bool
@@ -251,7 +251,7 @@ class Checkpointer:
 
     def _prepare_sparse(self) -> None:
         """Under the write lock: copies a due sparse full off the request path (see
-        ps/sparse_checkpoint.py); the apply path takes no capture meanwhile, so the next one closes it."""
+        ps/checkpoints/sparse_checkpoint.py); the apply path takes no capture meanwhile, so the next one closes it."""
         if self.sparse is None or not self.sparse.full_due():
             return
         with self._handoff:
@@ -451,7 +451,7 @@ def shard_checkpoint_config(config: CheckpointConfig, shard_index: int, shard_co
     A directory holding snapshots of another shard count is refused, whatever --resume says:
     resuming from it would mix parameters or partitions, and starting fresh beside it (``never``)
     would leave two layouts no later resume can choose between. ``rpcps reshard`` converts it
-    (ps/reshard_files.py); while a conversion is unfinished, the directory is refused too.
+    (ps/checkpoints/reshard_files.py); while a conversion is unfinished, the directory is refused too.
     """
     if config.directory is None:
         return config

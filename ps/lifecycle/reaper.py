@@ -38,13 +38,8 @@ from rpcps.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
-PING_FAILURES = ("unreachable", "unknown", "timeout", "error")
-"""How a ping failed (a metric label): the process is gone, this agent does not know the name, no
-answer in time, anything else."""
-
-
 class Roster(Protocol):
-    """The server's view of its workers that the reaper reads and updates (``ps.service.WorkerService``)."""
+    """The server's view of its workers that the reaper reads and updates (``ps.api.service.WorkerService``)."""
 
     def take_retired_rpc_names(self) -> list[str]: ...
 
@@ -71,7 +66,7 @@ class MembershipReaper:
         """``store_host``: the RPC name of the member hosting the group's store (this process's own
         name when it hosts it: then there is nothing to watch). ``secret``: the job's, which the store's
         host demands as proof before it drops a member. ``failures``: counts failed pings, labelled
-        by kind (``PING_FAILURES``)."""
+        by kind (``ps.core.metrics.PING_FAILURES``)."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.roster = roster
@@ -151,7 +146,7 @@ _COUNTED = "; while it lasts, repeats are counted and logged once a minute"
 
 
 def failure_kind(error: BaseException) -> str:
-    """The ``PING_FAILURES`` label of a failed ping."""
+    """The ``ps.core.metrics.PING_FAILURES`` label of a failed ping."""
     if isinstance(error, transport.PeerUnreachable):
         return "unreachable"
     if isinstance(error, transport.PeerUnknown):

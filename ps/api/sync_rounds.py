@@ -19,7 +19,7 @@ import torch
 @dataclass(frozen=True)
 class SyncContribution:
     contribution: Any
-    """The server's record of the push (``ps.server.Contribution``)."""
+    """The server's record of the push (``ps.core.server.Contribution``)."""
     reply: Any
     """The torch Future the worker's RPC waits on."""
 
@@ -37,7 +37,7 @@ class SyncRound:
     opened: float = field(default_factory=time.monotonic)
     contributions: dict[int, SyncContribution] = field(default_factory=dict)
     absent: int = -1
-    """Parameters no contribution had a gradient for (``ps.presence``): the AND of their masks
+    """Parameters no contribution had a gradient for (``ps.core.presence``): the AND of their masks
     (-1, every bit, until the first contribution)."""
 
     def missing(self) -> set[int]:

@@ -1,6 +1,6 @@
 """A built-in CTR task that needs no download: a Criteo-shaped generator and a DLRM-style model.
 
-Select it with ``--model worker.ctr:dlrm_model --data worker.ctr:ctr_data --loss worker.ctr:bce_loss``
+Select it with ``--model rpcps.examples.ctr:dlrm_model --data rpcps.examples.ctr:ctr_data --loss rpcps.examples.ctr:bce_loss``
 (``ctr_data_small``: batches of 256 instead of 4096, for tests and quick runs).
 
 **Data.** Each sample has 13 dense features (standard normal) and 26 categorical ones, one id each.
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rpcps.model_device import model_device
+from rpcps.sparse.embedding import SparseEmbeddingBagCollection
 from rpcps.sparse.hashing import derive_key, keyed_hash, standard_normal
 from rpcps.sparse.spec import TableSpec
-from worker.sparse_embedding import SparseEmbeddingBagCollection
 
 DENSE = 13
 TABLES = 26

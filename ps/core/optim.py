@@ -7,12 +7,14 @@ model's own tensors, which gives the same result only when every update is eleme
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from ps.config import OptimizerConfig
+from rpcps.settings import setting
+
+DEFAULT_LR = 3e-3
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -96,3 +98,45 @@ def build_optimizer(
         except (TypeError, ValueError) as e:
             raise ValueError(f"lr schedule {config.schedule!r} rejected its settings {config.schedule_kwargs}: {e}") from e
     return optimizer, schedule
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """Optimizer (one, on the server)."""
+
+    name: str = setting("adam", flag="--optimizer", help="the server's optimizer", choices=lambda: sorted(OPTIMIZERS))
+    kwargs: dict[str, Any] | None = setting(
+        None,
+        flag="--optimizer-args",
+        help="keyword arguments of the torch.optim class as JSON, e.g. '{\"lr\":0.1,\"momentum\":0.9,\"nesterov\":true}' "
+        f"(unset: {{\"lr\": {DEFAULT_LR}}})",
+        metavar="JSON",
+    )
+    lr: float | None = setting(None, help="learning rate; overrides lr in --optimizer-args")
+    schedule: str | None = setting(
+        None, flag="--lr-schedule", help="learning-rate schedule stepped once per applied update", choices=lambda: sorted(SCHEDULES)
+    )
+    schedule_kwargs: dict[str, Any] | None = setting(
+        None, flag="--lr-schedule-args", help="schedule keyword arguments as JSON, e.g. '{\"T_max\":1000}'", metavar="JSON"
+    )
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.name!r} is not supported; choose one of {sorted(OPTIMIZERS)}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_kwargs(OPTIMIZERS[self.name], self.optimizer_kwargs, f"optimizer {self.name!r}")
+        if self.schedule is not None:
+            if self.schedule not in SCHEDULES:
+                raise ValueError(f"lr schedule {self.schedule!r} is not supported; choose one of {sorted(SCHEDULES)}")
+            check_kwargs(SCHEDULES[self.schedule], self.schedule_kwargs or {}, f"lr schedule {self.schedule!r}")
+        elif self.schedule_kwargs:
+            raise ValueError("schedule_kwargs given without a schedule (--lr-schedule-args needs --lr-schedule)")
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """What the torch.optim class is built with: the JSON arguments, with --lr on top."""
+        kwargs = dict(self.kwargs) if self.kwargs is not None else {"lr": DEFAULT_LR}
+        if self.lr is not None:
+            kwargs["lr"] = self.lr
+        return kwargs

@@ -21,7 +21,7 @@ The child learns from its environment that it is supervised (``CHILD_ENV``: a pr
 directory the supervisor removes when it exits, where the child marks itself serving and keeps its
 restart snapshots when there is no checkpoint directory) and how often it was restarted.
 
-Run by ``ps.runner`` as ``python -P ps/supervisor.py -- <the child's command line>``: as a script,
+Run by ``ps.runner`` as ``python -P ps/lifecycle/supervisor.py -- <the child's command line>``: as a script,
 so the parent never imports the ``ps`` package (nor torch).
 """
 
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-logger = logging.getLogger("ps.supervisor")
+logger = logging.getLogger("ps.lifecycle.supervisor")
 
 CHILD_ENV = "RPCPS_SUPERVISOR_DIR"
 RESTARTS_ENV = "RPCPS_CRASH_RESTARTS"

@@ -2,8 +2,8 @@
 
 Reads the newest valid snapshot of every old shard (an invalid one is skipped and logged, never
 moved: this directory is not ours to tidy until the conversion commits), redistributes them
-(ps/reshard.py), writes one snapshot per new shard with the usual commit protocol
-(ps/snapshot_files.py), then moves the old layout aside into ``resharded-from-S-<unix time>/``,
+(ps/checkpoints/reshard.py), writes one snapshot per new shard with the usual commit protocol
+(ps/checkpoints/snapshot_files.py), then moves the old layout aside into ``resharded-from-S-<unix time>/``,
 where it stays until the user deletes it. Sparse tables: every old shard's chain is read, and each
 new shard's snapshot holds all of their rows in its ``state.pt`` (each new server keeps its own
 buckets at restore; its first snapshot is a full of only those, and the purge drops this one later).
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ps.reshard import OldShard, ReshardRefused, reshard
-from ps.snapshot_files import (
+from ps.checkpoints.reshard import OldShard, ReshardRefused, reshard
+from ps.checkpoints.snapshot_files import (
     FINISHED_FILE,
     PREFIX,
     InvalidSnapshot,
@@ -37,7 +37,7 @@ from ps.snapshot_files import (
     write_json_durably,
     write_snapshot,
 )
-from ps.sparse_checkpoint import MANIFEST_KEY, TableChains, as_chains, read_chain
+from ps.checkpoints.sparse_checkpoint import MANIFEST_KEY, TableChains, as_chains, read_chain
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import DEFAULT_CHUNK_BYTES, ModelSignature
 

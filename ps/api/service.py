@@ -1,8 +1,8 @@
 """The worker API of one server (``rpcps.endpoints.WorkerApi``), and its roster for the reaper.
 
 A push goes: count it, find its slot's registration, drop it if its (slot, step) was processed
-already, validate it (``ps.admission``, outside the lock), then hand it to the consistency mode
-(``ps.modes``), which sequences it; the server applies it once committed. Every refusal leaves the
+already, validate it (``ps.core.push_checks``, outside the lock), then hand it to the consistency mode
+(``ps.api.modes``), which sequences it; the server applies it once committed. Every refusal leaves the
 parameters bit-identical and is counted by reason; a refused or skipped step is still recorded as
 processed through the log (a ``Mark``), so a standby knows it too.
 
@@ -21,13 +21,13 @@ from typing import Any, Protocol
 import torch
 from torch.futures import Future
 
-from ps.admission import Admission, Refused, RejectReason, SkipNonfinite
-from ps.modes import ConsistencyMode, done, make_mode
-from ps.registration_auth import RegistrationGate
-from ps.server import ParameterServer, answer
-from ps.snapshot_files import SnapshotInfo
-from ps.sparse_store import BadSparse, CheckedPush
-from ps.workers import WorkerRecord
+from ps.api.modes import ConsistencyMode, done, make_mode
+from ps.api.registration_auth import RegistrationGate
+from ps.checkpoints.snapshot_files import SnapshotInfo
+from ps.core.push_checks import Admission, Refused, RejectReason, SkipNonfinite
+from ps.core.server import ParameterServer, answer
+from ps.core.workers import WorkerRecord
+from ps.sparse.store import BadSparse, CheckedPush
 from rpcps import failpoints
 from rpcps.errors import (
     ERROR_TYPES,
@@ -64,7 +64,7 @@ _REGISTRATION_WAIT_S = 30.0
 
 
 class Durability(Protocol):
-    """How a finishing worker's steps are made to survive a crash (``ps.checkpointer.Checkpointer``)."""
+    """How a finishing worker's steps are made to survive a crash (``ps.checkpoints.checkpointer.Checkpointer``)."""
 
     def ensure_durable(self, version: int) -> SnapshotInfo: ...
 
@@ -74,7 +74,7 @@ class Durability(Protocol):
 class WorkerService:
     def __init__(self, server: ParameterServer, mode: ConsistencyMode | None = None, gate: RegistrationGate | None = None) -> None:
         self.server = server
-        self.gate = gate or RegistrationGate(None, server.metrics)
+        self.gate = gate or RegistrationGate(None, server.metrics.registrations_refused)
         """Who may register (the job secret); without one, anyone who reaches the RPC port."""
         self.durability: Durability | None = None
         """Set once resume is done when the server checkpoints; None: nothing is durable."""
@@ -155,7 +155,7 @@ class WorkerService:
         and a pull, the per-call cost that dominates small models. ``sparse`` is the push's sparse
         part (``rpcps.sparse.spec``): checked with the dense part and applied in the same update, so
         the (slot, step) deduplication covers both. ``absent`` is the push's presence mask: the
-        parameters that got no gradient, which the update leaves as they are (``ps.presence``).
+        parameters that got no gradient, which the update leaves as they are (``ps.core.presence``).
         """
         answered = self._submit(slot, incarnation, seq, base_version, chunks, loss, sparse, absent)
         if have_version is None:

@@ -6,16 +6,16 @@ progress) and is never held across network or disk I/O: pushes are validated bef
 pulls copy a snapshot under it and send after it is released, checkpoints copy under it and write
 after.
 
-Every change of replicated state goes through the log (``ps.replication.log``): it is *sequenced*
+Every change of replicated state goes through the log (``ps.core.update_log``): it is *sequenced*
 under the lock (an index, and for an update the version it will produce), *committed* (at once, or
 once the standby holds it) and *applied* in index order by ``apply_committed_locked``, the one
 function both a primary and its standby apply with, so their states are bit-identical at every
 version. Whoever holds the lock may apply what is committed; the futures of what it applied are
 completed after the lock is released (that sends the replies).
 
-What lives elsewhere: the worker API and deduplication (``ps.service``), push validation
-(``ps.admission``), the consistency modes (``ps.modes``), and everything that watches the server
-through the small interfaces below: the model's buffers (``ps.buffers``), ``on_applied`` listeners (metrics, audit ledger, checkpoint
+What lives elsewhere: the worker API and deduplication (``ps.api.service``), push validation
+(``ps.core.push_checks``), the consistency modes (``ps.api.modes``), and everything that watches the server
+through the small interfaces below: the model's buffers (``ps.core.buffers``), ``on_applied`` listeners (metrics, audit ledger, checkpoint
 trigger), ``capture_state``/``restore_state`` (the checkpointer) and ``status`` (control plane,
 progress log, summary).
 """
@@ -34,23 +34,22 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from ps.buffers import BufferStore
-from ps.config import ServerCoreConfig
-from ps.dedup import SequenceTracker
-from ps.export import named_state
-from ps.metrics import ServerMetrics
-from ps.optim import build_optimizer, load_state
-from ps.presence import HeldSlices
-from ps.pull_copies import PullCopies
-from ps.replication.log import ReplicationLog, Sequenced
+from ps.core.buffers import BufferStore
+from ps.core.config import ServerCoreConfig
+from ps.core.dedup import SequenceTracker
+from ps.core.metrics import ServerMetrics
+from ps.core.optim import build_optimizer, load_state
+from ps.core.presence import HeldSlices
+from ps.core.pull_copies import PullCopies
+from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
+from ps.core.workers import WorkerRecord, WorkerTable
+from ps.sparse.store import CheckedPush, SparseStore
 from ps.sparse.table import ClosedFull
-from ps.sparse_store import CheckedPush, SparseStore
-from ps.workers import WorkerRecord, WorkerTable
 from rpcps import threads
 from rpcps.errors import NotPrimary
 from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Update
 from rpcps.partition import partition_digest, shard_signature
-from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, persistent_buffers
+from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, named_state, persistent_buffers
 from rpcps.sparse.spec import declared_tables
 from rpcps.wire import to_dense_fp32, wire_dtype
 
@@ -67,25 +66,6 @@ class Contribution:
     staleness: int
     buffers: list[torch.Tensor] | None = None
     """The model buffers the push carried; the update that applies it makes them the server's."""
-
-
-@dataclass(frozen=True)
-class UpdateApplied:
-    """Told to every ``on_applied`` listener, under the lock, in version order."""
-
-    version: int
-    step_seconds: float
-    applied: tuple[tuple[int, int, int], ...]
-    """(slot, step, staleness) of every contribution."""
-    grad_bytes: int
-    epoch: int = 0
-    """The epoch of the primary that sequenced the update."""
-    stamp: float | None = None
-    """Unix time of the check that allowed this apply (a primary's lease check): what the ledger records."""
-    mirrored: bool = False
-    """Applied by a standby following its primary (not served to anyone yet)."""
-    sparse_rows: int = 0
-    """Sparse rows this update changed."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +208,7 @@ class ParameterServer:
         """Under the lock: the next optimizer step, from ``grads`` (the fp32 form of ``chunks``); with
         ``buffers``, the model buffers that become the server's with it; with ``sparse``, the sparse
         rows it changes (applied here only: not shipped to a standby, see ``ps.runner``); ``absent``, the
-        parameters it leaves as they are (``ps.presence``)."""
+        parameters it leaves as they are (``ps.core.presence``)."""
         self._check_primary_locked()
         log = self.log
         entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers, absent)
@@ -340,7 +320,7 @@ class ParameterServer:
 
     def params_for_pull_locked(self) -> list[torch.Tensor]:
         """Under the lock: the parameters in the wire dtype, one copy per version shared by every
-        worker that pulls it (the RPC layer sends it after the lock is released; ``ps.pull_copies``)."""
+        worker that pulls it (the RPC layer sends it after the lock is released; ``ps.core.pull_copies``)."""
         return self._pull_copies.for_version(self.version, self._masters)
 
     # ---- snapshots -------------------------------------------------------------------------------
@@ -358,7 +338,7 @@ class ParameterServer:
         """``capture_state`` for a caller that holds the lock already (an ``on_applied`` listener).
 
         ``include_sparse=False`` leaves the sparse tables out, for a caller that captures them its own
-        way under the same lock hold (the checkpointer's deltas, ps/sparse_checkpoint.py).
+        way under the same lock hold (the checkpointer's deltas, ps/checkpoints/sparse_checkpoint.py).
         """
         state = {
             "masters": [m.detach().clone() for m in self._masters],
@@ -417,14 +397,14 @@ class ParameterServer:
 
     def model_state(self) -> tuple[int, dict[str, torch.Tensor]]:
         """The version and this server's part of the model as a state_dict: parameters in the model's
-        own dtypes, then buffers (export; ``ps.export``). Copied under the lock, converted after it."""
+        own dtypes, then buffers (export; ``ps.checkpoints.export``). Copied under the lock, converted after it."""
         with self.lock:
             version, masters, buffers = self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
         return version, named_state(self.layout, masters, buffers)
 
     def model_export(self) -> tuple[int, dict[str, torch.Tensor], dict[str, list[ClosedFull]]]:
         """``model_state`` and, at the same version, a full capture of every sparse table, closed and
-        ready to stream (``ps.sparse_export.live_tables``). The tables are copied in slices under each
+        ready to stream (``ps.checkpoints.sparse_export.live_tables``). The tables are copied in slices under each
         table's own lock first; the closing step under the server's lock copies the rows changed
         since the last delta snapshot (docs/SPARSE.md, "Export and serving")."""
         store = self.sparse

@@ -12,7 +12,7 @@ says what that costs and what it does not promise.
 With shards, shard 0 holds every buffer (``rpcps.partition.shard_signature``). A model without
 buffers has an empty store: pushes carry nothing extra and nothing here runs per push.
 
-What must not live here: validation of gradients (``ps.admission``), the lock (the server's; the
+What must not live here: validation of gradients (``ps.core.push_checks``), the lock (the server's; the
 ``*_locked`` methods run under it).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ps.admission import Refused, RejectReason, SkipNonfinite
+from ps.core.push_checks import Refused, RejectReason, SkipNonfinite
 from rpcps.signature import ParamSpec
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ps.presence import check_absent
+from ps.core.presence import check_absent
 from rpcps.errors import PushRejected
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.wire import Chunk, check_chunk, to_dense_fp32, values_of
@@ -58,7 +58,7 @@ class Admission:
     def check(self, slot: int, seq: int, chunks: Any, absent: Any = 0) -> list[torch.Tensor] | SkipNonfinite:
         """The fp32 gradient chunks of a valid push, or SkipNonfinite; raises Refused.
 
-        ``absent`` is the push's presence mask (``ps.presence``): an int with a bit per parameter."""
+        ``absent`` is the push's presence mask (``ps.core.presence``): an int with a bit per parameter."""
         self._check_layout(slot, seq, chunks)
         if absent:
             problem = check_absent(absent, len(self.layout.slots))

@@ -1,0 +1,77 @@
+"""The core's settings: the optimizer, the sparse tables, the consistency mode, the wire and the slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ps.core.optim import OptimizerConfig
+from ps.sparse.store import SparseConfig
+from rpcps.messages import Mode
+from rpcps.settings import setting
+from rpcps.signature import DEFAULT_CHUNK_BYTES
+from rpcps.wire import WIRE_DTYPES
+
+_MIB = 1024 * 1024
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerCoreConfig:
+    """Parameters and updates."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    mode: Mode = setting(
+        Mode.ASYNC,
+        help="async: apply every push; bounded: refuse pushes staler than --max-staleness (the worker recomputes them); "
+        "sync: one step per round from the averaged gradients of the live workers",
+    )
+    max_staleness: int | None = setting(
+        None, help="with --mode bounded: the largest staleness (in updates) an applied gradient may have", metavar="K"
+    )
+    round_timeout_s: float = setting(30.0, help="with --mode sync: close a round this long after it opened, with whoever contributed")
+    min_workers: int = setting(
+        1, help="with --mode sync: rounds wait (up to --round-timeout-s) for this many workers; local sets it to --workers"
+    )
+    wire_dtype: str = setting(
+        "fp32",
+        help="dtype of gradients and parameters on the wire; the server keeps fp32 masters and optimizer state",
+        choices=lambda: list(WIRE_DTYPES),
+    )
+    on_nonfinite: str = setting(
+        "reject", help="NaN/Inf gradients: reject (an error on the worker) or skip (drop and count)", choices=lambda: ["reject", "skip"]
+    )
+    chunk_bytes: int = setting(
+        DEFAULT_CHUNK_BYTES,
+        flag="--chunk-mb",
+        help="largest wire chunk in MiB (parameters are packed into chunks of at most this size)",
+        parse=lambda text: int(float(text) * _MIB),
+        show=lambda value: f"{value / _MIB:g}",
+    )
+    max_workers: int = setting(256, help="worker slots 0..N-1 this server accepts")
+    shard_index: int = setting(0, help="this server's shard (shard 0 hosts the group's store at --listen)")
+    shard_count: int = setting(1, flag="--shards", help="number of server shards the parameters are split over")
+
+    def __post_init__(self) -> None:
+        if self.mode not in set(Mode):
+            raise ValueError(f"mode must be async, bounded or sync, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode(self.mode))  # a plain string from code becomes the enum
+        if self.mode == Mode.BOUNDED and self.max_staleness is None:
+            raise ValueError("mode 'bounded' needs max_staleness (--max-staleness K)")
+        if self.mode != Mode.BOUNDED and self.max_staleness is not None:
+            raise ValueError("max_staleness applies to mode 'bounded' only (--mode bounded --max-staleness K)")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype {self.wire_dtype!r} is not supported; choose one of {sorted(WIRE_DTYPES)}")
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
+        if self.round_timeout_s <= 0:
+            raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
+        if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
+            raise ValueError(f"shard_index must be in [0, shards), got {self.shard_index} of {self.shard_count}")
+        if self.on_nonfinite not in ("reject", "skip"):
+            raise ValueError(f"on_nonfinite must be 'reject' or 'skip', got {self.on_nonfinite!r}")
+        if self.chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be >= 1024 (--chunk-mb 0.001), got {self.chunk_bytes}")
+        if not 1 <= self.max_workers <= 32000:
+            raise ValueError(f"max_workers must be in [1, 32000], got {self.max_workers}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
