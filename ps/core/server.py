@@ -155,6 +155,7 @@ class ParameterServer:
         predicting = config.mode != Mode.SYNC and config.optimizer.name in PREDICTED_OPTIMIZERS and config.predict_ahead > 0
         self.prediction = WeightPrediction(self._masters, config.predict_ahead) if predicting else None
         """Pulls get the parameters moved ahead by the expected staleness (``ps.core.prediction``), or None."""
+        self._observe_copies = PullCopies(self.wire)
         self._running = threading.Event()
         self._running.set()
         self.stopping = False
@@ -340,6 +341,14 @@ class ParameterServer:
 
         return self._pull_copies.for_version(version, self._masters, write)
 
+    def params_for_observe_locked(self) -> list[torch.Tensor]:
+        """Under the lock: the parameters as they are, for an observer that scores the model (the
+        evaluator): never predicted. Their own copies when pulls are predicted (a copy serves one
+        content per version)."""
+        if self.prediction is None:
+            return self.params_for_pull_locked()
+        return self._observe_copies.for_version(self.version, self._masters)
+
     # ---- snapshots -------------------------------------------------------------------------------
 
     def capture_state(self) -> tuple[int, dict[str, Any]]:
@@ -410,6 +419,7 @@ class ParameterServer:
             if self.buffers and "buffers" in state:  # a snapshot from before buffers were kept has none
                 self.buffers.restore_locked(state["buffers"])
             self._pull_copies.invalidate()
+            self._observe_copies.invalidate()
             if self.prediction is not None:
                 self.prediction.forget_locked()
         self.metrics.version.set(self.version)

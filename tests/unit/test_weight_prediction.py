@@ -78,3 +78,13 @@ def test_a_bf16_wire_gets_the_prediction_rounded_once() -> None:
 def test_predict_ahead_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match=r"predict_ahead must be in \[0, 8\]"):
         make_server(ADAM, predict_ahead=-1.0)
+
+
+def test_an_observer_gets_the_parameters_as_they_are_while_pulls_are_predicted() -> None:
+    """The sidecar evaluator scores the model, not where it is predicted to go."""
+    server, incarnation, _, after = _pushed(2.0, [0, 1, 1])
+    pulled = server.pull(0, incarnation, -1).chunks
+    observed = server.observe(-1).chunks
+    assert all(torch.equal(got, now) for got, now in zip(observed, after))
+    assert not all(torch.equal(got, now) for got, now in zip(pulled, after))
+    assert not all(torch.equal(got, now) for got, now in zip(server.pull(0, incarnation, -1).chunks, after)), "the pull copy was not replaced"
