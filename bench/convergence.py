@@ -21,7 +21,8 @@ For an example and a budget of ``--batches`` training batches (the example's bat
 from it (the rpcps runs load the example through a two-line module written into the scratch
 directory that passes the seed on).
 
-Nothing is pinned that the product does not pin (threads are torch's defaults in every process).
+Nothing is pinned that the product does not pin (threads: torch's defaults in the one process, the
+host budget of rpcps.threads in every rpcps process).
 Prints the table (markdown) on stderr as it goes and one JSON object on stdout at the end; the
 targets are checked on the mean over the seeds and printed under the table (issue 27): async with 1
 worker within 2 % bits per character (charlm) or 0.3 accuracy points (digits) of one process at

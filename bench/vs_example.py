@@ -87,15 +87,20 @@ def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> fl
     return run_local(argv, run_dir, interval_s=0.5, scrape_workers=False).steady_updates_per_s()
 
 
-def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
-    run = run_by_hand(root / tag, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra)
+def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str], *, server_session: bool = False) -> float:
+    """``server_session``: the server in a session of its own (``setsid``), as ``local`` starts every child;
+    this kernel's autogroup scheduling shares CPU time between sessions first (docs/BENCHMARKS.md)."""
+    wrapper = (lambda argv: ["setsid", *argv]) if server_session else None
+    run = run_by_hand(root / tag, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra,
+                      server_wrapper=wrapper)
     return run.steady_updates_per_s()
 
 
-SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "hand")
+SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "hand", "hand-setsid")
 """What ``--sides`` may name: the one process, the example design (each of --example-transports),
 ``local`` with SGD, with its defaults, and with its defaults but weight prediction off (what the
-default staleness remedy costs), and rpcps started by hand with SGD."""
+default staleness remedy costs), and rpcps started by hand with SGD (``hand-setsid``: its server in a
+session of its own)."""
 
 
 def main() -> int:
@@ -127,6 +132,10 @@ def main() -> int:
         sides["rpcps defaults (Adam), --predict-ahead 0"] = lambda i: rpcps(preset, args.workers, root, f"adam-np-{i}", ["--predict-ahead", "0"])
     if "hand" in wanted:
         sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
+    if "hand-setsid" in wanted:
+        sides["rpcps by hand, server in its own session"] = lambda i: rpcps_by_hand(
+            preset, args.workers, root, f"hand-setsid-{i}", SGD_ARGS, server_session=True
+        )
     runs: dict[str, list[float]] = {name: [] for name in sides}
     started = time.monotonic()
     for i in range(args.repeats):
