@@ -5,6 +5,7 @@
     python -m bench.convergence --example digits --workers 1,2 --modes async --batches 200   # quick look
     python -m bench.convergence --example charlm --modes async --workers 1,2 --no-reference \
         --local-args "--max-in-flight 1 --prefetch-pull off"                 # rpcps with other settings
+    python -m bench.convergence --example charlm --seeds 0,1                 # two model/data seeds each
 
 For an example and a budget of ``--batches`` training batches (the example's batch size each):
 
@@ -16,12 +17,18 @@ For an example and a budget of ``--batches`` training batches (the example's bat
   exported from it (``ps.checkpoints.export``), buffers included, and scored on the held-out set.
   ``bounded`` uses ``--max-staleness K``.
 
+``--seeds`` runs every row once per seed: the model's initialisation and the data order both come
+from it (the rpcps runs load the example through a two-line module written into the scratch
+directory that passes the seed on).
+
 Nothing is pinned that the product does not pin (threads: torch's defaults in the one process, the
 host budget of rpcps.threads in every rpcps process).
 Prints the table (markdown) on stderr as it goes and one JSON object on stdout at the end; the
-targets (issue 13) are checked and printed under the table: async with 2 workers within 1 accuracy
-point (digits) or 3 % bits per character (charlm) of one process at equal samples, and sync equal to
-one process with the same global batch (same tolerances).
+targets are checked on the mean over the seeds and printed under the table (issue 27): async with 1
+worker within 2 % bits per character (charlm) or 0.3 accuracy points (digits) of one process at
+equal samples, with 2 workers within 5 % (digits: 0.3 points), with 4 workers no worse than sync
+with the same global batch (digits: within 0.3 points of one process); and sync equal to one
+process with the same global batch (3 %, 1 point).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit_json
+from bench.common import child_env, emit_json
 from bench.reference_train import RunConfig, train
 from ps.checkpoints.export import read_checkpoint
 from rpcps import examples
@@ -59,21 +66,33 @@ class Row:
     """Batches per optimizer step."""
     scores: dict[str, float]
     seconds: float
+    seed: int = 0
 
 
-def reference(example: str, batches: int, streams: int, per_step: int) -> Row:
+def seeded_module(example: str, seed: int, work: Path) -> str:
+    """A module in ``work`` whose ``model``/``data`` are the example's with ``seed``; returns its name."""
+    name = f"seeded_{example}_{seed}"
+    (work / f"{name}.py").write_text(
+        f"from rpcps.examples import {example} as _example\n\n\n"
+        f"def model():\n    return _example.model(seed={seed})\n\n\n"
+        f"def data(worker_index, num_workers):\n    return _example.data(worker_index, num_workers, seed={seed})\n"
+    )
+    return name
+
+
+def reference(example: str, batches: int, streams: int, per_step: int, seed: int = 0) -> Row:
     recipe = examples.load(example).RECIPE
     started = time.monotonic()
     run = train(RunConfig(example=example, steps=batches // per_step, optimizer=recipe.optimizer, lr=recipe.lr,
-                          batches_per_step=per_step, streams=streams))
+                          batches_per_step=per_step, streams=streams, seed=seed))
     final = {k: v for k, v in run.report["final"].items() if k not in ("step", "train_seconds", "train_loss")}
-    return Row("one process", streams, "one process", batches // per_step, per_step, final, time.monotonic() - started)
+    return Row("one process", streams, "one process", batches // per_step, per_step, final, time.monotonic() - started, seed)
 
 
-def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, local_args: list[str]) -> Row:
-    module = f"rpcps.examples.{example}"
+def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, local_args: list[str], seed: int = 0) -> Row:
+    module = f"rpcps.examples.{example}" if seed == 0 else seeded_module(example, seed, work)
     recipe = examples.load(example).RECIPE
-    run_dir = work / f"{example}-{mode}-{workers}"
+    run_dir = work / f"{example}-{mode}-{workers}-seed{seed}"
     steps = batches // workers
     argv = [
         sys.executable, str(REPO / "trainer_entry.py"), "local", "--workers", str(workers), "--steps", str(steps),
@@ -86,46 +105,57 @@ def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, l
         argv += ["--max-staleness", str(workers)]
     argv += local_args
     started = time.monotonic()
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=3600, check=False)
+    env = child_env(str(work)) if seed else None
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=3600, check=False, env=env)
     seconds = time.monotonic() - started
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     model = examples.load(example).model()
     model.load_state_dict(read_checkpoint(run_dir / "ckpt").state_dict)
     label = " ".join([mode, *local_args])
-    return Row("rpcps", workers, label, steps, workers if mode == "sync" else 1, examples.load(example).evaluate(model), seconds)
+    return Row("rpcps", workers, label, steps, workers if mode == "sync" else 1, examples.load(example).evaluate(model), seconds, seed)
 
 
 def check_targets(example: str, rows: list[Row]) -> list[str]:
-    """One line per target: the figures compared and whether the target is met."""
+    """One line per target, on the mean over the seeds: the figures compared and whether the target is met."""
     metric = METRIC[example]
     lines = []
 
-    def find(setup: str, mode: str, workers: int, global_batch: int) -> Row | None:
-        return next((r for r in rows if (r.setup, r.mode, r.workers, r.global_batch) == (setup, mode, workers, global_batch)), None)
+    def find(setup: str, mode: str, workers: int, global_batch: int) -> float | None:
+        found = [r.scores[metric] for r in rows
+                 if (r.setup, r.mode.split(" ")[0], r.workers, r.global_batch) == (setup, mode, workers, global_batch)]
+        return sum(found) / len(found) if found else None
 
-    def compare(what: str, ours: Row | None, base: Row | None) -> None:
+    def compare(what: str, ours: float | None, base: float | None, against: str, within: float) -> None:
+        """``within``: accuracy points (digits) or a fraction of bits per character (charlm)."""
         if ours is None or base is None:
             return
-        a, b = ours.scores[metric], base.scores[metric]
         if metric == "accuracy":
-            met, gap = b - a <= 0.01, f"{100 * (a - b):+.2f} points"
+            met, gap = base - ours <= within / 100, f"{100 * (ours - base):+.2f} points"
         else:
-            met, gap = a <= b * 1.03, f"{100 * (a / b - 1):+.2f} %"
-        lines.append(f"{'MET   ' if met else 'MISSED'} {what}: {metric} {a:.4f} vs one process {b:.4f} ({gap})")
+            met, gap = ours <= base * (1 + within), f"{100 * (ours / base - 1):+.2f} %"
+        lines.append(f"{'MET   ' if met else 'MISSED'} {what}: {metric} {ours:.4f} vs {against} {base:.4f} ({gap})")
 
-    compare("async, 2 workers, equal samples", find("rpcps", "async", 2, 1), find("one process", "one process", 2, 1))
+    charlm = metric == "bits_per_char"
+    for workers, within in ((1, 0.02 if charlm else 0.3), (2, 0.05 if charlm else 0.3)):
+        compare(f"async, {workers} worker(s), equal samples", find("rpcps", "async", workers, 1),
+                find("one process", "one process", workers, 1), "one process", within)
+    if charlm:
+        compare("async, 4 workers, no worse than sync", find("rpcps", "async", 4, 1), find("rpcps", "sync", 4, 4), "sync", 0.0)
+    else:
+        compare("async, 4 workers, equal samples", find("rpcps", "async", 4, 1), find("one process", "one process", 4, 1),
+                "one process", 0.3)
     for workers in sorted({r.workers for r in rows if r.mode == "sync"}):
         compare(f"sync, {workers} workers, same global batch", find("rpcps", "sync", workers, workers),
-                find("one process", "one process", workers, workers))
+                find("one process", "one process", workers, workers), "one process", 0.03 if charlm else 1.0)
     return lines
 
 
 def table(example: str, rows: list[Row]) -> str:
     metric = METRIC[example]
-    head = f"| setup | workers | steps | global batch | held-out {metric} | held-out loss | wall s |\n|---|---|---|---|---|---|---|"
+    head = f"| setup | workers | seed | steps | global batch | held-out {metric} | held-out loss | wall s |\n|---|---|---|---|---|---|---|---|"
     body = [
-        f"| {r.mode} | {r.workers} | {r.steps} | {r.global_batch} | {r.scores[metric]:.4f} | {r.scores['loss']:.4f} | {r.seconds:.0f} |"
+        f"| {r.mode} | {r.workers} | {r.seed} | {r.steps} | {r.global_batch} | {r.scores[metric]:.4f} | {r.scores['loss']:.4f} | {r.seconds:.0f} |"
         for r in rows
     ]
     return "\n".join([head, *body])
@@ -139,25 +169,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help="rpcps modes, comma-separated")
     p.add_argument("--local-args", default="", help="more `rpcps local` flags for every rpcps run (a variant's row is labelled with them)")
     p.add_argument("--no-reference", action="store_true", help="leave out the one-process rows")
+    p.add_argument("--seeds", default="0", help="model/data seeds, comma-separated: every row runs once per seed")
     a = p.parse_args(argv)
     batches = a.batches or DEFAULT_BATCHES[a.example]
     counts = [int(k) for k in a.workers.split(",")]
     modes = [m for m in a.modes.split(",") if m]
+    seeds = [int(s) for s in a.seeds.split(",")]
     rows: list[Row] = []
 
     def add(row: Row) -> None:
         rows.append(row)
-        print(f"{row.mode:>11} x{row.workers} steps {row.steps:>4} batch {row.global_batch}: {row.scores} ({row.seconds:.0f}s)",
+        print(f"seed {row.seed} {row.mode:>11} x{row.workers} steps {row.steps:>4} batch {row.global_batch}: {row.scores} ({row.seconds:.0f}s)",
               file=sys.stderr, flush=True)
 
-    for k in counts if not a.no_reference else []:
-        add(reference(a.example, batches, k, 1))
-        if "sync" in modes and k > 1:
-            add(reference(a.example, batches, k, k))
+    for seed in seeds:
+        for k in counts if not a.no_reference else []:
+            add(reference(a.example, batches, k, 1, seed))
+            if "sync" in modes and k > 1:
+                add(reference(a.example, batches, k, k, seed))
     with tempfile.TemporaryDirectory(prefix="rpcps-convergence-") as work:
-        for mode in modes:
-            for k in counts:
-                add(rpcps_run(a.example, batches, k, mode, Path(work), shlex.split(a.local_args)))
+        for seed in seeds:
+            for mode in modes:
+                for k in counts:
+                    add(rpcps_run(a.example, batches, k, mode, Path(work), shlex.split(a.local_args), seed))
     targets = check_targets(a.example, rows)
     print(table(a.example, rows), *targets, sep="\n", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"example": a.example, "batches": batches, "rows": [r.__dict__ for r in rows], "targets": targets}

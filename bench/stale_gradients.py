@@ -1,14 +1,20 @@
-"""One plain process whose gradients are N updates old: what staleness alone costs an example.
+"""One plain process whose gradients are N updates old: what staleness alone costs, and what each remedy wins back.
 
     python -m bench.stale_gradients --example charlm --delay 1      # ~1 min on two cores
     python -m bench.stale_gradients --example digits --delay 2
+    python -m bench.stale_gradients --example charlm --delay 2 --predict --eval-at 100,200
 
-Step t computes its gradient on the parameters (and buffers) of step t - N and applies it to the
-current ones, with the example's recipe (optimizer and learning rate, built by the server's own
+Step t computes its gradient on the parameters (and buffers) served at step t - N and applies it to
+the current ones, with the example's recipe (optimizer and learning rate, built by the server's own
 ``ps.core.optim``) and its data order for one worker. That is what an async worker sees when its
 gradient is N updates old, without any process, RPC or other worker, so it tells staleness apart
 from everything else rpcps does. ``--delay 0`` is ``bench.reference_train``'s one-process run.
-Prints one JSON object: the settings and the held-out scores.
+
+The remedies (``rpcps.staleness``, the functions the server applies; any may be combined):
+``--lr-scale`` (lr / (1 + tau)), ``--dc-lambda`` (DC-ASGD-a), ``--gap-aware``, ``--predict`` (the
+served parameters moved ahead by the delay with Adam's moments), ``--warmup W`` (the first W steps
+fresh), ``--beta1`` (Adam's first-moment decay). Prints one JSON object: the settings, the held-out
+scores at the end (and at each ``--eval-at`` step) and the seconds the training steps took.
 """
 
 from __future__ import annotations
@@ -16,13 +22,23 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import time
 from collections import deque
 
 import torch
 
 from bench.common import emit_json
 from ps.core.optim import OptimizerConfig, build_optimizer
-from rpcps import examples, plugins
+from rpcps import examples, plugins, staleness
+
+
+def _served(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ahead: float) -> dict[str, torch.Tensor]:
+    """What a pull returns now: the model's state, its parameters moved ``ahead`` steps when predicting."""
+    state = copy.deepcopy(model.state_dict())
+    if ahead:
+        for name, p in model.named_parameters():
+            state[name] = staleness.predict(p.detach(), staleness.adam_view(optimizer, p), ahead)
+    return state
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,20 +46,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--example", required=True, choices=examples.NAMES)
     p.add_argument("--delay", type=int, default=1, help="updates a gradient is old when applied (>= 0)")
     p.add_argument("--steps", type=int, help="default: the example's RECIPE")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+    p.add_argument("--eval-at", default="", help="comma-separated steps to also score the held-out set at")
+    p.add_argument("--lr-scale", action="store_true", help="learning rate / (1 + staleness)")
+    p.add_argument("--dc-lambda", type=float, default=0.0, help="DC-ASGD-a's lambda0 (0: off)")
+    p.add_argument("--gap-aware", action="store_true", help="gradient / (1 + |gap| / running RMS of steps)")
+    p.add_argument("--predict", nargs="?", type=float, const=-1.0, default=0.0, metavar="AHEAD",
+                   help="served parameters moved AHEAD Adam steps ahead (no value: the delay; Adam only)")
+    p.add_argument("--warmup", type=int, default=0, help="the first W steps use fresh gradients")
+    p.add_argument("--beta1", type=float, help="Adam's beta1 (default: torch's 0.9)")
+    p.add_argument("--lr", type=float, help="default: the example's RECIPE")
     a = p.parse_args(argv)
     if a.delay < 0:
         p.error("--delay must be >= 0")
     example = examples.load(a.example)
     recipe = example.RECIPE
     steps = a.steps or recipe.steps
-    model, stale = example.model(seed=0), example.model(seed=0)
+    eval_at = {int(s) for s in a.eval_at.split(",") if s}
+    model, stale = example.model(seed=a.seed), example.model(seed=a.seed)
     loss_fn = plugins.load_loss(recipe.loss)
-    optimizer, _ = build_optimizer(OptimizerConfig(name=recipe.optimizer, kwargs={"lr": recipe.lr}), list(model.parameters()))
-    batches = iter(example.data(0, 1))
-    history: deque[dict[str, torch.Tensor]] = deque([copy.deepcopy(model.state_dict())], maxlen=a.delay + 1)
-    for _ in range(steps):
+    lr = a.lr or recipe.lr
+    kwargs: dict = {"lr": lr}
+    if a.beta1 is not None:
+        kwargs["betas"] = (a.beta1, 0.999)
+    optimizer, _ = build_optimizer(OptimizerConfig(name=recipe.optimizer, kwargs=kwargs), list(model.parameters()))
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    step_rms = [staleness.StepRms(p_.detach()) for p_ in params] if a.gap_aware else []
+    batches = iter(example.data(0, 1, seed=a.seed))
+    ahead = a.delay if a.predict == -1.0 else a.predict
+    history: deque[dict[str, torch.Tensor]] = deque([_served(model, optimizer, ahead)], maxlen=a.delay + 1)
+    scores: dict[str, dict[str, float]] = {}
+    train_s = 0.0
+    for t in range(steps):
+        started = time.perf_counter()
         inputs, targets = next(batches)
-        stale.load_state_dict(history[0])
+        fresh = t < a.warmup
+        served = copy.deepcopy(model.state_dict()) if fresh else history[0]
+        tau = 0 if fresh else len(history) - 1
+        stale.load_state_dict(served)
         stale.zero_grad()
         loss_fn(stale(inputs), targets).backward()
         # The stale copy's forward pass updated its buffers (BatchNorm): those become the model's, as
@@ -51,12 +92,29 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             for (_, b), (_, s) in zip(model.named_buffers(), stale.named_buffers()):
                 b.copy_(s)
-        for p_, s_ in zip(model.parameters(), stale.parameters()):
-            p_.grad = s_.grad
-        optimizer.step()
-        history.append(copy.deepcopy(model.state_dict()))
-    report = {"example": a.example, "delay": a.delay, "steps": steps, "optimizer": recipe.optimizer, "lr": recipe.lr,
-              "held_out": example.evaluate(model)}
+            for i, (p_, s_) in enumerate(zip(params, stale.parameters())):
+                g = s_.grad
+                if tau and a.dc_lambda:
+                    g = g + staleness.dc_asgd(g, p_, served[names[i]], staleness.adam_view(optimizer, p_), a.dc_lambda)
+                if tau and a.gap_aware:
+                    g = g / staleness.gap_aware(g, p_, served[names[i]], step_rms[i].rms())
+                p_.grad = g
+            before = [p_.detach().clone() for p_ in params] if a.gap_aware else []
+            scale = staleness.lr_scale(tau) if a.lr_scale else 1.0
+            for group in optimizer.param_groups:
+                group["lr"] = lr * scale
+            optimizer.step()
+            for rms, b, p_ in zip(step_rms, before, params):
+                rms.record(b, p_)
+        history.append(_served(model, optimizer, ahead))
+        train_s += time.perf_counter() - started
+        if t + 1 in eval_at and t + 1 < steps:
+            scores[str(t + 1)] = example.evaluate(model)
+    scores[str(steps)] = example.evaluate(model)
+    report = {"example": a.example, "delay": a.delay, "steps": steps, "seed": a.seed, "optimizer": recipe.optimizer,
+              "lr": lr, "lr_scale": a.lr_scale, "dc_lambda": a.dc_lambda, "gap_aware": a.gap_aware,
+              "predict": ahead, "warmup": a.warmup, "beta1": a.beta1, "train_s": round(train_s, 2),
+              "held_out": scores[str(steps)], "held_out_at": scores}
     emit_json(report)
     return 0
 

@@ -96,10 +96,11 @@ def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str
     return run.steady_updates_per_s()
 
 
-SIDES = ("one", "example", "local-sgd", "local-adam", "hand", "hand-setsid")
+SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "hand", "hand-setsid")
 """What ``--sides`` may name: the one process, the example design (each of --example-transports),
-``local`` with SGD and with its defaults, and rpcps started by hand with SGD (``hand-setsid``: its
-server in a session of its own)."""
+``local`` with SGD, with its defaults, and with its defaults but weight prediction off (what the
+default staleness remedy costs), and rpcps started by hand with SGD (``hand-setsid``: its server in a
+session of its own)."""
 
 
 def main() -> int:
@@ -127,6 +128,8 @@ def main() -> int:
         sides["rpcps defaults, --optimizer sgd"] = lambda i: rpcps(preset, args.workers, root, f"sgd-{i}", SGD_ARGS)
     if "local-adam" in wanted:
         sides["rpcps defaults (Adam)"] = lambda i: rpcps(preset, args.workers, root, f"adam-{i}", [])
+    if "local-adam-unpredicted" in wanted:
+        sides["rpcps defaults (Adam), --predict-ahead 0"] = lambda i: rpcps(preset, args.workers, root, f"adam-np-{i}", ["--predict-ahead", "0"])
     if "hand" in wanted:
         sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
     if "hand-setsid" in wanted:

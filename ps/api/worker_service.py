@@ -270,7 +270,7 @@ class WorkerService:
         server, config = self.server, self.server.config
         with server.lock:
             fresh = have_version != server.version
-            chunks = server.params_for_pull_locked() if fresh else None
+            chunks = server.params_for_observe_locked() if fresh else None
             buffers = server.buffers.for_pull_locked() if fresh else None
             version = server.version
         return Observation(

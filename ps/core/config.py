@@ -12,6 +12,8 @@ from rpcps.signature import DEFAULT_CHUNK_BYTES
 from rpcps.wire import WIRE_DTYPES
 
 _MIB = 1024 * 1024
+DEFAULT_PREDICT_AHEAD = 1.0
+MAX_PREDICT_AHEAD = 8.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -31,6 +33,12 @@ class ServerCoreConfig:
     round_timeout_s: float = setting(30.0, help="with --mode sync: close a round this long after it opened, with whoever contributed")
     min_workers: int = setting(
         1, help="with --mode sync: rounds wait (up to --round-timeout-s) for this many workers; local sets it to --workers"
+    )
+    predict_ahead: float = setting(
+        DEFAULT_PREDICT_AHEAD,
+        help="async and bounded with adam/adamw: pulls get the parameters moved ahead along the last update by this many "
+        "times the recent mean staleness, where the push will land (weight prediction; 0: off; docs/EXAMPLES.md)",
+        metavar="FACTOR",
     )
     wire_dtype: str = setting(
         "fp32",
@@ -73,5 +81,7 @@ class ServerCoreConfig:
             raise ValueError(f"chunk_bytes must be >= 1024 (--chunk-mb 0.001), got {self.chunk_bytes}")
         if not 1 <= self.max_workers <= 32000:
             raise ValueError(f"max_workers must be in [1, 32000], got {self.max_workers}")
+        if not 0 <= self.predict_ahead <= MAX_PREDICT_AHEAD:
+            raise ValueError(f"predict_ahead must be in [0, {MAX_PREDICT_AHEAD:g}] (0 turns weight prediction off), got {self.predict_ahead}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")

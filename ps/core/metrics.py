@@ -84,6 +84,11 @@ class ServerMetrics:
         self.step_seconds = Histogram(
             "rpcps_server_optimizer_step_seconds", "Time of one optimizer step.", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.prediction_ahead = Gauge(
+            "rpcps_server_prediction_ahead_updates",
+            "Updates ahead the newest pulled parameters were moved by weight prediction (--predict-ahead; 0: served as they are).",
+            registry=r,
+        )
         self.version = Gauge("rpcps_server_model_version", "Updates applied to the model since it was created.", registry=r)
         self.in_flight = Gauge("rpcps_server_pushes_in_flight", "Pushes being validated or applied now.", registry=r)
         self.thread_budget = BudgetGauges(r, "server")

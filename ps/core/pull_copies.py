@@ -21,6 +21,7 @@ serialisation until TensorPipe's write completes). tests/unit/ps/core/test_pull_
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -39,10 +40,13 @@ class PullCopies:
         self._current: list[torch.Tensor] | None = None
         self._version = -1
 
-    def for_version(self, version: int, masters: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Under the server's lock: the copy of ``masters`` at ``version`` (made on the first ask)."""
+    def for_version(
+        self, version: int, masters: list[torch.Tensor], write: Callable[[list[torch.Tensor]], None] | None = None
+    ) -> list[torch.Tensor]:
+        """Under the server's lock: the copy of ``masters`` at ``version`` (made on the first ask);
+        ``write``, when given, fills the buffers instead of a plain copy (weight prediction)."""
         if version != self._version or self._current is None:
-            self._current = self._fill(masters)
+            self._current = self._fill(masters, write)
             self._version = version
         return self._current
 
@@ -55,19 +59,26 @@ class PullCopies:
         """Buffer sets held (the current one and those that were being sent at the last new version)."""
         return len(self._sets)
 
-    def _fill(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _fill(self, masters: list[torch.Tensor], write: Callable[[list[torch.Tensor]], None] | None) -> list[torch.Tensor]:
         idle = [s for s in self._sets if s is not self._current and self._idle(s)]
         if idle:
             dropped = idle[1:]
             self._sets = [s for s in self._sets if not any(s is x for x in dropped)]
             target = idle[0]
             del idle, dropped
+        elif write is None:
+            target = [m.detach().to(self.dtype, copy=True) for m in masters]
+            self._sets.append(target)
+            return target
+        else:
+            target = [torch.empty_like(m, dtype=self.dtype) for m in masters]
+            self._sets.append(target)
+        if write is not None:
+            write(target)
+        else:
             with torch.no_grad():
                 for buffer, master in zip(target, masters):
                     buffer.copy_(master)
-            return target
-        target = [m.detach().to(self.dtype, copy=True) for m in masters]
-        self._sets.append(target)
         return target
 
     @staticmethod

@@ -39,6 +39,7 @@ from ps.core.config import ServerCoreConfig
 from ps.core.dedup import SequenceTracker
 from ps.core.metrics import ServerMetrics
 from ps.core.optim import build_optimizer, load_state
+from ps.core.prediction import PREDICTED_OPTIMIZERS, WeightPrediction
 from ps.core.presence import HeldSlices
 from ps.core.pull_copies import PullCopies
 from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
@@ -151,6 +152,10 @@ class ParameterServer:
         self.pull_bytes = sum(self.layout.chunk_numels) * self.wire.itemsize
         """Parameter bytes a full pull sends (buffers aside)."""
         self._pull_copies = PullCopies(self.wire)
+        predicting = config.mode != Mode.SYNC and config.optimizer.name in PREDICTED_OPTIMIZERS and config.predict_ahead > 0
+        self.prediction = WeightPrediction(self._masters, config.predict_ahead) if predicting else None
+        """Pulls get the parameters moved ahead by the expected staleness (``ps.core.prediction``), or None."""
+        self._observe_copies = PullCopies(self.wire)
         self._running = threading.Event()
         self._running.set()
         self.stopping = False
@@ -269,6 +274,8 @@ class ParameterServer:
         for master, grad in zip(self._masters, grads):
             master.grad = grad
         held = HeldSlices(self.layout, self._masters, self.optimizer, update.absent) if update.absent else None
+        if self.prediction is not None:
+            self.prediction.before_step_locked()
         self.optimizer.step()
         if held is not None:
             held.restore()
@@ -283,6 +290,8 @@ class ParameterServer:
         now = time.monotonic()
         if update.buffers is not None:
             self.buffers.replace_locked(update.buffers)
+        if self.prediction is not None:
+            self.prediction.after_step_locked(self.version, [staleness for *_, staleness in update.contributions])
         for slot, seq, loss, _ in update.contributions:
             record = self.workers.records[slot]
             record.tracker.mark(seq)
@@ -322,8 +331,25 @@ class ParameterServer:
 
     def params_for_pull_locked(self) -> list[torch.Tensor]:
         """Under the lock: the parameters in the wire dtype, one copy per version shared by every
-        worker that pulls it (the RPC layer sends it after the lock is released; ``ps.core.pull_copies``)."""
-        return self._pull_copies.for_version(self.version, self._masters)
+        worker that pulls it (the RPC layer sends it after the lock is released; ``ps.core.pull_copies``);
+        with weight prediction, moved ahead by the expected staleness (``ps.core.prediction``)."""
+        prediction = self.prediction
+        if prediction is None:
+            return self._pull_copies.for_version(self.version, self._masters)
+        version = self.version
+
+        def write(targets: list[torch.Tensor]) -> None:
+            self.metrics.prediction_ahead.set(prediction.write(targets, version))
+
+        return self._pull_copies.for_version(version, self._masters, write)
+
+    def params_for_observe_locked(self) -> list[torch.Tensor]:
+        """Under the lock: the parameters as they are, for an observer that scores the model (the
+        evaluator): never predicted. Their own copies when pulls are predicted (a copy serves one
+        content per version)."""
+        if self.prediction is None:
+            return self.params_for_pull_locked()
+        return self._observe_copies.for_version(self.version, self._masters)
 
     # ---- snapshots -------------------------------------------------------------------------------
 
@@ -397,6 +423,9 @@ class ParameterServer:
             if self.buffers and "buffers" in state:  # a snapshot from before buffers were kept has none
                 self.buffers.restore_locked(state["buffers"])
             self._pull_copies.invalidate()
+            self._observe_copies.invalidate()
+            if self.prediction is not None:
+                self.prediction.forget_locked()
         self.metrics.version.set(self.version)
 
     def model_state(self) -> tuple[int, dict[str, torch.Tensor]]:

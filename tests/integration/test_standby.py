@@ -86,12 +86,19 @@ def test_a_standby_applies_every_update_bit_identically(procs: ProcessGroup, tmp
 def test_kill_9_of_the_primary_loses_nothing_and_applies_nothing_twice(procs: ProcessGroup, tmp_path: Path) -> None:
     """The standby notices the crash, promotes itself (epoch 1 -> 2) and serves; the workers resend
     what was not acknowledged. The ledger proves one history: versions 1..N once each, every
-    (slot, step) once, and the final version is workers x steps."""
+    (slot, step) once, and the final version is workers x steps.
+
+    On defaults (Adam, async) with the default staleness remedy: pulls are moved ahead by weight
+    prediction (ps.core.prediction) on the primary and, after the kill, on the promoted standby; it
+    changes only what pulls send, so the digests (parameters + optimizer state + version) the two
+    replicas wrote for the same version still agree."""
     port, [(a, ma), (b, mb)] = _start_pair(procs, tmp_path)
     workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "400", *PACED)[0] for i in range(2)]
-    wait_until(lambda: _scrape(ma, "rpcps_server_model_version") >= 150, 90, "150 updates")
+    wait_until(lambda: _scrape(ma, "rpcps_server_model_version") >= 150 and _scrape(ma, "rpcps_server_prediction_ahead_updates") > 0,
+               90, "150 updates with predicted pulls")
     killed_at = time.time()
     a.kill()
+    wait_until(lambda: _scrape(mb, "rpcps_server_prediction_ahead_updates") > 0, 60, "the promoted standby to predict its pulls")
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert _scrape(mb, "rpcps_server_model_version") == 800
     assert _scrape(mb, "rpcps_replica_role") == 2 and _scrape(mb, "rpcps_replica_epoch") == 2
@@ -101,6 +108,7 @@ def test_kill_9_of_the_primary_loses_nothing_and_applies_nothing_twice(procs: Pr
     report = check_ledger(tmp_path / "audit.log")
     assert report.problems == [], report.problems[:5]
     assert report.final_version == 800
+    assert report.digests_compared >= 10, f"compared {report.digests_compared} digests"
     assert [p[1] for p in report.promotions][:1] == [2]
     recovery = recovery_after(report, killed_at, a.pid)
     assert recovery is not None
