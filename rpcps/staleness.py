@@ -137,7 +137,7 @@ def extrapolate_into(out: torch.Tensor, now: torch.Tensor, previous: torch.Tenso
     After an Adam step with a constant learning rate this is ``predict`` (the last step was
     ``-lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)`` with the moments Adam holds
     now), up to rounding, at a fraction of its cost; the server predicts this way
-    (tests/unit/test_staleness.py checks the two agree).
+    (tests/unit/rpcps/test_staleness.py checks the two agree).
     """
     torch.lerp(previous, now, 1.0 + ahead, out=out)
 
