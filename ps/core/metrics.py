@@ -81,6 +81,10 @@ class ServerMetrics:
         self.step_seconds = Histogram(
             "rpcps_server_optimizer_step_seconds", "Time of one optimizer step.", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.delta_norm = Gauge(
+            "rpcps_server_local_steps_delta_norm", "L2 norm of the newest parameter delta received (--mode local-steps; this shard's part).",
+            registry=r,
+        )
         self.version = Gauge("rpcps_server_model_version", "Updates applied to the model since it was created.", registry=r)
         self.in_flight = Gauge("rpcps_server_pushes_in_flight", "Pushes being validated or applied now.", registry=r)
         self.thread_budget = BudgetGauges(r, "server")
