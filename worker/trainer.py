@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rpcps import plugins, threads, transport
+from rpcps import failpoints, plugins, threads, transport
 from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
@@ -499,6 +499,7 @@ class Trainer:
                 payload = [*payload, *self.model_buffers.for_push()]
             part = None if sparse is None else sparse[link.index]
             self._send(_InFlight(step.index, link.index, link.version, buffers, loss, step.batch, payload, sparse=part, absent=absent))
+        failpoints.hit("worker.after_push")
         self._end_step(step, comm, loss)
 
     def skip_step(self, step: Step) -> None:
