@@ -206,6 +206,9 @@ class Training:
     @property
     def optimizer(self) -> StepOptimizer:
         """A ``torch.optim.Optimizer`` facade for code that calls ``step()`` / ``zero_grad()`` itself."""
+        if self._trainer is not None and self._trainer.local_steps is not None:
+            # Its step() pushes; a round needs H real inner steps first (docs/API.md, local steps).
+            raise RuntimeError("in --mode local-steps your own inner optimizer steps: end each round with step.push()")
         if self._optimizer is None:
             self._optimizer = StepOptimizer(self)
         return self._optimizer
