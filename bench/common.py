@@ -315,6 +315,13 @@ class HandRun:
         return (at(t1) - at(t0)) / (t1 - t0)
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def run_by_hand(
     run_dir: Path,
     *,
@@ -330,6 +337,7 @@ def run_by_hand(
     scrape_all: bool = False,
     timeout_s: float = 900,
     server_wrapper: Callable[[list[str]], list[str]] | None = None,
+    on_sample: Callable[[dict[str, int], float | None], None] | None = None,
 ) -> HandRun:
     """A server and ``workers`` workers started as separate processes, the way README's "Running it on a
     cluster" starts them on one host: no ``local``, no thread flag, no thread environment.
@@ -337,7 +345,9 @@ def run_by_hand(
     ``extra`` goes to the server (its optimizer). With ``late_worker_at`` (a fraction of the
     ``workers * steps`` updates), one more worker (slot ``workers``) is started by hand once the server
     has applied that many. ``server_wrapper`` rewrites the server's command line (to run it in a
-    cgroup: harness.cgroups.enter_argv). The only flags beyond the README's are ports (so the sampler
+    cgroup: harness.cgroups.enter_argv). ``on_sample`` gets, at every sample, the pid of every process
+    by name (``ps`` the serving process, ``ps-supervisor`` its parent) and the server's applied updates
+    (None before it answers). The only flags beyond the README's are ports (so the sampler
     can find the endpoints) and a summary file per process. Raises if a process fails.
     """
     from rpcps.ports import free_port
@@ -391,6 +401,13 @@ def run_by_hand(
                 if f"rpcps_{role}_host_processes" in values:
                     host.setdefault(name, []).append((now, values[f"rpcps_{role}_host_processes"]))
                     threads.setdefault(name, []).append((now, values[f"rpcps_{role}_intra_op_threads"]))
+            if on_sample is not None:
+                pids = {name: p.pid for name, p in procs.items() if name != "ps"}
+                pids["ps-supervisor"] = procs["ps"].pid
+                serving = _children(procs["ps"].pid)  # rpcps ps supervises itself: the server is its child
+                if serving:
+                    pids["ps"] = serving[0]
+                on_sample(pids, updates[-1][1] if updates else None)
             if late_worker_at is not None and late_at is None and updates and updates[-1][1] >= late_worker_at * workers * steps:
                 late_at = now
                 start(f"worker{workers}", worker_argv(workers, late_worker_steps or steps))

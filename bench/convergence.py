@@ -20,7 +20,8 @@ For an example and a budget of ``--batches`` training batches (the example's bat
   recipe's lr on the inner AdamW, DiLoCo's outer Nesterov SGD; it is checked against sync with the
   same K (within 5 %, issue 27).
 
-Nothing is pinned that the product does not pin (threads are torch's defaults in every process).
+Nothing is pinned that the product does not pin (threads: torch's defaults in the one process, the
+host budget of rpcps.threads in every rpcps process).
 Prints the table (markdown) on stderr as it goes and one JSON object on stdout at the end; the
 targets (issue 13) are checked and printed under the table: async with 2 workers within 1 accuracy
 point (digits) or 3 % bits per character (charlm) of one process at equal samples, and sync equal to

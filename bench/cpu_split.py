@@ -3,6 +3,7 @@
 
     python -m bench.cpu_split --preset tiny     # the 22k MLP of bench.vs_example, 2 workers x 3000 steps
     python -m bench.cpu_split --preset 5m
+    python -m bench.cpu_split --preset 5m --hand   # with rpcps started by hand beside local
 
 On a machine whose cores are shared by every process of a run, updates/s can not exceed
 cores / (the sum over the processes of CPU-seconds per update): once every core is busy, only less
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import REPO, STEADY_FROM, STEADY_TO, child_env, local_argv, print_table
+from bench.common import REPO, STEADY_FROM, STEADY_TO, child_env, local_argv, print_table, run_by_hand
 from bench.profile_run import cpu_seconds
 from bench.vs_example import PRESETS, SGD_ARGS, Preset, example_argv
 from rpcps.scrape import try_scrape
@@ -155,12 +156,21 @@ def rpcps_side(p: Preset, workers: int, root: Path, interval_s: float, extra: li
     return steady_split([(t, usage, n) for t, usage, n in samples.rows if n is not None])
 
 
+def hand_side(p: Preset, workers: int, root: Path, interval_s: float) -> Split:
+    """rpcps started by hand (bench.common.run_by_hand: no ``local``, every process's budget its own)."""
+    samples = CpuSamples()
+    run_by_hand(root / f"hand{len(list(root.iterdir()))}", model=p.model, data=p.data, loss=p.loss, workers=workers,
+                steps=p.steps, extra=SGD_ARGS, interval_s=interval_s, on_sample=samples.record)
+    return steady_split([(t, usage, n) for t, usage, n in samples.rows if n is not None])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_split", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, help="steps per worker (default: the preset's)")
     parser.add_argument("--interval-s", type=float, default=0.25, help="how often CPU times (and rpcps's counter) are read")
+    parser.add_argument("--hand", action="store_true", help="a side of rpcps started by hand (as bench.vs_example's 'hand')")
     parser.add_argument("--also", action="append", default=[], metavar="FLAGS",
                         help="an extra rpcps side with these flags added to its defaults, e.g. '--rpc-transports shm' "
                         "(an experiment, not a default: the table names the flags); repeatable")
@@ -173,6 +183,8 @@ def main() -> int:
         "example design (TensorPipe defaults)": example_side(preset, args.workers, args.interval_s),
         "rpcps defaults, --optimizer sgd": rpcps_side(preset, args.workers, root, args.interval_s, []),
     }
+    if args.hand:
+        sides["rpcps by hand, --optimizer sgd"] = hand_side(preset, args.workers, root, args.interval_s)
     for flags in args.also:
         sides[f"rpcps, --optimizer sgd {flags}"] = rpcps_side(preset, args.workers, root, args.interval_s, flags.split())
     print(f"\n{preset.model}, {args.workers} workers x {preset.steps} steps, steady part (15-85 %) of one run each")

@@ -111,15 +111,20 @@ def rpcps_local_steps(p: Preset, workers: int, root: Path, tag: str) -> float:
     return run.steady_updates_per_s() * LOCAL_STEPS
 
 
-def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
-    run = run_by_hand(root / tag, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra)
+def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str], *, server_session: bool = False) -> float:
+    """``server_session``: the server in a session of its own (``setsid``), as ``local`` starts every child;
+    this kernel's autogroup scheduling shares CPU time between sessions first (docs/BENCHMARKS.md)."""
+    wrapper = (lambda argv: ["setsid", *argv]) if server_session else None
+    run = run_by_hand(root / tag, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra,
+                      server_wrapper=wrapper)
     return run.steady_updates_per_s()
 
 
-SIDES = ("one", "example", "local-sgd", "local-adam", "hand", "local-steps")
+SIDES = ("one", "example", "local-sgd", "local-adam", "hand", "hand-setsid", "local-steps")
 """What ``--sides`` may name: the one process, the example design (each of --example-transports),
-``local`` with SGD and with its defaults, rpcps started by hand with SGD, and ``local`` in
-local-steps mode (H inner AdamW steps per push, equal samples)."""
+``local`` with SGD and with its defaults, rpcps started by hand with SGD (``hand-setsid``: its
+server in a session of its own), and ``local`` in local-steps mode (H inner AdamW steps per push,
+equal samples)."""
 
 
 def main() -> int:
@@ -151,6 +156,10 @@ def main() -> int:
         sides[LOCAL_STEPS_SIDE] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-{i}")
     if "hand" in wanted:
         sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
+    if "hand-setsid" in wanted:
+        sides["rpcps by hand, server in its own session"] = lambda i: rpcps_by_hand(
+            preset, args.workers, root, f"hand-setsid-{i}", SGD_ARGS, server_session=True
+        )
     runs: dict[str, list[float]] = {name: [] for name in sides}
     started = time.monotonic()
     for i in range(args.repeats):

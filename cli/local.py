@@ -27,6 +27,7 @@ from typing import Any
 
 from cli import ctl, exits, progress
 from cli.config import LocalConfig, StoreConfig
+from cli.console import Console
 from evaluator.config import EvaluatorRunConfig
 from evaluator.scoring import check_model_spec
 from ps.checkpoints.checkpointer import shard_checkpoint_config
@@ -49,6 +50,11 @@ _STOP_GRACE_S = 30.0
 _END_CHECK_S = 120.0
 """How long the end-of-run check waits for servers to answer (one may be restarting from a crash)."""
 _DONE, _WAIT, _FAILED = "done", "wait", "failed"
+CHECKPOINTING_OFF = (
+    "rpcps local: checkpointing is off (no --checkpoint-dir): a server crash loses the training so far, and no snapshot "
+    "is left to resume from or export; pass --checkpoint-dir DIR to keep snapshots"
+)
+"""Said once on local's console; its children then say it at INFO only (--checkpoints-off-ok)."""
 _ENTRY = Path(__file__).resolve().parents[1] / "trainer_entry.py"
 
 
@@ -112,6 +118,7 @@ class Supervisor:
         self._last_version: tuple[float, int] | None = None
         """(when, version) of the previous progress line: its rate is counted from there."""
         self._end_deadline: float | None = None
+        self.console = Console(config.worker.steps * config.workers)
         self.control_port = free_port()
         store = Address("127.0.0.1", self.port)
         server = config.server
@@ -122,7 +129,12 @@ class Supervisor:
         )
         if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
             server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
-        server_process, worker_process = _thread_shares(config)
+        # Without --checkpoint-dir, local says once on its console what that means (run_local): its
+        # children need not warn in their logs about a choice it made for them.
+        off = server.checkpoint.directory is None
+        server_process, worker_process = (
+            replace(p, checkpoints_off_ok=p.checkpoints_off_ok or off) for p in _thread_shares(config)
+        )
         server = replace(server, process=server_process)
         replicas = self.replicas = server.replication.replicas
         self.coordinator: Child | None = None
@@ -251,10 +263,9 @@ class Supervisor:
     def run(self) -> int:
         started = time.monotonic()
         self.write_scrape_targets()
-        print(
+        self.console.say(
             f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}; "
-            f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}",
-            flush=True,
+            f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}"
         )
         if self.coordinator is not None:
             self.coordinator.start()
@@ -283,6 +294,7 @@ class Supervisor:
         finally:
             self._stop_all()
         self._read_server_logs()
+        self.console.close()
         summary = self._summary(time.monotonic() - started)
         write_summary(self.config.process.summary_json, summary)
         if self.interrupted:
@@ -311,8 +323,8 @@ class Supervisor:
         if held is None:
             if now < self._end_deadline:
                 return _WAIT
-            print(f"rpcps local: the servers did not answer within {_END_CHECK_S:.0f}s after the workers finished; "
-                  "cannot tell whether every step is held", file=sys.stderr)
+            self.console.say(f"rpcps local: the servers did not answer within {_END_CHECK_S:.0f}s after the workers finished; "
+                             "cannot tell whether every step is held", error=True)
             return _FAILED
         steps = self.config.worker.steps
         short = {slot: n for slot, n in held.items() if n < steps}
@@ -321,15 +333,14 @@ class Supervisor:
         for slot, n in sorted(short.items()):
             worker = self.workers[slot]
             if worker.restarts >= self.config.max_restarts:
-                print(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished, and {worker.name} is "
-                      f"out of restarts; the model is short by {steps - n} steps", file=sys.stderr)
+                self.console.say(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished, and "
+                                 f"{worker.name} is out of restarts; the model is short by {steps - n} steps", error=True)
                 return _FAILED
             worker.restarts += 1
             worker.done = False
             worker.next_start = now
-            print(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished (a server resumed from an "
-                  f"older checkpoint); running {worker.name} again, restart {worker.restarts}/{self.config.max_restarts}",
-                  flush=True)
+            self.console.say(f"rpcps local: slot {slot} holds {n} of {steps} steps after its worker finished (a server resumed "
+                             f"from an older checkpoint); running {worker.name} again, restart {worker.restarts}/{self.config.max_restarts}")
         self._end_deadline = None
         return _WAIT
 
@@ -362,18 +373,18 @@ class Supervisor:
                 why = exits.error_lines(child.log_path)
                 if not exits.restartable(code) or child.restarts >= max_restarts:
                     verdict = "a restart cannot fix that" if not exits.restartable(code) else "out of restarts"
-                    print(f"rpcps local: {child.name} {exits.describe(code)}; {verdict}", file=sys.stderr)
+                    self.console.say(f"rpcps local: {child.name} {exits.describe(code)}; {verdict}", error=True)
                     for line in why:
-                        print(f"  {child.name}: {line}", file=sys.stderr)
-                    print(f"  (its whole log: {child.log_path})", file=sys.stderr, flush=True)
+                        self.console.say(f"  {child.name}: {line}", error=True)
+                    self.console.say(f"  (its whole log: {child.log_path})", error=True)
                     self.exit_code = code if code in exits.FINAL_EXITS else 1
                     return False
                 child.restarts += 1
                 delay = min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
                 child.next_start = now + delay
                 cause = f": {why[-1]}" if why else ""
-                print(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "
-                      f"restart {child.restarts}/{max_restarts} in {delay:.1f}s", flush=True)
+                self.console.say(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "
+                                 f"restart {child.restarts}/{max_restarts} in {delay:.1f}s")
             if now >= child.next_start:
                 child.start()
                 self.write_children()
@@ -425,7 +436,7 @@ class Supervisor:
             found = progress.resumed_from(tail)
             if found is not None and not server.announced:
                 server.announced = True
-                print(progress.resume_notice(server.name, *found), flush=True)
+                self.console.say(progress.resume_notice(server.name, *found))
             if progress.serving(tail):
                 server.serving = True
                 if server is self.servers[0] and self._start_version is None:
@@ -455,7 +466,7 @@ class Supervisor:
             live_workers=int(server["rpcps_server_live_workers"]) if "rpcps_server_live_workers" in server else None,
             held_out=scores,
         )
-        print(line.line(), flush=True)
+        self.console.progress(line)
 
     def _summary(self, wall: float) -> dict[str, Any]:
         shards = [read_summary(s.summary_path) for s in self.servers]
@@ -502,16 +513,18 @@ def _thread_shares(config: LocalConfig) -> tuple[ProcessOptions, ProcessOptions]
 def run_local(config: LocalConfig) -> int:
     # A directory of another --shards would be refused by every server, each restarted until local
     # gives up: say it once, before starting anything (ResumeRefused names what to do). The same for
-    # a --model, --data or --loss that names nothing usable: every child would fail on it.
+    # a --model, --data or --loss that names nothing usable, or returns what the workers cannot train
+    # on: every child would fail on it.
     shard_checkpoint_config(config.server.checkpoint, 0, config.server.core.shard_count)
-    plugins.check_specs(config.worker.model, config.worker.data, config.worker.loss)
+    plugins.check_specs(config.worker.model, config.worker.data, config.worker.loss,
+                        num_workers=config.workers, own_loop=config.worker_script is not None)
     if config.evaluator.eval_data is not None:
         check_model_spec(config.evaluator.model)  # an evaluator that cannot score this model: say so before starting
         plugins.resolve_callable(config.evaluator.eval_data, "eval-data")
         if config.evaluator.eval_fn is not None:
             plugins.resolve_callable(config.evaluator.eval_fn, "eval-fn")
     if config.server.checkpoint.directory is None:
-        print("rpcps local: checkpointing is off (no --checkpoint-dir): a server crash loses all training", flush=True)
+        print(CHECKPOINTING_OFF, flush=True)
     else:
         print(f"rpcps local: checkpoints in {config.server.checkpoint.directory}", flush=True)
     supervisor = Supervisor(config)

@@ -39,13 +39,16 @@ class Progress:
     """The evaluator's latest held-out loss and the version it scored, once it scored one."""
 
     def line(self) -> str:
+        """The plain progress line: the time, the steps held, then ``status()``."""
         parts = [f"[{self.elapsed_s:6.1f}s]"]
         if self.steps_held is not None and self.steps_total > 0:
             parts.append(f"steps {self.steps_held}/{self.steps_total} ({100 * self.steps_held / self.steps_total:.0f}%),")
-        parts.append(f"model version {_int(self.version)}" + (f" ({self.rate:.1f} updates/s)," if self.rate is not None else ","))
-        parts.append(f"loss {_num(self.loss)},")
-        parts.append(f"live workers {_int(self.live_workers)}")
-        text = " ".join(parts)
+        return " ".join([*parts, self.status()])
+
+    def status(self) -> str:
+        """What the line says beyond the time and the steps (a progress bar shows those itself)."""
+        text = f"model version {_int(self.version)}" + (f" ({self.rate:.1f} updates/s)," if self.rate is not None else ",")
+        text += f" loss {_num(self.loss)}, live workers {_int(self.live_workers)}"
         if self.held_out is not None:
             text += f", held-out loss {self.held_out[0]:.4f} at version {self.held_out[1]}"
         return text

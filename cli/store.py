@@ -91,6 +91,8 @@ class CoordinatorMetrics:
     repairs: Counter
     refused: Counter
     store_refused: Counter
+    thread_budget_problem: Callable[[str], None]
+    """Counts a problem of the thread budget (rpcps.threads.problem_counter)."""
 
     @classmethod
     def create(cls, listen: str) -> CoordinatorMetrics:
@@ -109,6 +111,7 @@ class CoordinatorMetrics:
         return cls(
             registry=registry, removed=removed, repairs=repairs, refused=rpc_policy.refusal_counter(registry),
             store_refused=rpc_policy.store_refusal_counter(registry),
+            thread_budget_problem=threads.problem_counter(registry, "store"),
         )
 
     def watch_group(self, read: Callable[[], GroupReading]) -> None:
@@ -171,13 +174,13 @@ def check_exposure(config: StoreConfig, environ: Mapping[str, str]) -> None:
 def run_store(config: StoreConfig) -> int:
     started = time.monotonic()
     memory.tune_malloc()  # before any thread allocates (rpcps.memory)
+    metrics = CoordinatorMetrics.create(str(config.listen))
     # It computes little, but it shares the host's cores like every role: the others count it (light).
-    threads.HostBudget("store", config.process.threads, directory=config.process.host_dir).start()
+    threads.HostBudget("store", config.process.threads, directory=config.process.host_dir, on_problem=metrics.thread_budget_problem).start()
     check_exposure(config, os.environ)
     secret = JobSecret.from_file(config.transport.job_secret_file) if config.transport.job_secret_file else None
     stop = threading.Event()
     signals.on_signals(lambda _signum: stop.set())
-    metrics = CoordinatorMetrics.create(str(config.listen))
     http, _ = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     # The coordinator serves no worker API, but peers may still name it: the same allow-list applies.
     rpc_policy.protect(

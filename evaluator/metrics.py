@@ -7,6 +7,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rpcps.rpc_policy import refusal_counter, store_refusal_counter
+from rpcps.threads import problem_counter
 
 _EVAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 FAILURE_STAGES = ("observe", "evaluate", "export")
@@ -34,6 +35,7 @@ class EvaluatorMetrics:
             self.failures.labels(stage)
         self.rpc_refused = refusal_counter(r)
         self.store_refused = store_refusal_counter(r)
+        self.thread_budget_problem = problem_counter(r, "evaluator")
 
     def record(self, version: int, scores: dict[str, float], seconds: float) -> None:
         self.evaluations.inc()

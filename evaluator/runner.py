@@ -131,7 +131,9 @@ def run_evaluator(config: EvaluatorRunConfig) -> int:
     started = time.monotonic()
     reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
     metrics = EvaluatorMetrics()
-    threads.HostBudget("evaluator", config.process.threads, directory=config.process.host_dir).start()  # light: it scores now and then
+    threads.HostBudget(  # light: it scores now and then
+        "evaluator", config.process.threads, directory=config.process.host_dir, on_problem=metrics.thread_budget_problem
+    ).start()
     build_info(metrics.registry, "evaluator", {"ps": str(config.ps), "model": config.evaluator.model})
     http, _ = serve_metrics(metrics.registry, config.process.metrics_addr, config.metrics_port)
     best = BestModel(config.evaluator, metrics, os.environ.get(BEST_ENV))

@@ -73,7 +73,7 @@ def run_server(config: ServerRunConfig) -> int:
     metrics.rpc_listener_lost.inc(int(os.environ.get(LISTENER_LOST_ENV, "0")))
     budget = threads.HostBudget(
         "server", config.process.threads, directory=config.process.host_dir,
-        on_change=metrics.thread_budget.show,
+        on_change=metrics.thread_budget.show, on_problem=metrics.thread_budget.count_problem,
     )
     budget.start()
     metrics.crash_restarts.set(supervisor.crash_restarts())
@@ -407,9 +407,11 @@ def _restore(
         server.metrics.resumed_version.set(info.version)
         logger.info("resumed from %s at version %d", info.path, info.version)  # read by rpcps local (cli/progress.py)
     if checkpoint_config.directory is None:
-        logger.warning(
+        # rpcps local says this once on its console and starts its servers with --checkpoints-off-ok.
+        logger.log(
+            logging.INFO if config.process.checkpoints_off_ok else logging.WARNING,
             "checkpointing is off (no --checkpoint-dir): a server crash loses all training, and finishing "
-            "workers cannot make their steps durable"
+            "workers cannot make their steps durable",
         )
         return None
     Path(checkpoint_config.directory).mkdir(parents=True, exist_ok=True)

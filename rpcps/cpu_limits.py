@@ -7,6 +7,14 @@ for most of every period (Go's automaxprocs and the JVM's container support read
 the same reason). The quota that binds is the smallest one on the path from this process's cgroup up
 to the root of its hierarchy, so every level is read.
 
+The cores are also named, as a **pool**: the processes that draw on the same cores have the same
+pool, and only they divide them (rpcps.threads). A quota is its own pool, named by the cgroup that
+sets it (its directory's device and inode, the same seen from any mount namespace): two containers
+with CPU limits each have theirs, however many processes each runs, and a neighbour in another
+container takes nothing from it. Without a quota the pool is the set of CPUs of the affinity: the
+processes of a host (or of containers without limits that share the registry) on the same CPUs
+divide them, and Slurm steps bound to disjoint cores do not count each other.
+
 A fractional quota is rounded down (1.5 CPUs: 1 thread that is never throttled rather than 2 that are
 for a third of every period), but never below 1.
 
@@ -16,12 +24,15 @@ What must not live here: who else shares the cores (rpcps.host_registry) or how 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+UNREADABLE = "cgroups unreadable"
+"""How ``quota_source`` begins when /proc/self/cgroup or mountinfo could not be read."""
 QUOTA_SLACK = 0.01
 """A quota within this of a whole number of cores counts as that number (999m is meant as 1 CPU)."""
 
@@ -36,26 +47,51 @@ class UsableCores:
     """The binding cgroup CPU quota in cores; None when no level of the hierarchy sets one."""
     quota_source: str
     """Where ``quota`` came from (``cgroup v2 cpu.max at /sys/fs/cgroup/...``), or why there is none."""
+    pool: str = ""
+    """Which cores these are (see the module docstring): ``cgroup DEV:INO`` or ``cpus HASH``; "" when unknown."""
+
+    @property
+    def unreadable(self) -> bool:
+        """Whether the cgroup files could not be read (the cores then count the affinity only)."""
+        return self.quota_source.startswith(UNREADABLE)
 
     def describe(self) -> str:
         quota = "no cgroup CPU quota" if self.quota is None else f"cgroup CPU quota {self.quota:g} cores"
         return f"{self.cores} usable cores (affinity {self.affinity}, {quota})"
 
 
-def affinity_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which taskset, cpusets and Slurm narrow)."""
+def affinity_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity, which taskset, cpusets and Slurm narrow)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return frozenset(os.sched_getaffinity(0)) or frozenset({0})
     except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
+        return frozenset(range(max(1, os.cpu_count() or 1)))
+
+
+def affinity_cores() -> int:
+    """Cores this process may run on (its CPU affinity)."""
+    return len(affinity_cpus())
 
 
 def usable_cores(root: Path = Path("/"), affinity: int | None = None) -> UsableCores:
-    """The least of the affinity and the cgroup quota (``root`` lets tests point at fixture files)."""
-    affinity = affinity_cores() if affinity is None else affinity
-    quota, source = cgroup_quota(root)
-    cores = affinity if quota is None else max(1, min(affinity, quota_cores(quota)))
-    return UsableCores(cores, affinity, quota, source)
+    """The least of the affinity and the cgroup quota (``root`` and ``affinity`` (CPUs 0..N-1) let tests
+    point at fixture files)."""
+    cpus = affinity_cpus() if affinity is None else frozenset(range(affinity))
+    quota, source, directory = _binding_quota(root)
+    cores = len(cpus) if quota is None else max(1, min(len(cpus), quota_cores(quota)))
+    return UsableCores(cores, len(cpus), quota, source, _pool(cpus, directory))
+
+
+def _pool(cpus: frozenset[int], quota_dir: Path | None) -> str:
+    if quota_dir is not None:
+        try:
+            st = os.stat(quota_dir)
+        except OSError:
+            pass
+        else:
+            return f"cgroup {st.st_dev}:{st.st_ino}"
+    # A hash keeps the registry entry small on a host of hundreds of CPUs.
+    return "cpus " + hashlib.sha256(",".join(map(str, sorted(cpus))).encode()).hexdigest()[:16]
 
 
 def quota_cores(quota: float) -> int:
@@ -69,12 +105,17 @@ def cgroup_quota(root: Path = Path("/")) -> tuple[float | None, str]:
     cgroup v2 is read first (``0::/path`` in /proc/self/cgroup); a v1 ``cpu`` controller is read when
     v2 sets no quota (hybrid hosts mount both; the quota lives in whichever has the cpu controller).
     """
+    return _binding_quota(root)[:2]
+
+
+def _binding_quota(root: Path) -> tuple[float | None, str, Path | None]:
+    """``cgroup_quota`` and the directory of the cgroup whose quota binds (None without one)."""
     try:
         memberships = _memberships((root / "proc/self/cgroup").read_text())
         mounts = _mounts((root / "proc/self/mountinfo").read_text())
     except OSError as e:
-        return None, f"cgroups unreadable ({e.strerror or e})"
-    found: list[tuple[float, str]] = []
+        return None, f"{UNREADABLE} ({e.strerror or e})", None
+    found: list[tuple[float, str, Path]] = []
     for version, controllers, path in memberships:
         for fstype, mount_root, mount_point, options in mounts:
             if version == 2 and fstype == "cgroup2":
@@ -86,8 +127,8 @@ def cgroup_quota(root: Path = Path("/")) -> tuple[float | None, str]:
             if quota is not None:
                 found.append(quota)
     if not found:
-        return None, "no cgroup CPU quota"
-    return min(found)
+        return None, "no cgroup CPU quota", None
+    return min(found, key=lambda q: q[0])
 
 
 def _memberships(text: str) -> list[tuple[int, set[str], str]]:
@@ -128,8 +169,8 @@ def _unescape(field: str) -> str:
 
 def _walk(
     root: Path, mount_root: str, mount_point: str, path: str, read: Callable[[Path], tuple[float, str] | None]
-) -> tuple[float, str] | None:
-    """The smallest quota from this process's cgroup up to the mount's root, or None.
+) -> tuple[float, str, Path] | None:
+    """The smallest quota from this process's cgroup up to the mount's root, with its directory, or None.
 
     In a container the mount's root is the container's own cgroup (``/`` inside), and the path in
     /proc/self/cgroup may name the host's full path; when it is not under the mount's root, the mount
@@ -142,11 +183,11 @@ def _walk(
     directory = Path(os.path.normpath(base / rel))
     if not directory.is_dir():
         directory = base
-    best: tuple[float, str] | None = None
+    best: tuple[float, str, Path] | None = None
     while True:
         quota = read(directory)
         if quota is not None and (best is None or quota[0] < best[0]):
-            best = quota
+            best = (*quota, directory)
         if directory == base or base not in directory.parents:
             return best
         directory = directory.parent

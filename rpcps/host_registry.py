@@ -1,7 +1,8 @@
 """The rpcps processes alive on this host: one small file per process in a per-user directory.
 
 Every rpcps process (any job, any role, however started: ``local``, torchrun, by hand, systemd,
-Slurm) writes ``<dir>/<pid>-<random>.json`` holding its pid, role, start time, CPU use and threads,
+Slurm) writes ``<dir>/<pid>-<random>.json`` holding its pid, role, start time, CPU use, threads and
+the pool of cores it draws on,
 and holds an exclusive ``flock`` on that file for as long as it lives. The kernel drops the lock when
 the process ends, however it ends (SIGKILL and OOM included), so a file whose lock can be taken
 belongs to a dead process: readers skip it and delete it. A lock rather than a pid check, because
@@ -53,6 +54,9 @@ class Entry:
     """Cores the process kept busy lately (all its threads, a moving average)."""
     threads: int
     """Its intra-op threads now."""
+    pool: str = ""
+    """Which cores it draws on (rpcps.cpu_limits ``UsableCores.pool``): only processes of one pool divide
+    them. "" (a process that does not say) is counted by everyone."""
 
     def to_bytes(self) -> bytes:
         data = json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -65,7 +69,7 @@ class Entry:
         raw = json.loads(data.decode().strip())
         return cls(
             pid=int(raw["pid"]), role=str(raw["role"]), kind=str(raw["kind"]), started=float(raw["started"]),
-            use=float(raw["use"]), threads=int(raw["threads"]),
+            use=float(raw["use"]), threads=int(raw["threads"]), pool=str(raw.get("pool", "")),
         )
 
 
@@ -116,12 +120,13 @@ class HostRegistry:
 
 
 def read_live(directory: Path, own: str | None = None, own_entry: Entry | None = None) -> dict[str, Entry]:
-    """The live entries of ``directory`` (``own`` is answered from memory: its lock is ours)."""
+    """The live entries of ``directory`` (``own`` is answered from memory: its lock is ours).
+
+    Raises:
+        OSError: the directory cannot be listed (the caller says so and counts it: rpcps.threads).
+    """
     out: dict[str, Entry] = {}
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return out
+    names = os.listdir(directory)
     for name in names:
         if not name.endswith(".json"):
             if name.startswith(".") and name.endswith(".tmp"):

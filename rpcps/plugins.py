@@ -6,6 +6,7 @@ The same specs are given to every role, so the server and the workers build the 
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -77,13 +78,52 @@ def load_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return resolve_callable(spec, "loss")
 
 
-def check_specs(model: str, data: str, loss: str) -> None:
+def checked_batches(spec: str, data: Iterable[Any]) -> Iterable[Batch]:
+    """``data`` once its first batch is an ``(inputs, targets)`` pair of tensors, as the built-in loop
+    unpacks it: a PluginError saying what it is instead, before the worker joins anything (later it
+    would be a traceback at the first step, and a crash ``local`` restarts).
+
+    A one-shot iterator without ``seek`` comes back with the batch read here put in front again; an
+    iterable that makes a fresh iterator each time (a list, a DataLoader), or one with ``seek`` (the
+    trainer seeks before it reads), comes back as it is.
+    """
+    items = iter(data)
+    try:
+        first = next(items)
+    except StopIteration:
+        raise PluginError(
+            f"--data {spec!r} returned an empty {type(data).__name__}, expected an iterable of (inputs, targets) batches"
+        ) from None
+    if not (isinstance(first, tuple | list) and len(first) == 2 and all(isinstance(t, torch.Tensor) for t in first)):
+        raise PluginError(
+            f"--data {spec!r} returned a {type(data).__name__} whose first batch is {_kind(first)}, "
+            "expected an (inputs, targets) pair of tensors"
+        )
+    if items is data and not hasattr(data, "seek"):
+        return itertools.chain([first], items)
+    return data
+
+
+def _kind(batch: Any) -> str:
+    """A batch's shape of types for an error: "int", "a tuple of (Tensor, Tensor, Tensor)"."""
+    if isinstance(batch, tuple | list) and len(batch) <= 4:
+        return f"a {type(batch).__name__} of ({', '.join(type(x).__name__ for x in batch)})"
+    if isinstance(batch, tuple | list):
+        return f"a {type(batch).__name__} of {len(batch)} items"
+    return type(batch).__name__
+
+
+def check_specs(model: str, data: str, loss: str, *, num_workers: int = 1, own_loop: bool = False) -> None:
     """Fails with a PluginError naming the first bad spec, before a launcher starts any process.
 
-    The model factory is called (its return type is the check); the data factory only resolved and
-    checked callable: calling it may read a whole dataset, and each worker checks what it returns
-    at its start (a bad return is its one-line error and exit 2, which ``local`` shows at once).
+    The model factory is called (its return type is the check), and the data factory for slot 0 of
+    ``num_workers``, whose first batch is checked as the worker's built-in loop would read it (once
+    here, so a bad return is one error before anything starts instead of every worker's exit 2).
+    With ``own_loop`` (a ``--worker-script`` reads the data its own way) the data is only resolved.
     """
     load_model(model)
-    resolve_callable(data, "data")
+    if own_loop:
+        resolve_callable(data, "data")
+    else:
+        checked_batches(data, load_data(data, 0, num_workers))
     load_loss(loss)

@@ -36,6 +36,11 @@ class ProcessOptions:
         "unset: $XDG_RUNTIME_DIR/rpcps, else /tmp/rpcps-<uid>. Containers of one host share it through a volume",
         metavar="DIR",
     )
+    checkpoints_off_ok: bool = setting(
+        False,
+        help="this job runs without --checkpoint-dir on purpose and whoever started it has said so (rpcps local does, "
+        "once, on its console): the server and the workers log it at INFO instead of warning",
+    )
     malloc_trim_s: float = setting(
         3.0,
         help="seconds between malloc_trim calls that give glibc's free heap pages back to the kernel, off the request "

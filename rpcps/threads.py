@@ -12,7 +12,7 @@ a 22k-parameter model 7x slower and a 5M one 2.5x slower than with one thread ea
    is ignored: the host budget below does the job it does, without leaving cores idle. Pin one thread
    under torchrun with ``--threads 1``.
 3. otherwise the **host budget**: the usable cores (rpcps.cpu_limits: the least of the affinity mask
-   and the cgroup CPU quota) shared with every other rpcps process on this host
+   and the cgroup CPU quota) shared with every other rpcps process on this host that draws on the same cores (its pool)
    (rpcps.host_registry), by what each uses rather than by head count:
 
    * a *light* process (a server, the store, an evaluator, a worker that computes on a GPU) mostly
@@ -28,7 +28,11 @@ a 22k-parameter model 7x slower and a 5M one 2.5x slower than with one thread ea
    a server and two workers, however started, get 1 each; a third worker started later leaves every
    process at 1, and the log and gauges say that 4 processes now share the host.
 
-Every process re-reads the registry every ``POLL_S`` and recomputes. torch keeps the intra-op thread
+Every process re-reads the registry every ``POLL_S`` and recomputes. What goes wrong on the way (an
+unreadable cgroup, a registry it cannot join, read or write, a malformed ``OMP_NUM_THREADS``, a
+recomputation that fails) never ends the process: the budget goes on with what it knows, logs a
+warning when the trouble starts (and a line when it ends, not one every second while it lasts) and
+counts every occurrence by ``PROBLEMS`` (``rpcps_<role>_thread_budget_problems_total``). torch keeps the intra-op thread
 count per OS thread (OpenMP's ``nthreads-var``), so setting it from the background thread would not
 reach the threads that compute: the threads that compute call ``sync()`` between steps (a worker's
 loop, a server's optimizer step), which applies a new budget on the calling thread, once.
@@ -39,18 +43,18 @@ other (rpcps.host_registry); anything about the roles beyond their kind.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from rpcps import cpu_limits, host_registry
 from rpcps.host_registry import Entry, HostRegistry
@@ -73,6 +77,9 @@ the current one (1 -> 2 above 1.6 cores, 2 -> 1 below 1.4)."""
 PRIOR_USE = {"server": 0.25, "store": 0.05, "evaluator": 0.25, "worker": 0.5}
 """What a light process is assumed to use before its first measurement."""
 KINDS = ("compute", "light", "pinned")
+PROBLEMS = ("cgroup_unreadable", "registry", "bad_setting", "recompute_failed")
+"""What can go wrong with a budget: the ``problem`` label of ``rpcps_<role>_thread_budget_problems_total``."""
+OnProblem = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -96,31 +103,33 @@ def usable_cores() -> int:
     return cpu_limits.usable_cores().cores
 
 
-def omp_num_threads(environ: Mapping[str, str] | None = None) -> int | None:
+def omp_num_threads(environ: Mapping[str, str] | None = None, on_problem: OnProblem | None = None) -> int | None:
     """``OMP_NUM_THREADS`` when it is set to a whole number >= 1 by someone other than torchrun's default, else None."""
     environ = os.environ if environ is None else environ
-    value = _positive_int(environ, "OMP_NUM_THREADS")
-    if value == 1 and environ.get("TORCHELASTIC_RUN_ID") and (_positive_int(environ, "LOCAL_WORLD_SIZE") or 1) > 1:
+    value = _positive_int(environ, "OMP_NUM_THREADS", on_problem)
+    if value == 1 and environ.get("TORCHELASTIC_RUN_ID") and (_positive_int(environ, "LOCAL_WORLD_SIZE", on_problem) or 1) > 1:
         return None  # torchrun's blanket default for multi-process runs, not a choice (see the module docstring)
     return value
 
 
-def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
+def _positive_int(environ: Mapping[str, str], name: str, on_problem: OnProblem | None) -> int | None:
     raw = environ.get(name, "").strip()
     try:
         value = int(raw)
     except ValueError:
         if raw:
             logger.warning("ignoring %s=%r: not a whole number", name, raw)
+            if on_problem is not None:
+                on_problem("bad_setting")
         return None
     return value if value >= 1 else None
 
 
-def pinned(requested: int | None, environ: Mapping[str, str] | None = None) -> ThreadBudget | None:
+def pinned(requested: int | None, environ: Mapping[str, str] | None = None, on_problem: OnProblem | None = None) -> ThreadBudget | None:
     """The budget a setting pins (``--threads``, else ``OMP_NUM_THREADS``), or None when the host decides."""
     if requested is not None:
         return ThreadBudget(requested, "--threads")
-    omp = omp_num_threads(environ)
+    omp = omp_num_threads(environ, on_problem)
     return ThreadBudget(omp, "OMP_NUM_THREADS") if omp is not None else None
 
 
@@ -164,7 +173,7 @@ def describe(usable: cpu_limits.UsableCores, others: Sequence[Entry], kind: str)
     if not others:
         sharing = "alone on this host"
     else:
-        roles = Counter(p.role + ("" if p.kind != "pinned" else " (pinned)") for p in others)
+        roles = collections.Counter(p.role + ("" if p.kind != "pinned" else " (pinned)") for p in others)
         listed = ", ".join(f"{n} {role}{'s' if n > 1 else ''}" for role, n in sorted(roles.items()))
         sharing = f"shared with {len(others)} other rpcps process{'es' if len(others) > 1 else ''} on this host ({listed})"
     how = {"compute": "an equal part of what the light processes leave", "light": "about the cores it uses"}[kind]
@@ -198,12 +207,36 @@ def sync() -> None:
         _applied.generation = generation
 
 
+class _Troubles:
+    """The budget's problems that last (an unreadable cgroup is unreadable at every poll): a warning when
+    one starts and a line when it ends, never one per poll; every occurrence counted by ``on_problem``."""
+
+    def __init__(self, on_problem: OnProblem | None) -> None:
+        self._on_problem = on_problem
+        self._active: set[str] = set()
+
+    def occurred(self, problem: str, message: str, *args: object, exc_info: bool = False, what: str | None = None) -> None:
+        """``what`` tells apart troubles counted under one ``problem`` (reading and writing the registry)."""
+        key = what or problem
+        if key not in self._active:
+            self._active.add(key)
+            logger.warning(message + " (said once while it lasts; counted in thread_budget_problems_total)", *args, exc_info=exc_info)
+        if self._on_problem is not None:
+            self._on_problem(problem)
+
+    def cleared(self, problem: str, message: str) -> None:
+        if problem in self._active:
+            self._active.discard(problem)
+            logger.info(message)
+
+
 class HostBudget:
     """This process's thread budget, kept right while it runs (see the module docstring).
 
     ``start`` chooses and applies the first budget on the calling thread; unless a setting pins it, a
     daemon thread then re-reads the host's registry every ``POLL_S`` and calls ``on_change`` (from that
-    thread) whenever the threads or the processes sharing the host change.
+    thread) whenever the threads or the processes sharing the host change, and ``on_problem`` with one
+    of ``PROBLEMS`` whenever something on the way fails (the budget goes on with what it knows).
     """
 
     def __init__(
@@ -215,12 +248,14 @@ class HostBudget:
         environ: Mapping[str, str] | None = None,
         directory: str | Path | None = None,
         on_change: Callable[[ThreadBudget], None] | None = None,
+        on_problem: OnProblem | None = None,
         poll_s: float = POLL_S,
         limits: Callable[[], cpu_limits.UsableCores] = cpu_limits.usable_cores,
     ) -> None:
         environ = os.environ if environ is None else environ
         self.role = role
-        self._pin = pinned(requested, environ)
+        self._troubles = _Troubles(on_problem)
+        self._pin = pinned(requested, environ, on_problem)
         self._kind = "pinned" if self._pin is not None else kind_of(role, gpu=gpu)
         self._cap = GPU_WORKER_THREADS if gpu and self._pin is None else None
         self._directory = Path(directory) if directory else host_registry.default_dir(environ)
@@ -230,6 +265,7 @@ class HostBudget:
         # What it is assumed to use until it is measured: a CPU worker keeps its threads busy.
         self._use = float(self._pin.intra_op if self._pin is not None else 1) if kind_of(role, gpu=gpu) == "compute" else PRIOR_USE.get(role, 0.25)
         self._registry: HostRegistry | None = None
+        self._pool = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.budget = ThreadBudget(1, "not chosen yet")
@@ -238,11 +274,14 @@ class HostBudget:
         """Chooses, applies on this thread, logs and returns the first budget; starts following the host."""
         started = time.time()
         threads = self._pin.intra_op if self._pin is not None else 1
-        entry = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=started, use=self._use, threads=threads)
+        self._pool = self._limits().pool
+        entry = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=started, use=self._use, threads=threads, pool=self._pool)
         try:
             self._registry = HostRegistry(self._directory, entry)
         except OSError as e:
-            logger.warning("cannot join the host's process registry at %s (%s): the budget counts this process alone", self._directory, e)
+            self._troubles.occurred(
+                "registry", "cannot join the host's process registry at %s (%s): the budget counts this process alone", self._directory, e
+            )
         budget = self._choose(None)
         self._set(budget, first=True)
         self._thread = threading.Thread(target=self._follow, name="thread-budget", daemon=True)
@@ -258,12 +297,28 @@ class HostBudget:
             self._registry.close()
 
     def _choose(self, current: int | None) -> ThreadBudget:
-        entries = self._registry.entries() if self._registry is not None else {}
+        entries: dict[str, Entry] = {}
+        if self._registry is not None:
+            try:
+                entries = self._registry.entries()
+            except OSError as e:
+                self._troubles.occurred(
+                    "registry", "cannot read the host's process registry at %s (%s): the budget counts this process alone",
+                    self._directory, e,
+                )
+            else:
+                self._troubles.cleared("registry", f"the host's process registry at {self._directory} is readable again")
+        usable = self._limits()
+        if usable.unreadable:
+            self._troubles.occurred("cgroup_unreadable", "%s: the budget counts the affinity's cores only", usable.quota_source)
+        else:
+            self._troubles.cleared("cgroup_unreadable", "cgroups are readable again")
+        self._pool = usable.pool
         own = self._registry.path.name if self._registry is not None else None
-        others = [e for name, e in sorted(entries.items()) if name != own]
+        # Only the processes that draw on the same cores divide them (a container with a CPU limit has its own).
+        others = [e for name, e in sorted(entries.items()) if name != own and (not e.pool or not usable.pool or e.pool == usable.pool)]
         if self._pin is not None:
             return replace(self._pin, sharing=1 + len(others))
-        usable = self._limits()
         me = Entry(pid=os.getpid(), role=self.role, kind=self._kind, started=0.0, use=self._use, threads=current or 1)
         threads = share(usable.cores, me, others, current, cap=self._cap)
         reason = describe(usable, others, self._kind) + ("; capped for a GPU worker" if self._cap is not None and threads == self._cap else "")
@@ -280,8 +335,7 @@ class HostBudget:
             logger.info("intra-op threads: %d -> %d (%s)", old.intra_op, budget.intra_op, budget.reason)
         elif self._pin is None:  # a pinned count says nothing about its neighbours: only the gauge follows them
             logger.info("intra-op threads stay %d (%s)", budget.intra_op, budget.reason)
-        if self._registry is not None:
-            self._registry.publish(replace(self._registry.entry, threads=budget.intra_op, use=round(self._use, 3)))
+        self._publish(threads=budget.intra_op)
         if self._on_change is not None:
             self._on_change(budget)
 
@@ -300,10 +354,37 @@ class HostBudget:
                     self._set(budget)
                     published_use = self._use
                 elif self._registry is not None and abs(self._use - published_use) >= 0.05:
-                    self._registry.publish(replace(self._registry.entry, use=round(self._use, 3)))
+                    self._publish()
                     published_use = self._use
-            except Exception:  # the budget must never end the process; the last one stands
-                logger.exception("thread budget: recomputing failed; keeping %d threads", self.budget.intra_op)
+                self._troubles.cleared("recompute_failed", "thread budget: recomputing works again")
+            except Exception:  # noqa: BLE001 - the budget must never end the process; the last one stands
+                self._troubles.occurred(
+                    "recompute_failed", "thread budget: recomputing failed; keeping %d threads", self.budget.intra_op, exc_info=True
+                )
+
+    def _publish(self, **changes: int) -> None:
+        """Tells the host this process's threads and use (others divide the cores by it)."""
+        if self._registry is None:
+            return
+        try:
+            self._registry.publish(replace(self._registry.entry, use=round(self._use, 3), pool=self._pool, **changes))
+        except OSError as e:
+            self._troubles.occurred("registry", "cannot update this process's entry in the host's registry (%s)", e, what="registry-write")
+            return
+        self._troubles.cleared("registry-write", "this process's entry in the host's registry is written again")
+
+
+def problem_counter(registry: CollectorRegistry, role: str) -> OnProblem:
+    """Registers ``rpcps_<role>_thread_budget_problems_total`` (by ``PROBLEMS``); returns what counts one (an ``on_problem``)."""
+    problems = Counter(
+        f"rpcps_{role}_thread_budget_problems",
+        "Times the thread budget could not read the cgroup or the host registry, found a malformed OMP_NUM_THREADS, "
+        "or failed to recompute; it went on with what it knew (rpcps.threads).",
+        ["problem"], registry=registry,
+    )
+    for problem in PROBLEMS:
+        problems.labels(problem=problem)
+    return lambda problem: problems.labels(problem=problem).inc()
 
 
 class BudgetGauges:
@@ -322,6 +403,8 @@ class BudgetGauges:
             f"rpcps_{role}_usable_cores", "Cores this process may keep busy: the least of its affinity and cgroup CPU quota.",
             registry=registry,
         )
+        self.count_problem = problem_counter(registry, role)
+        """An ``on_problem`` of ``HostBudget``."""
 
     def show(self, budget: ThreadBudget) -> None:
         """Sets the gauges (an ``on_change`` of ``HostBudget``)."""

@@ -252,7 +252,7 @@ class Training:
         gpu = pick_device(config.worker.device).type == "cuda"
         threads.HostBudget(
             "worker", config.process.threads, gpu=gpu, directory=config.process.host_dir,
-            on_change=metrics.thread_budget.show,
+            on_change=metrics.thread_budget.show, on_problem=metrics.thread_budget.count_problem,
         ).start()
         build_info(metrics.registry, "worker", {"ps": str(config.ps), "slot": str(config.worker.worker_index)})
         self._http = _serve_metrics(metrics, config)
@@ -315,7 +315,7 @@ class Training:
         summary["reconnects"] = self._reconnects
         # Done means durable: a worker reports success only once a committed checkpoint holds every
         # one of its steps, so a server crash after it exits cannot roll them back.
-        summary["durable"] = trainer.finish() if trainer.completed else False
+        summary["durable"] = trainer.finish(checkpoints_off_ok=self.config.process.checkpoints_off_ok) if trainer.completed else False
         for link in trainer.shards:
             try:
                 link.client.leave(self.slot, link.registration.incarnation)

@@ -20,7 +20,8 @@ from worker.local_steps import inner_optimizer
 def run_worker(config: WorkerRunConfig) -> int:
     loss_fn = plugins.load_loss(config.worker.loss)  # fail on a bad spec before touching the network
     model = plugins.load_model(config.worker.model)
-    data = plugins.load_data(config.worker.data, config.worker.worker_index, config.worker.num_workers)
+    spec = config.worker.data
+    data = plugins.checked_batches(spec, plugins.load_data(spec, config.worker.worker_index, config.worker.num_workers))
     training = Training(model, data, config, data_name=f"--data {config.worker.data!r}")
     with training:
         device = training.device

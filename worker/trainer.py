@@ -413,10 +413,11 @@ class Trainer:
         """Every step of this slot was computed and acknowledged (not stopped early)."""
         return self.step >= self.config.steps and not self._in_flight and not self._redo
 
-    def finish(self) -> bool:
+    def finish(self, *, checkpoints_off_ok: bool = False) -> bool:
         """Asks every shard to make this slot's steps durable; returns once they are.
 
-        Returns False when a shard checkpoints nothing (then a server crash would lose them).
+        Returns False when a shard checkpoints nothing (then a server crash would lose them): a
+        warning, or an INFO line with ``checkpoints_off_ok`` (the launcher said so already).
         Raises ServerBehind when a shard holds fewer steps than computed here, and NotDurable when a
         shard kept failing to commit a checkpoint.
         """
@@ -430,8 +431,8 @@ class Trainer:
                             reply.checkpoint_version)
             else:
                 durable = False
-                logger.warning("shard %d checkpoints nothing (no --checkpoint-dir): a server crash would lose these steps",
-                               link.index)
+                logger.log(logging.INFO if checkpoints_off_ok else logging.WARNING,
+                           "shard %d checkpoints nothing (no --checkpoint-dir): a server crash would lose these steps", link.index)
         return durable
 
     def _finish_on(self, link: ShardLink) -> FinishReply:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from cli.local import CHECKPOINTING_OFF
 from harness.procs import ProcessGroup, try_scrape, wait_until
+from rpcps.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -52,15 +54,47 @@ def test_a_bad_model_is_said_on_the_console_at_once_and_nothing_starts(procs: Pr
     assert not run_dir.exists() or not list(run_dir.glob("*.log")), "no child may start (or be restarted)"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("target", "said"), [
+    ("not_iterable", "returned int, expected an iterable of (inputs, targets) batches"),
+    ("labels_only", "returned a list whose first batch is int, expected an (inputs, targets) pair of tensors"),
+])
+def test_data_of_the_wrong_type_is_said_on_the_console_at_once_and_nothing_starts(
+    procs: ProcessGroup, tmp_path: Path, target: str, said: str
+) -> None:
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", f"tests.integration.bad_plugins:{target}"])
+    assert local.wait(30) == 2
+    assert time.monotonic() - started < 5, "the error must come before any process starts"
+    assert local.stderr().strip() == f"rpcps local: error: --data 'tests.integration.bad_plugins:{target}' {said}"
+    assert not run_dir.exists() or not list(run_dir.glob("*.log")), "no child may start (or be restarted)"
+
+
+@pytest.mark.timeout(60)
+def test_a_hand_started_worker_refuses_data_of_the_wrong_type_before_it_looks_for_its_server(
+    procs: ProcessGroup, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    worker = procs.start("worker", ["worker", "--ps", f"127.0.0.1:{free_port()}", "--worker-index", "0", "--num-workers", "1",
+                                    "--steps", "5", "--data", "tests.integration.bad_plugins:labels_only"])
+    assert worker.wait(30) == 2
+    assert time.monotonic() - started < 10, "refused at start, not after waiting for a server nobody started"
+    assert worker.stderr().strip().splitlines()[-1] == (
+        "rpcps worker: error: --data 'tests.integration.bad_plugins:labels_only' returned a list whose first batch is int, "
+        "expected an (inputs, targets) pair of tensors"
+    )
+
+
 @pytest.mark.timeout(90)
 def test_a_child_that_exits_2_is_not_restarted_and_its_error_is_on_the_console(procs: ProcessGroup, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", "tests.integration.bad_plugins:not_iterable"])
+    local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", "tests.integration.bad_plugins:too_short"])
     assert local.wait(60) == 2
     err, out = local.stderr(), local.stdout()
     assert re.search(r"rpcps local: worker[01] exited with 2 \(a bad flag or setting.*\); a restart cannot fix that", err), err
-    assert re.search(r"  worker[01]: rpcps worker: error: --data 'tests.integration.bad_plugins:not_iterable' returned int, "
-                     r"expected an iterable", err), err
+    assert re.search(r"  worker[01]: rpcps worker: error: --data 'tests.integration.bad_plugins:too_short' \(slot [01] of 2\) "
+                     r"ended before step 3 of --steps 50", err), err
     assert "restart 1/" not in out + err, "a child that exited 2 must not be restarted"
     assert all(n == 0 for n in (c["restarts"] for c in json.loads((run_dir / "children.json").read_text()).values()))
 
@@ -89,6 +123,20 @@ def test_after_a_server_kill_the_console_says_resumed_and_counts_the_servers_ver
         assert "frame #" not in text and "Traceback" not in text, text
 
 
+@pytest.mark.timeout(90)
+def test_without_checkpoints_local_says_so_once_and_its_children_do_not_warn(procs: ProcessGroup, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    local = procs.start("local", ["local", "--workers", "1", "--steps", "30", "--progress-s", "1", "--run-dir", run_dir])
+    assert local.wait(60) == 0, local.tail()
+    out = local.stdout()
+    assert out.count(CHECKPOINTING_OFF) == 1, out
+    assert "--checkpoint-dir DIR" in CHECKPOINTING_OFF, "it says how to turn checkpoints on"
+    for log in sorted(run_dir.glob("*.log")):
+        text = log.read_text()
+        assert " WARNING " not in text, f"{log.name} warns about a choice local made and said:\n{text}"
+    assert re.search(r" INFO .*checkpointing is off", (run_dir / "ps.log").read_text()), "still in the server's log, at INFO"
+
+
 @pytest.mark.timeout(150)
 def test_a_normal_run_logs_quietly_exports_only_its_series_and_a_rerun_says_nothing_is_left(
     procs: ProcessGroup, tmp_path: Path
@@ -111,6 +159,7 @@ def test_a_normal_run_logs_quietly_exports_only_its_series_and_a_rerun_says_noth
     assert local.wait(120) == 0, local.tail()
 
     out = local.stdout()
+    assert "\r" not in out, "stdout is a file here: plain lines, no progress bar"
     progress = [line for line in out.splitlines() if line.startswith("[")]
     assert progress, out
     for line in progress:

@@ -256,7 +256,8 @@ def test_render_matches_kubectl_kustomize(directory: str) -> None:
 
     def by_name(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
         for d in docs:  # kustomize rewrites image names (images:); the renderer leaves them
-            for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            pod = d.get("spec", {}).get("template", {}).get("spec", {})
+            for c in [*pod.get("initContainers", []), *pod.get("containers", [])]:
                 c["image"] = "rpcps"
         return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 

@@ -102,3 +102,16 @@ def test_this_machine_reads_without_error() -> None:
     usable = usable_cores()
     assert 1 <= usable.cores <= usable.affinity
     assert "usable cores" in usable.describe()
+
+
+def test_the_pool_names_the_cgroup_whose_quota_binds_or_else_the_cpus(tmp_path: Path) -> None:
+    pod1 = tree(tmp_path / "a", "0::/kubepods/pod1\n", V2_MOUNT, {"sys/fs/cgroup/kubepods/pod1/cpu.max": "200000 100000\n"})
+    pod2 = tree(tmp_path / "b", "0::/kubepods/pod2\n", V2_MOUNT, {"sys/fs/cgroup/kubepods/pod2/cpu.max": "200000 100000\n"})
+    binding = (pod1 / "sys/fs/cgroup/kubepods/pod1").stat()
+    assert usable_cores(pod1, affinity=64).pool == f"cgroup {binding.st_dev}:{binding.st_ino}"
+    assert usable_cores(pod1, affinity=64).pool == usable_cores(pod1, affinity=8).pool, "a quota is its own pool, whatever the CPUs"
+    assert usable_cores(pod1, affinity=64).pool != usable_cores(pod2, affinity=64).pool, "two pods' limits are two pools"
+    unlimited = tree(tmp_path / "c", "0::/user.slice\n", V2_MOUNT, {"sys/fs/cgroup/user.slice/cpu.max": "max 100000\n"})
+    assert usable_cores(unlimited, affinity=8).pool.startswith("cpus ")
+    assert usable_cores(unlimited, affinity=8).pool == usable_cores(unlimited, affinity=8).pool
+    assert usable_cores(unlimited, affinity=8).pool != usable_cores(unlimited, affinity=4).pool, "other CPUs, another pool"

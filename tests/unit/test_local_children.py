@@ -38,3 +38,11 @@ def test_a_given_secret_file_is_used_as_is(tmp_path: Path) -> None:
     local = Supervisor(config)
     assert all(flag(c.argv, "--job-secret-file") == str(given) for c in local.children)
     assert not (tmp_path / "run" / "job-secret").exists()
+
+
+def test_without_a_checkpoint_dir_local_tells_its_children_it_said_so(tmp_path: Path) -> None:
+    local = Supervisor(LocalConfig(run_dir=str(tmp_path), workers=2))
+    assert all(flag(c.argv, "--checkpoints-off-ok") == "on" for c in local.children)
+    base = LocalConfig(run_dir=str(tmp_path))
+    kept = Supervisor(replace(base, server=replace(base.server, checkpoint=replace(base.server.checkpoint, directory=str(tmp_path / "c")))))
+    assert all("--checkpoints-off-ok" not in c.argv for c in kept.children), "with checkpoints there is nothing to say"

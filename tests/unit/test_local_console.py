@@ -1,11 +1,13 @@
-"""What ``rpcps local`` says on its console (cli.exits, cli.progress): pure logic over exit codes, logs and scrapes."""
+"""What ``rpcps local`` says on its console (cli.exits, cli.progress, cli.console): pure logic over exit codes, logs and scrapes."""
 
 from __future__ import annotations
 
+import io
 import signal
 from pathlib import Path
 
 from cli import exits, progress
+from cli.console import Console
 
 
 def test_exits_a_restart_cannot_fix_are_final() -> None:
@@ -74,3 +76,44 @@ def test_the_last_line_counts_the_model_version_and_shows_the_held_out_score() -
     idle = {"wall_seconds": 7.1, "model_version": 600, "updates_this_run": 0, "initial_loss": None, "final_loss": None}
     assert progress.final_line(idle, None) == "rpcps local: done in 7.1s: model version 600 (0 updates in this run)"
     assert "already holds 300 steps for each of the 2 worker(s)" in progress.nothing_left("/tmp/d", 300, 2, 600)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _line(steps_held: int | None) -> progress.Progress:
+    return progress.Progress(elapsed_s=3.0, version=450, rate=150.0, steps_held=steps_held, steps_total=600, loss=1.25,
+                             live_workers=2, held_out=None)
+
+
+def test_on_a_terminal_progress_is_a_bar_and_other_lines_go_above_it() -> None:
+    out = _Terminal()
+    console = Console(600, out)
+    assert console.has_bar
+    console.progress(_line(300))
+    drawn = out.getvalue().split("\r")[-1]
+    assert " 50%|" in drawn and "| 300/600 steps [" in drawn, drawn
+    assert drawn.endswith("model version 450 (150.0 updates/s), loss 1.2500, live workers 2"), drawn
+    console.say("rpcps local: ps resumed from version 120 (snapshot step-120)")
+    assert "rpcps local: ps resumed from version 120 (snapshot step-120)\n" in out.getvalue()
+    assert "300/600 steps" in out.getvalue().split("rpcps local: ps resumed")[-1], "the bar is drawn again below the line"
+    console.progress(_line(240))  # a server that resumed from an older snapshot holds fewer steps: the bar goes back
+    assert "| 240/600 steps [" in out.getvalue().split("\r")[-1]
+    console.close()
+    assert out.getvalue().endswith("\n"), "the next line starts below the bar"
+
+
+def test_elsewhere_progress_is_a_plain_line_of_its_own() -> None:
+    out = io.StringIO()  # a pipe, a file, a CI log
+    console = Console(600, out)
+    assert not console.has_bar
+    console.progress(_line(300))
+    console.say("rpcps local: checkpoints in /tmp/c")
+    console.close()
+    assert out.getvalue() == (
+        "[   3.0s] steps 300/600 (50%), model version 450 (150.0 updates/s), loss 1.2500, live workers 2\n"
+        "rpcps local: checkpoints in /tmp/c\n"
+    )
+    assert not Console(0, _Terminal()).has_bar, "no total, no bar"

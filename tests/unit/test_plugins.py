@@ -98,3 +98,33 @@ def test_data_that_is_not_iterable_is_refused(plugin_dir: Path, monkeypatch: pyt
     monkeypatch.setattr(my_plugin_mod, "numbers", lambda worker_index, num_workers: 7, raising=False)
     with pytest.raises(PluginError, match=r"--data 'my_plugin_mod:numbers' returned int, expected an iterable of \(inputs, targets\)"):
         plugins.load_data("my_plugin_mod:numbers", 0, 1)
+
+
+def test_data_whose_first_batch_is_not_a_pair_of_tensors_is_refused_saying_what_it_is() -> None:
+    pair = (torch.zeros(1, 2), torch.zeros(1))
+    with pytest.raises(PluginError, match=r"^--data 'm:d' returned a list whose first batch is int, expected an \(inputs, targets\) "
+                                          r"pair of tensors$"):
+        plugins.checked_batches("m:d", [1, 2, 3])
+    with pytest.raises(PluginError, match=r"whose first batch is a tuple of \(Tensor, Tensor, Tensor\), expected"):
+        plugins.checked_batches("m:d", [(*pair, torch.zeros(1))])
+    with pytest.raises(PluginError, match=r"whose first batch is a tuple of \(Tensor, str\), expected"):
+        plugins.checked_batches("m:d", iter([(pair[0], "labels")]))
+    with pytest.raises(PluginError, match=r"^--data 'm:d' returned an empty list, expected an iterable of \(inputs, targets\) batches$"):
+        plugins.checked_batches("m:d", [])
+
+
+def test_checked_data_still_yields_its_first_batch() -> None:
+    batches = [(torch.full((1,), float(i)), torch.zeros(1)) for i in range(3)]
+    assert plugins.checked_batches("m:d", batches) is batches  # re-iterable: a fresh iterator starts at batch 0 again
+    one_shot = plugins.checked_batches("m:d", iter(batches))  # the batch the check read is put in front again
+    assert [float(x) for x, _ in one_shot] == [0.0, 1.0, 2.0]
+
+
+def test_check_specs_calls_the_data_factory_unless_a_script_reads_the_data(plugin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import my_plugin_mod  # type: ignore[import-not-found]
+
+    monkeypatch.setattr(my_plugin_mod, "dicts", lambda worker_index, num_workers: [{"x": 1}], raising=False)
+    plugins.check_specs("my_plugin_mod:model", "my_plugin_mod:data", "mse", num_workers=2)
+    with pytest.raises(PluginError, match=r"--data 'my_plugin_mod:dicts' returned a list whose first batch is dict"):
+        plugins.check_specs("my_plugin_mod:model", "my_plugin_mod:dicts", "mse", num_workers=2)
+    plugins.check_specs("my_plugin_mod:model", "my_plugin_mod:dicts", "mse", own_loop=True)  # a --worker-script's own format

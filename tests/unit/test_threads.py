@@ -4,12 +4,15 @@ shared by what each rpcps process uses (rpcps.threads); ``local`` leaves the cho
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from cli.local import Supervisor
 from cli.main import parse
+from harness.procs import wait_until
 from rpcps import threads
 from rpcps.cpu_limits import UsableCores
 from rpcps.host_registry import Entry, HostRegistry
@@ -144,6 +147,80 @@ def test_a_pinned_budget_still_registers_so_others_count_it(tmp_path: Path) -> N
             others.stop()
     finally:
         budget.stop()
+
+
+def test_only_processes_that_draw_on_the_same_cores_divide_them(tmp_path: Path) -> None:
+    def pool(name: str) -> UsableCores:
+        return UsableCores(4, 64, 4.0, "cgroup v2 cpu.max 400000/100000 at /sys/fs/cgroup", pool=name)
+
+    mine = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: pool("cgroup 1:10"), poll_s=3600)
+    # A pod with a CPU limit of its own on the same node, sharing the registry (Kubernetes hostPath).
+    other_pod = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: pool("cgroup 1:20"), poll_s=3600)
+    same_pod = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: pool("cgroup 1:10"), poll_s=3600)
+    try:
+        assert mine.start().intra_op == 4
+        assert other_pod.start().intra_op == 4 and other_pod.budget.sharing == 1, "its limit is its own"
+        shared = same_pod.start()
+        assert shared.intra_op == 2 and shared.sharing == 2, "two compute processes under one limit"
+        assert "shared with 1 other rpcps process on this host (1 worker)" in shared.reason
+    finally:
+        for b in (mine, other_pod, same_pod):
+            b.stop()
+
+
+# ---------------------------------------------------------------- what goes wrong on the way
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(1 for r in caplog.records if r.levelname == "WARNING" and text in r.getMessage())
+
+
+def test_an_unreadable_cgroup_is_counted_at_every_poll_and_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+    unreadable = UsableCores(2, 2, None, "cgroups unreadable (Permission denied)")
+    budget = HostBudget("worker", directory=tmp_path, environ={}, limits=lambda: unreadable, poll_s=0.01, on_problem=seen.append)
+    try:
+        assert budget.start().usable == 2  # goes on with the affinity's cores
+        wait_until(lambda: seen.count("cgroup_unreadable") >= 3, 10, "three polls of an unreadable cgroup")
+    finally:
+        budget.stop()
+    assert set(seen) == {"cgroup_unreadable"}
+    assert _warnings(caplog, "cgroups unreadable (Permission denied): the budget counts the affinity's cores only") == 1
+
+
+def test_registry_problems_and_a_bad_setting_are_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    alone = HostBudget("worker", directory=blocked, environ={"OMP_NUM_THREADS": "two"}, limits=lambda: cores(2), poll_s=3600,
+                       on_problem=seen.append)
+    try:
+        assert alone.start().sharing == 1
+    finally:
+        alone.stop()
+    assert seen == ["bad_setting", "registry"]
+    assert _warnings(caplog, "cannot join the host's process registry") == 1
+
+    seen.clear()
+    directory = tmp_path / "registry"
+    budget = HostBudget("worker", directory=directory, environ={}, limits=lambda: cores(2), poll_s=0.01, on_problem=seen.append)
+    try:
+        budget.start()
+        assert seen == []
+        shutil.rmtree(directory)  # the registry's directory went away under a running process (a tmp cleaner)
+        wait_until(lambda: seen.count("registry") >= 2, 10, "polls of a registry that cannot be listed")
+    finally:
+        budget.stop()
+    assert _warnings(caplog, "cannot read the host's process registry") == 1
+
+
+def test_the_problems_counter_has_every_problem_from_the_start() -> None:
+    registry = CollectorRegistry()
+    count = threads.problem_counter(registry, "worker")
+    for problem in threads.PROBLEMS:
+        assert registry.get_sample_value("rpcps_worker_thread_budget_problems_total", {"problem": problem}) == 0.0
+    count("registry")
+    assert registry.get_sample_value("rpcps_worker_thread_budget_problems_total", {"problem": "registry"}) == 1.0
 
 
 def test_split_cores_for_benchmarks_that_start_their_own_processes() -> None:
