@@ -3,6 +3,7 @@
     python -m bench.convergence --example digits                     # ~5 min on two cores
     python -m bench.convergence --example charlm                     # ~25 min on two cores
     python -m bench.convergence --example digits --workers 1,2 --modes async --batches 200   # quick look
+    python -m bench.convergence --example charlm --modes sync,local-steps --workers 4 --no-reference   # local steps, H=8
     python -m bench.convergence --example charlm --modes async --workers 1,2 --no-reference \
         --local-args "--max-in-flight 1 --prefetch-pull off"                 # rpcps with other settings
     python -m bench.convergence --example charlm --seeds 0,1                 # two model/data seeds each
@@ -15,7 +16,10 @@ For an example and a budget of ``--batches`` training batches (the example's bat
 - **rpcps**: a real ``rpcps local`` run per mode and worker count K, each worker ``--batches / K``
   steps, the example's optimizer recipe on the server, a final checkpoint; the trained model is
   exported from it (``ps.checkpoints.export``), buffers included, and scored on the held-out set.
-  ``bounded`` uses ``--max-staleness K``.
+  ``bounded`` uses ``--max-staleness K``. ``local-steps`` (only when ``--modes`` names it) runs
+  ``--batches / (K * H)`` rounds per worker of H batches each (``--local-steps H``, default 8), the
+  recipe's lr on the inner AdamW, DiLoCo's outer Nesterov SGD; it is checked against sync with the
+  same K (within 5 %, issue 27).
 
 ``--seeds`` runs every row once per seed: the model's initialisation and the data order both come
 from it (the rpcps runs load the example through a two-line module written into the scratch
@@ -52,6 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BATCHES = {"digits": 600, "charlm": 400}
 METRIC = {"digits": "accuracy", "charlm": "bits_per_char"}
 MODES = ("async", "bounded", "sync")
+LOCAL_STEPS = "local-steps"
+"""Also accepted in --modes (not run by default): H inner AdamW steps per push (--local-steps H)."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +95,14 @@ def reference(example: str, batches: int, streams: int, per_step: int, seed: int
     return Row("one process", streams, "one process", batches // per_step, per_step, final, time.monotonic() - started, seed)
 
 
-def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, local_args: list[str], seed: int = 0) -> Row:
+def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, local_args: list[str], seed: int = 0,
+              local_steps: int = 8) -> Row:
     module = f"rpcps.examples.{example}" if seed == 0 else seeded_module(example, seed, work)
     recipe = examples.load(example).RECIPE
     run_dir = work / f"{example}-{mode}-{workers}-seed{seed}"
-    steps = batches // workers
+    # Local steps: a step is a round of H batches, so equal samples is batches / (K * H) rounds.
+    per_step = local_steps if mode == LOCAL_STEPS else 1
+    steps = batches // (workers * per_step)
     argv = [
         sys.executable, str(REPO / "trainer_entry.py"), "local", "--workers", str(workers), "--steps", str(steps),
         "--model", f"{module}:model", "--data", f"{module}:data", "--loss", recipe.loss,
@@ -103,6 +112,8 @@ def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, l
     ]
     if mode == "bounded":
         argv += ["--max-staleness", str(workers)]
+    if mode == LOCAL_STEPS:  # the recipe's lr drives the inner optimizer; the outer one keeps DiLoCo's defaults
+        argv += ["--local-steps", str(local_steps), "--inner-lr", str(recipe.lr)]
     argv += local_args
     started = time.monotonic()
     env = child_env(str(work)) if seed else None
@@ -112,8 +123,9 @@ def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, l
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     model = examples.load(example).model()
     model.load_state_dict(read_checkpoint(run_dir / "ckpt").state_dict)
-    label = " ".join([mode, *local_args])
-    return Row("rpcps", workers, label, steps, workers if mode == "sync" else 1, examples.load(example).evaluate(model), seconds, seed)
+    label = " ".join([f"{mode} H={local_steps}" if mode == LOCAL_STEPS else mode, *local_args])
+    batch = workers if mode == "sync" else per_step
+    return Row("rpcps", workers, label, steps, batch, examples.load(example).evaluate(model), seconds, seed)
 
 
 def check_targets(example: str, rows: list[Row]) -> list[str]:
@@ -148,6 +160,12 @@ def check_targets(example: str, rows: list[Row]) -> list[str]:
     for workers in sorted({r.workers for r in rows if r.mode == "sync"}):
         compare(f"sync, {workers} workers, same global batch", find("rpcps", "sync", workers, workers),
                 find("one process", "one process", workers, workers), "one process", 0.03 if charlm else 1.0)
+    for workers in sorted({r.workers for r in rows if r.mode.startswith(LOCAL_STEPS)}):  # issue 27: within 5 % of sync
+        h = next(r.global_batch for r in rows if r.mode.startswith(LOCAL_STEPS) and r.workers == workers)
+        against = "sync" if find("rpcps", "sync", workers, workers) is not None else "one process"
+        compare(f"local-steps H={h}, {workers} workers, equal samples", find("rpcps", LOCAL_STEPS, workers, h),
+                find("rpcps", "sync", workers, workers) if against == "sync" else find("one process", "one process", workers, workers),
+                against, 0.05)
     return lines
 
 
@@ -167,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, help="training batches per run (default: digits 600, charlm 400)")
     p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
     p.add_argument("--modes", default=",".join(MODES), help="rpcps modes, comma-separated")
+    p.add_argument("--local-steps", type=int, default=8, help=f"H of the {LOCAL_STEPS} mode's rows")
     p.add_argument("--local-args", default="", help="more `rpcps local` flags for every rpcps run (a variant's row is labelled with them)")
     p.add_argument("--no-reference", action="store_true", help="leave out the one-process rows")
     p.add_argument("--seeds", default="0", help="model/data seeds, comma-separated: every row runs once per seed")
@@ -191,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             for mode in modes:
                 for k in counts:
-                    add(rpcps_run(a.example, batches, k, mode, Path(work), shlex.split(a.local_args), seed))
+                    add(rpcps_run(a.example, batches, k, mode, Path(work), shlex.split(a.local_args), seed, a.local_steps))
     targets = check_targets(a.example, rows)
     print(table(a.example, rows), *targets, sep="\n", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"example": a.example, "batches": batches, "rows": [r.__dict__ for r in rows], "targets": targets}

@@ -18,6 +18,9 @@ import torch
 from bench.common import emit_json
 from rpcps import plugins
 
+_FINAL_LOSS_OF = 100
+"""The final loss reported is the mean training loss of this many last steps."""
+
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.one_process", description=__doc__.split("\n\n")[0])
@@ -31,14 +34,17 @@ def main() -> int:
     data = iter(plugins.load_data(args.data, 0, 1))
     loss_fn = plugins.load_loss(args.loss)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    times = []
+    times, losses = [], []
     for _ in range(args.steps):
         x, y = next(data)
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        loss = loss_fn(model(x), y)
+        loss.backward()
         optimizer.step()
         times.append(time.perf_counter())
-    emit_json({"update_times": times, "threads": torch.get_num_threads()})
+        losses.append(loss.detach())
+    tail = losses[-_FINAL_LOSS_OF:]
+    emit_json({"update_times": times, "threads": torch.get_num_threads(), "final_loss": float(sum(tail)) / len(tail)})
     return 0
 
 

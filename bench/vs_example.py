@@ -4,6 +4,7 @@
     python -m bench.vs_example                      # the 5M MLP, batch 64, 2 workers x 300 steps, ~4 min
     python -m bench.vs_example --preset tiny        # the 22k teacher-student MLP, batch 64, 2 workers x 3000 steps
     python -m bench.vs_example --sides example,local-sgd,hand   # with rpcps started by hand, without local
+    python -m bench.vs_example --preset tiny --sides one,example,local-steps   # local steps (H=8) at equal samples
     python -m bench.vs_example --preset charlm --workers 1 --sides one,local-sgd   # the byte-level transformer, one worker
 
 In one run, ``--repeats`` times interleaved (the best of each side kept), same model, data, loss and
@@ -62,10 +63,16 @@ SGD_LR = 0.05
 """The example's SGD learning rate (stable on both presets' data)."""
 
 
+FINAL_LOSS: dict[str, list[float]] = {}
+"""Per side that reports one, the final training loss of each run (the one process, local steps)."""
+
+
 def one_process(p: Preset, workers: int) -> float:
     argv = [sys.executable, "-m", "bench.one_process", "--model", p.model, "--data", p.data, "--loss", p.loss,
             "--lr", str(SGD_LR), "--steps", str(workers * p.steps)]
-    return steady_rate([(t, i + 1) for i, t in enumerate(run_ranks(argv, 1)["update_times"])])
+    report = run_ranks(argv, 1)
+    FINAL_LOSS.setdefault("one process (limit)", []).append(report["final_loss"])
+    return steady_rate([(t, i + 1) for i, t in enumerate(report["update_times"])])
 
 
 def example_argv(p: Preset, workers: int, transport: str) -> list[str]:
@@ -87,6 +94,23 @@ def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> fl
     return run_local(argv, run_dir, interval_s=0.5, scrape_workers=False).steady_updates_per_s()
 
 
+LOCAL_STEPS = 8
+"""H of the local-steps side."""
+LOCAL_STEPS_SIDE = f"rpcps --mode local-steps --local-steps {LOCAL_STEPS} (batches/s)"
+
+
+def rpcps_local_steps(p: Preset, workers: int, root: Path, tag: str) -> float:
+    """Equal samples: steps / H rounds of H batches each. Returns batches/s (updates/s x H), the
+    unit of the other sides' updates/s (one batch each); records the workers' final loss."""
+    run_dir = root / tag
+    extra = ["--mode", "local-steps", "--local-steps", str(LOCAL_STEPS)]
+    argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps // LOCAL_STEPS, extra=extra)
+    run = run_local(argv, run_dir, interval_s=0.5, scrape_workers=False)
+    losses = [w["final_loss"] for w in run.summary["workers"]]
+    FINAL_LOSS.setdefault(LOCAL_STEPS_SIDE, []).append(sum(losses) / len(losses))
+    return run.steady_updates_per_s() * LOCAL_STEPS
+
+
 def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str], *, server_session: bool = False) -> float:
     """``server_session``: the server in a session of its own (``setsid``), as ``local`` starts every child;
     this kernel's autogroup scheduling shares CPU time between sessions first (docs/BENCHMARKS.md)."""
@@ -96,11 +120,11 @@ def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str
     return run.steady_updates_per_s()
 
 
-SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "hand", "hand-setsid")
+SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "hand", "hand-setsid", "local-steps")
 """What ``--sides`` may name: the one process, the example design (each of --example-transports),
 ``local`` with SGD, with its defaults, and with its defaults but weight prediction off (what the
-default staleness remedy costs), and rpcps started by hand with SGD (``hand-setsid``: its server in a
-session of its own)."""
+default staleness remedy costs), rpcps started by hand with SGD (``hand-setsid``: its server in a
+session of its own), and ``local`` in local-steps mode (H inner AdamW steps per push, equal samples)."""
 
 
 def main() -> int:
@@ -130,6 +154,8 @@ def main() -> int:
         sides["rpcps defaults (Adam)"] = lambda i: rpcps(preset, args.workers, root, f"adam-{i}", [])
     if "local-adam-unpredicted" in wanted:
         sides["rpcps defaults (Adam), --predict-ahead 0"] = lambda i: rpcps(preset, args.workers, root, f"adam-np-{i}", ["--predict-ahead", "0"])
+    if "local-steps" in wanted:
+        sides[LOCAL_STEPS_SIDE] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-{i}")
     if "hand" in wanted:
         sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
     if "hand-setsid" in wanted:
@@ -153,6 +179,8 @@ def main() -> int:
     )
     if "rpcps defaults, --optimizer sgd" in best and "rpcps defaults (Adam)" in best:
         print(f"rpcps Adam / rpcps SGD: {best['rpcps defaults (Adam)'] / best['rpcps defaults, --optimizer sgd']:.2f}")
+    for name, losses in FINAL_LOSS.items():
+        print(f"final training loss, {name}: " + ", ".join(f"{v:.4f}" for v in losses))
     print("the example design's figure is its best transport")
     print("all runs:", json.dumps(runs))
     return 0

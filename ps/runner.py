@@ -34,6 +34,7 @@ from ps.replication.standby import CatchUpFailed
 from rpcps import endpoints, memory, plugins, replica_endpoints, rpc_policy, signals, threads, transport
 from rpcps.jobsecret import JobSecret
 from rpcps.listen_sockets import ListenerWatch
+from rpcps.messages import Mode
 from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
@@ -96,7 +97,8 @@ def run_server(config: ServerRunConfig) -> int:
     logger.info(
         "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),
-        config.core.optimizer.name, torch_kwargs(config.core.optimizer),
+        config.core.optimizer_name,
+        config.core.optimizer_settings if config.core.mode == Mode.LOCAL_STEPS else torch_kwargs(config.core.optimizer),
     )
     finish_workers = threading.Event()
 
@@ -377,7 +379,7 @@ def _find_resume(
     restart_from = os.environ.pop(RESTART_FROM_ENV, None)
     if restart_from:  # this process restarted itself from a snapshot it just wrote
         checkpoint_config = replace(checkpoint_config, resume=restart_from)
-    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer.name, server.partition_digest, _signer(config, secret))
+    point = find_resume_point(checkpoint_config, server.signature, config.core.optimizer_name, server.partition_digest, _signer(config, secret))
     return checkpoint_config, point
 
 
@@ -463,7 +465,7 @@ def _meta(server: ParameterServer, config: ServerRunConfig) -> dict[str, Any]:
         "signature": server.signature.to_wire(),
         "model_signature": server.model_signature.to_wire(),
         "signature_digest": server.model_signature.digest(),
-        "optimizer": config.core.optimizer.name,
+        "optimizer": config.core.optimizer_name,
         "shard_index": config.core.shard_index,
         "shard_count": config.core.shard_count,
         "partition_digest": server.partition_digest,
@@ -525,7 +527,7 @@ def _flat_config(config: ServerRunConfig) -> dict[str, Any]:
     return {
         "listen": str(config.listen),
         "model": config.model,
-        "optimizer": config.core.optimizer.name,
+        "optimizer": config.core.optimizer_name,
         "on_nonfinite": config.core.on_nonfinite,
         "transports": ",".join(config.transport.rpc_transports),
     }

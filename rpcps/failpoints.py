@@ -33,6 +33,8 @@ POINTS = {
     "snapshot.before_commit": "a snapshot is durable under its temporary name and in the ledger, not yet renamed into place",
     "snapshot.after_commit": "a snapshot was just committed",
     "finish.after_snapshot": "a finishing worker's steps were just made durable; its reply is not sent yet",
+    "worker.after_push": "a worker just sent a step's pushes (in --mode local-steps, a round's delta: the inner optimizer's "
+    "state dies with the process)",
     "replication.at_max_lag": "an asynchronous primary is applying the update that puts it --max-replica-lag entries ahead "
     "of its standby (the ones before it were answered: a crash now loses them unless they are still on the wire)",
     "replication.standby_before_ack": "a standby holds the log entries of an append and is about to acknowledge them",

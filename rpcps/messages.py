@@ -25,6 +25,8 @@ class Mode(WireEnum):
     """Refuse pushes more than max_staleness updates old (the worker recomputes them)."""
     SYNC = "sync"
     """One step per round from the averaged gradients of the live workers."""
+    LOCAL_STEPS = "local-steps"
+    """Workers take H local steps and push the parameter delta; the server applies an outer optimizer to each."""
 
 
 class PushStatus(WireEnum):

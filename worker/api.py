@@ -176,6 +176,13 @@ class Training:
         return self.config.worker.steps
 
     @property
+    def local_steps(self) -> int | None:
+        """In --mode local-steps, H: each step's ``micro_batches`` are H inner steps' batches, and its push
+        sends the parameters' change since the step began (take the inner optimizer's steps yourself);
+        None in the gradient modes. Known once entered."""
+        return self.trainer.local_steps
+
+    @property
     def device(self) -> torch.device:
         """Where the model computes (``--device``): move each batch here."""
         return self.trainer.device
@@ -199,6 +206,9 @@ class Training:
     @property
     def optimizer(self) -> StepOptimizer:
         """A ``torch.optim.Optimizer`` facade for code that calls ``step()`` / ``zero_grad()`` itself."""
+        if self._trainer is not None and self._trainer.local_steps is not None:
+            # Its step() pushes; a round needs H real inner steps first (docs/API.md, local steps).
+            raise RuntimeError("in --mode local-steps your own inner optimizer steps: end each round with step.push()")
         if self._optimizer is None:
             self._optimizer = StepOptimizer(self)
         return self._optimizer
@@ -214,8 +224,14 @@ class Training:
         if self._steps is not None:
             raise RuntimeError("a Training's steps are iterated once")
         data = self._data(self.slot, self.num_workers) if callable(self._data) else self._data
+        accumulate = self.accumulate
+        if trainer.local_steps is not None:
+            if accumulate > 1:
+                raise ValueError("accumulate applies to gradient modes; in --mode local-steps a step's micro_batches are its "
+                                 "--local-steps H inner steps' batches: leave accumulate at 1")
+            accumulate = trainer.local_steps
         self._first_step = trainer.step
-        self._steps = trainer.steps(data, self.accumulate, source=self._data_name)
+        self._steps = trainer.steps(data, accumulate, source=self._data_name)
         return self._steps
 
     # ---- joining and leaving ---------------------------------------------------------------------

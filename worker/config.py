@@ -14,6 +14,12 @@ from rpcps.transport.config import TransportOptions
 DEFAULT_METRICS_PORT = 9410
 """A worker's /metrics port is this plus its LOCAL_RANK, unless that is taken (then a free one)."""
 
+DEFAULT_LOCAL_STEPS = 8
+"""H when a server in --mode local-steps meets a worker without --local-steps."""
+
+INNER_OPTIMIZERS = ("adamw", "adam", "sgd")
+"""The CLI loop's inner optimizers in --mode local-steps (torch.optim's, by lowercase name)."""
+
 
 def _torchrun_server(environ: Mapping[str, str]) -> str | None:
     """torchrun's MASTER_ADDR:MASTER_PORT, the server's address when --ps is not given."""
@@ -52,6 +58,14 @@ class WorkerConfig:
         help="a shard whose primary failed while its view named a standby: how long to wait for that standby to take "
         "over before restarting this worker to rejoin",
     )
+    local_steps: int | None = setting(
+        None, help=f"with a server in --mode local-steps: inner steps per push (default {DEFAULT_LOCAL_STEPS})", metavar="H"
+    )
+    inner_optimizer: str = setting(
+        "adamw", help="with --mode local-steps: the worker's inner optimizer (its state stays in this process)",
+        choices=lambda: sorted(INNER_OPTIMIZERS),
+    )
+    inner_lr: float = setting(1e-3, help="with --mode local-steps: the inner optimizer's learning rate")
     pause_poll_s: float = 0.5
     """How often a paused worker asks whether training resumed."""
 
@@ -74,6 +88,12 @@ class WorkerConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.failover_timeout_s <= 0:
             raise ValueError(f"failover_timeout_s must be > 0, got {self.failover_timeout_s}")
+        if self.local_steps is not None and self.local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(f"inner optimizer {self.inner_optimizer!r} is not supported; choose one of {sorted(INNER_OPTIMIZERS)}")
+        if not self.inner_lr > 0:
+            raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
         if self.max_consecutive_rejects < 1:
             raise ValueError(f"max_consecutive_rejects must be >= 1, got {self.max_consecutive_rejects}")
 

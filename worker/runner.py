@@ -14,6 +14,7 @@ from __future__ import annotations
 from rpcps import plugins
 from worker.api import EXIT_OK, Training
 from worker.config import WorkerRunConfig
+from worker.local_steps import inner_optimizer
 
 
 def run_worker(config: WorkerRunConfig) -> int:
@@ -24,10 +25,15 @@ def run_worker(config: WorkerRunConfig) -> int:
     training = Training(model, data, config, data_name=f"--data {config.worker.data!r}")
     with training:
         device = training.device
+        # Local steps: the inner optimizer lives as long as this process (a restart starts it afresh).
+        inner = inner_optimizer(config.worker, [p for p in model.parameters() if p.requires_grad]) if training.local_steps else None
         for step in training:
-            inputs, targets = step.batch
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()
+            for inputs, targets in step.micro_batches:
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                loss = loss_fn(model(inputs), targets)
+                loss.backward()
+                if inner is not None:
+                    inner.step()
+                    inner.zero_grad()
             step.push(loss)
     return EXIT_OK

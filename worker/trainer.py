@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rpcps import plugins, threads, transport
+from rpcps import failpoints, plugins, threads, transport
 from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
@@ -57,8 +57,9 @@ from rpcps.wire import TopK, wire_dtype
 from worker.acked import AckedPushes
 from worker.buffers import ModelBuffers
 from worker.client import ServerClient, ShardUnavailable, result, shard_view
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_LOCAL_STEPS, WorkerConfig
 from worker.device import GradientStager, ParameterSink, memory_in_use, pick_device
+from worker.local_steps import RoundStart
 from worker.metrics import WorkerMetrics
 from worker.sparse_client import SparseRouter
 from worker.step import Step, StepEnded
@@ -269,9 +270,18 @@ class Trainer:
         if first.partition_digest != partition_digest(self.signature, first.shard_count):
             raise RuntimeError("the servers partition the model differently from this worker; same rpcps version on both?")
         self.mode = first.mode
+        self.local_steps: int | None = None
+        """H, the micro-batches (inner steps) of each step in local-steps mode; None in the gradient modes."""
+        self._round: RoundStart | None = None
+        if self.mode == Mode.LOCAL_STEPS:
+            self.local_steps = config.local_steps or DEFAULT_LOCAL_STEPS
+            self._round = RoundStart(params)
+        elif config.local_steps is not None:
+            raise ValueError(f"--local-steps needs a server in --mode local-steps; this one runs --mode {self.mode}")
         owned = partition(self.signature, first.shard_count)
         self.shards: list[ShardLink] = []
-        window = 1 if self.mode == Mode.SYNC else config.max_in_flight
+        # A round starts from the parameters its own delta produced (DiLoCo): one push on the wire.
+        window = 1 if self.mode in (Mode.SYNC, Mode.LOCAL_STEPS) else config.max_in_flight
         for client, reg, indices in zip(clients, registrations, owned):
             layout = FlatLayout(ModelSignature(tuple(self.signature.params[i] for i in indices)), reg.chunk_bytes)
             if layout.chunk_numels != tuple(reg.chunk_numels):
@@ -297,7 +307,7 @@ class Trainer:
         # A shard restored from an older snapshot has processed fewer steps: start at the earliest;
         # shards that already have a step answer 'duplicate'.
         self.step = min(r.next_step for r in registrations)
-        self.pull_every = 1 if self.mode == Mode.SYNC else config.pull_every
+        self.pull_every = 1 if self.mode in (Mode.SYNC, Mode.LOCAL_STEPS) else config.pull_every
         self.window = window
         self.pull_with_push = config.prefetch_pull
         self.stats = stats or WorkerStats()
@@ -453,8 +463,11 @@ class Trainer:
         for module in self.sparse_modules:
             module.drop_grads()  # rows of forwards made between steps are no part of this one
         bound: dict[int, list[torch.Tensor]] = {}
+        if self._round is not None:
+            self._round.begin()
         for link in shards:
-            if link.stager.direct:
+            # Local steps push a delta, not what backward leaves: nothing is bound to the wire buffers.
+            if link.stager.direct and self._round is None:
                 # The window slot is taken before the forward pass, and backward writes into it. With
                 # prefetched parameters this waits for nothing: the refresh that started the step
                 # already waited for the reply that frees it.
@@ -468,6 +481,8 @@ class Trainer:
         state: _OpenStep = step._state
         comm = state.blocked
         sparse = self._sparse_parts()
+        if self._round is not None:
+            self._round.deltas_as_grads()
         for link in state.shards:
             buffers = state.bound.get(link.index)
             if buffers is None:
@@ -485,6 +500,7 @@ class Trainer:
                 payload = [*payload, *self.model_buffers.for_push()]
             part = None if sparse is None else sparse[link.index]
             self._send(_InFlight(step.index, link.index, link.version, buffers, loss, step.batch, payload, sparse=part, absent=absent))
+        failpoints.hit("worker.after_push")
         self._end_step(step, comm, loss)
 
     def skip_step(self, step: Step) -> None:

@@ -3,6 +3,8 @@
 - ``async``: every valid push is applied as it arrives.
 - ``bounded``: like async, but a push more than ``max_staleness`` updates old is answered ``stale``
   (not recorded as processed: the worker recomputes that step on fresh parameters).
+- ``local-steps``: like async, but a push is a parameter delta after H local steps, which the
+  server's outer optimizer (``ps.core.outer``) applies; rounds and delta norms are counted.
 - ``sync``: pushes wait in a round; the round is applied as one step from the averaged gradients of
   the live workers (``ps.api.sync_rounds``), and every push in it is answered when it closes.
 
@@ -16,6 +18,7 @@ methods run on RPC threads, take the server's lock for what they change, and com
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Protocol
@@ -203,7 +206,28 @@ class SyncMode:
         return [(f, stopping) for f in futures]
 
 
+class LocalStepsMode(AsyncMode):
+    """Each worker's delta is applied as it arrives: one outer step (``ps.core.outer``) per (slot,
+    round), a round being the slot's step. Exactly-once and the rest are the async path's; this adds
+    the round count (the summary's ``rounds``) and the norm of each delta (a gauge)."""
+
+    def __init__(self, server: ParameterServer) -> None:
+        super().__init__(server)
+        self.mode = Mode.LOCAL_STEPS
+        server.on_applied(lambda _event: server.metrics.count_round())
+
+    def submit(
+        self, record: WorkerRecord, seq: int, loss: float | None, base_version: int, chunks: list[Any], grads: list[torch.Tensor],
+        buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None, absent: int = 0,
+    ) -> Future:
+        # Outside the lock: the norm is for operators (a diverging worker pushes a growing delta), not part of the step.
+        self.server.metrics.delta_norm.set(math.sqrt(sum(float(g.square().sum()) for g in grads)))
+        return super().submit(record, seq, loss, base_version, chunks, grads, buffers, sparse, absent)
+
+
 def make_mode(server: ParameterServer, config: ServerCoreConfig) -> ConsistencyMode:
     if config.mode == Mode.SYNC:
         return SyncMode(server, config.round_timeout_s, config.min_workers)
+    if config.mode == Mode.LOCAL_STEPS:
+        return LocalStepsMode(server)
     return AsyncMode(server, config.max_staleness if config.mode == Mode.BOUNDED else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ps.core.optim import OptimizerConfig
+from ps.core.outer import OUTER_NAME, OuterConfig
 from ps.sparse.store import SparseConfig
 from rpcps.messages import Mode
 from rpcps.settings import setting
@@ -21,11 +22,14 @@ class ServerCoreConfig:
     """Parameters and updates."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     mode: Mode = setting(
         Mode.ASYNC,
         help="async: apply every push; bounded: refuse pushes staler than --max-staleness (the worker recomputes them); "
-        "sync: one step per round from the averaged gradients of the live workers",
+        "sync: one step per round from the averaged gradients of the live workers; "
+        "local-steps: workers take --local-steps H steps and push parameter deltas, applied by the outer Nesterov SGD "
+        "(--outer-lr, --outer-momentum) instead of --optimizer",
     )
     max_staleness: int | None = setting(
         None, help="with --mode bounded: the largest staleness (in updates) an applied gradient may have", metavar="K"
@@ -61,7 +65,7 @@ class ServerCoreConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in set(Mode):
-            raise ValueError(f"mode must be async, bounded or sync, got {self.mode!r}")
+            raise ValueError(f"mode must be one of {[m.value for m in Mode]}, got {self.mode!r}")
         object.__setattr__(self, "mode", Mode(self.mode))  # a plain string from code becomes the enum
         if self.mode == Mode.BOUNDED and self.max_staleness is None:
             raise ValueError("mode 'bounded' needs max_staleness (--max-staleness K)")
@@ -85,3 +89,17 @@ class ServerCoreConfig:
             raise ValueError(f"predict_ahead must be in [0, {MAX_PREDICT_AHEAD:g}] (0 turns weight prediction off), got {self.predict_ahead}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.mode == Mode.LOCAL_STEPS and self.optimizer.schedule is not None:
+            raise ValueError("--lr-schedule steps the --optimizer of the gradient modes; --mode local-steps steps the outer optimizer (--outer-lr)")
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer the server steps: the outer one in local-steps mode, else --optimizer."""
+        return OUTER_NAME if self.mode == Mode.LOCAL_STEPS else self.optimizer.name
+
+    @property
+    def optimizer_settings(self) -> str:
+        """What the optimizer is built with, for logs and the replicas' comparison."""
+        if self.mode == Mode.LOCAL_STEPS:
+            return f"lr={self.outer.lr} momentum={self.outer.momentum}"
+        return str(sorted(self.optimizer.optimizer_kwargs.items()))

@@ -89,6 +89,10 @@ class ServerMetrics:
             "Updates ahead the newest pulled parameters were moved by weight prediction (--predict-ahead; 0: served as they are).",
             registry=r,
         )
+        self.delta_norm = Gauge(
+            "rpcps_server_local_steps_delta_norm", "L2 norm of the newest parameter delta received (--mode local-steps; this shard's part).",
+            registry=r,
+        )
         self.version = Gauge("rpcps_server_model_version", "Updates applied to the model since it was created.", registry=r)
         self.in_flight = Gauge("rpcps_server_pushes_in_flight", "Pushes being validated or applied now.", registry=r)
         self.thread_budget = BudgetGauges(r, "server")

@@ -39,6 +39,7 @@ from ps.core.config import ServerCoreConfig
 from ps.core.dedup import SequenceTracker
 from ps.core.metrics import ServerMetrics
 from ps.core.optim import build_optimizer, load_state
+from ps.core.outer import build_outer
 from ps.core.prediction import PREDICTED_OPTIMIZERS, WeightPrediction
 from ps.core.presence import HeldSlices
 from ps.core.pull_copies import PullCopies
@@ -122,11 +123,14 @@ class ParameterServer:
             params = dict(model.named_parameters())
             for view, slot in zip(self.layout.views(self._masters), self.layout.slots):
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
-        self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
+        if config.mode == Mode.LOCAL_STEPS:
+            self.optimizer, self.schedule = build_outer(config.outer, list(self._masters)), None
+        else:
+            self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
         self.buffers = BufferStore(self.signature.buffers, dict(persistent_buffers(model)))
         specs = declared_tables(model)
-        if specs and config.mode == Mode.SYNC:
-            raise ValueError("sparse embedding tables need --mode async or bounded (sync rounds average dense gradients only)")
+        if specs and config.mode in (Mode.SYNC, Mode.LOCAL_STEPS):
+            raise ValueError(f"sparse embedding tables need --mode async or bounded ({config.mode} applies dense updates only)")
         self.sparse = SparseStore(specs, config.sparse, config.shard_index, config.shard_count) if specs else None
         """The model's sparse tables (this server's buckets of them), or None."""
         if self.sparse is not None:
@@ -502,7 +506,7 @@ class ParameterServer:
                 for r in sorted(self.workers.records.values(), key=lambda r: r.slot)
             )
             return ServerStatus(
-                version=self.version, mode=self.config.mode, optimizer=self.config.optimizer.name, paused=self.paused,
+                version=self.version, mode=self.config.mode, optimizer=self.config.optimizer_name, paused=self.paused,
                 finishing=self.finishing, uptime_s=now - self.started, server_id=self.server_id,
                 shard_index=self.config.shard_index, shard_count=self.config.shard_count, workers=workers,
                 intra_op_threads=budget.intra_op if budget is not None else torch.get_num_threads(),

@@ -41,7 +41,7 @@ def compatibility(server: ParameterServer, config: ServerRunConfig) -> dict[str,
         "chunk_bytes": str(config.core.chunk_bytes),
         "mode": str(config.core.mode),
         "max_staleness": str(config.core.max_staleness),
-        "optimizer": f"{optimizer.name} {sorted(optimizer.optimizer_kwargs.items())}",
+        "optimizer": f"{config.core.optimizer_name} {config.core.optimizer_settings}",
         "schedule": f"{optimizer.schedule} {sorted((optimizer.schedule_kwargs or {}).items())}",
         "wire_dtype": config.core.wire_dtype,
         "torch": str(torch.__version__),  # a TorchVersion, which the allow-list (rightly) does not let through

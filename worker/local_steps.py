@@ -1,0 +1,41 @@
+"""The worker's side of ``--mode local-steps``: the parameters a round started from, and its delta.
+
+A round is one step of the slot: H inner steps of the loop's own optimizer on the step's H
+micro-batches, then one push of ``start - now`` (DiLoCo's outer gradient) where a gradient mode
+pushes gradients. The server's outer optimizer (``ps.core.outer``) applies it, and the next round
+starts from the parameters it returns. The inner optimizer and its state belong to the loop and
+live in this process only: a restarted worker starts them afresh (docs/FAULT_TOLERANCE.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.config import INNER_OPTIMIZERS, WorkerConfig
+
+
+class RoundStart:
+    """A copy of the parameters as a round began (after the pull), turned into the delta at its push."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.origin = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+
+    def begin(self) -> None:
+        with torch.no_grad():
+            for o, p in zip(self.origin, self.params):
+                o.copy_(p)
+
+    def deltas_as_grads(self) -> None:
+        """Sets each parameter's ``.grad`` to ``start - now`` (the copy becomes it: one buffer per round)."""
+        with torch.no_grad():
+            for o, p in zip(self.origin, self.params):
+                o.sub_(p)
+                p.grad = o
+
+
+def inner_optimizer(config: WorkerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The CLI loop's inner optimizer (``--inner-optimizer``, ``--inner-lr``; torch's other defaults)."""
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[config.inner_optimizer]
+    assert config.inner_optimizer in INNER_OPTIMIZERS
+    return cls(params, lr=config.inner_lr)
