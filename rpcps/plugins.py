@@ -79,8 +79,8 @@ def load_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def checked_batches(spec: str, data: Iterable[Any]) -> Iterable[Batch]:
-    """``data`` once its first batch is an ``(inputs, targets)`` pair of tensors, as the built-in loop
-    unpacks it: a PluginError saying what it is instead, before the worker joins anything (later it
+    """``data`` once its first batch is an ``(inputs, targets)`` pair the built-in loop can unpack and
+    move to its device (tensors, or objects with ``.to``): a PluginError saying what it is instead, before the worker joins anything (later it
     would be a traceback at the first step, and a crash ``local`` restarts).
 
     A one-shot iterator without ``seek`` comes back with the batch read here put in front again; an
@@ -94,14 +94,20 @@ def checked_batches(spec: str, data: Iterable[Any]) -> Iterable[Batch]:
         raise PluginError(
             f"--data {spec!r} returned an empty {type(data).__name__}, expected an iterable of (inputs, targets) batches"
         ) from None
-    if not (isinstance(first, tuple | list) and len(first) == 2 and all(isinstance(t, torch.Tensor) for t in first)):
+    if not (isinstance(first, tuple | list) and len(first) == 2 and all(_movable(t) for t in first)):
         raise PluginError(
             f"--data {spec!r} returned a {type(data).__name__} whose first batch is {_kind(first)}, "
-            "expected an (inputs, targets) pair of tensors"
+            "expected an (inputs, targets) pair of tensors (or of objects with a .to(device) method)"
         )
     if items is data and not hasattr(data, "seek"):
         return itertools.chain([first], items)
     return data
+
+
+def _movable(item: Any) -> bool:
+    """What the built-in loop can move to its device: a tensor, or a batch type of the model's own
+    with ``.to(device, non_blocking=...)`` (the CTR example's ``CtrBatch``: dense features and ids)."""
+    return isinstance(item, torch.Tensor) or (not isinstance(item, type) and callable(getattr(item, "to", None)))
 
 
 def _kind(batch: Any) -> str:

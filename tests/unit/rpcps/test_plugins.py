@@ -103,7 +103,7 @@ def test_data_that_is_not_iterable_is_refused(plugin_dir: Path, monkeypatch: pyt
 def test_data_whose_first_batch_is_not_a_pair_of_tensors_is_refused_saying_what_it_is() -> None:
     pair = (torch.zeros(1, 2), torch.zeros(1))
     with pytest.raises(PluginError, match=r"^--data 'm:d' returned a list whose first batch is int, expected an \(inputs, targets\) "
-                                          r"pair of tensors$"):
+                                          r"pair of tensors \(or of objects with a \.to\(device\) method\)$"):
         plugins.checked_batches("m:d", [1, 2, 3])
     with pytest.raises(PluginError, match=r"whose first batch is a tuple of \(Tensor, Tensor, Tensor\), expected"):
         plugins.checked_batches("m:d", [(*pair, torch.zeros(1))])
@@ -111,6 +111,15 @@ def test_data_whose_first_batch_is_not_a_pair_of_tensors_is_refused_saying_what_
         plugins.checked_batches("m:d", iter([(pair[0], "labels")]))
     with pytest.raises(PluginError, match=r"^--data 'm:d' returned an empty list, expected an iterable of \(inputs, targets\) batches$"):
         plugins.checked_batches("m:d", [])
+
+
+def test_a_batch_of_the_models_own_type_with_a_to_method_is_accepted() -> None:
+    from rpcps.examples.ctr import CtrBatch
+
+    batch = (CtrBatch(torch.zeros(2, 13), torch.zeros(2, 26, dtype=torch.long)), torch.zeros(2))
+    assert plugins.checked_batches("m:d", [batch]) == [batch]
+    with pytest.raises(PluginError, match=r"whose first batch is a tuple of \(type, Tensor\), expected"):
+        plugins.checked_batches("m:d", [(CtrBatch, torch.zeros(2))])  # the class itself has .to, but is no batch
 
 
 def test_checked_data_still_yields_its_first_batch() -> None:
