@@ -58,7 +58,7 @@ def test_a_bad_model_is_said_on_the_console_at_once_and_nothing_starts(procs: Pr
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("target", "said"), [
     ("not_iterable", "returned int, expected an iterable of (inputs, targets) batches"),
-    ("labels_only", "returned a list whose first batch is int, expected an (inputs, targets) pair of tensors"),
+    ("labels_only", "returned a list whose first batch is int, expected an (inputs, targets) pair of tensors (or of objects with a .to(device) method)"),
 ])
 def test_data_of_the_wrong_type_is_said_on_the_console_at_once_and_nothing_starts(
     procs: ProcessGroup, tmp_path: Path, target: str, said: str
@@ -83,7 +83,7 @@ def test_a_hand_started_worker_refuses_data_of_the_wrong_type_before_it_looks_fo
     assert time.monotonic() - started < 10, "refused at start, not after waiting for a server nobody started"
     assert worker.stderr().strip().splitlines()[-1] == (
         "rpcps worker: error: --data 'tests.integration.bad_plugins:labels_only' returned a list whose first batch is int, "
-        "expected an (inputs, targets) pair of tensors"
+        "expected an (inputs, targets) pair of tensors (or of objects with a .to(device) method)"
     )
 
 
