@@ -33,7 +33,11 @@ def _seeds(count: int) -> list[int]:
     chosen = os.environ.get(SEEDS_ENV)
     if chosen:
         return [int(s) for s in chosen.split(",")]
-    return [random.SystemRandom().randrange(1_000_000) for _ in range(count)]
+    # Under pytest-xdist every worker collects the tests and must draw the same seeds: the run's id,
+    # one per run and the same in each worker, seeds them (a fresh draw per run either way).
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    draw = random.Random(run_id) if run_id else random.SystemRandom()
+    return [draw.randrange(1_000_000) for _ in range(count)]
 
 
 @pytest.mark.timeout(600)
