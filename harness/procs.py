@@ -101,14 +101,16 @@ def freeze_past_promotion(primary: Proc, standby_metrics: int, seconds: float = 
     primary.thaw()
 
 
-def start_replica_pair(procs: ProcessGroup, common: Sequence[str], first_only: Sequence[str] = ()) -> list[tuple[Proc, int]]:
+def start_replica_pair(
+    procs: ProcessGroup, common: Sequence[str], first_only: Sequence[str] = (), second_only: Sequence[str] = ()
+) -> list[tuple[Proc, int]]:
     """Two servers of shard 0 with the flags ``common`` (a store and ``--replicas 2``), the second
-    started once the first serves, and waited for until in sync; ``first_only`` goes to the first
-    (e.g. its control port). Returns [(process, metrics port)], primary first."""
+    started once the first serves, and waited for until in sync; ``first_only`` and ``second_only``
+    go to one of them (e.g. its control port). Returns [(process, metrics port)], primary first."""
     a, _, ma = procs.ps("ps_a", *common, *first_only)
     wait_until(lambda: try_scrape(ma).get("rpcps_replica_role", -1) == 2 or not a.alive(), 60, "ps_a to serve as primary")
     assert a.alive(), a.tail()
-    b, _, mb = procs.ps("ps_b", *common)
+    b, _, mb = procs.ps("ps_b", *common, *second_only)
     wait_until(lambda: try_scrape(ma).get("rpcps_replica_standby_in_sync", -1) == 1 or not b.alive(), 60, "ps_b to be in sync")
     assert b.alive(), b.tail()
     return [(a, ma), (b, mb)]

@@ -17,9 +17,18 @@ import torch.distributed as dist
 
 from harness.etcd import EtcdCluster, available
 from harness.ledger import check_ledger, recovery_after
-from harness.procs import Proc, ProcessGroup, freeze_past_promotion, start_replica_pair, try_scrape, wait_until
+from harness.procs import (
+    Proc,
+    ProcessGroup,
+    free_port,
+    freeze_past_promotion,
+    start_replica_pair,
+    try_scrape,
+    wait_until,
+)
 from rpcps.address import parse_store_address
 from rpcps.etcd.store import EtcdStore, open_store
+from tests.integration.conftest import run_ctl
 
 pytestmark = [
     pytest.mark.integration,
@@ -73,28 +82,52 @@ def test_the_etcd_store_answers_as_tcpstore_does_and_through_a_dead_leader(etcd:
     assert isinstance(store, EtcdStore) and store.num_keys() == 3  # token, rank, bytes
 
 
-def _start_pair(procs: ProcessGroup, tmp_path: Path, url: str) -> tuple[tuple[str, ...], list[tuple[Proc, int]]]:
+def _control_flags() -> tuple[str, tuple[str, ...]]:
+    """A control address on a free loopback port, and the server flags that bind it."""
+    port = free_port()
+    return f"127.0.0.1:{port}", ("--control-addr", "127.0.0.1", "--control-port", str(port))
+
+
+def _start_pair(
+    procs: ProcessGroup, tmp_path: Path, url: str
+) -> tuple[tuple[str, ...], list[tuple[Proc, int]], dict[int, str]]:
     """Two replicas of shard 0 joined through etcd, the second in sync. Returns (their flags, [(process,
-    metrics port)] primary first)."""
+    metrics port)] primary first, {metrics port: control address})."""
     common = ("--store", url, "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"), "--digest-every", "10",
               "--lease-s", "3")
-    return common, start_replica_pair(procs, common)
+    (control_a, flags_a), (control_b, flags_b) = _control_flags(), _control_flags()
+    pair = start_replica_pair(procs, common, flags_a, flags_b)
+    return common, pair, {pair[0][1]: control_a, pair[1][1]: control_b}
+
+
+def _ctl(address: str, verb: str) -> None:
+    done = run_ctl(address, verb)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def _kill_primary_and_replace(
-    procs: ProcessGroup, common: tuple[str, ...], pair: list[tuple[Proc, int]], name: str
+    procs: ProcessGroup, common: tuple[str, ...], pair: list[tuple[Proc, int]], controls: dict[int, str], name: str
 ) -> tuple[tuple[float, int], list[tuple[Proc, int]]]:
-    """kill -9 of the primary 100 updates from now; a new replica started in its place, waited for
-    until in sync. Returns ((when, pid) of the kill, the new pair, primary first)."""
+    """kill -9 of the primary 100 updates from now. Once the promoted standby has applied an update,
+    training is held with ``ctl pause`` while a new replica starts in the dead one's place and catches
+    up, then resumed: the workers cannot finish before the next kill, however slow the machine is at
+    starting an interpreter. Returns ((when, pid) of the kill, the new pair, primary first)."""
     (primary, mp), (standby, ms) = pair
     target = _version(mp) + 100
     wait_until(lambda: _version(mp) >= target or not primary.alive(), 90, "100 more updates before the kill")
+    assert primary.alive(), primary.tail()
     killed = (time.time(), primary.pid)
     primary.kill()
     wait_until(lambda: _scrape(ms, "rpcps_replica_role") == 2, 30, "the standby to promote itself")
-    again, _, mr = procs.ps(name, *common)
+    promoted_at = _version(ms)
+    wait_until(lambda: _version(ms) > promoted_at, 30, "the promoted standby's first update")
+    _ctl(controls[ms], "pause")
+    control, flags = _control_flags()
+    again, _, mr = procs.ps(name, *common, *flags)
+    controls[mr] = control
     wait_until(lambda: _scrape(ms, "rpcps_replica_standby_in_sync") == 1 or not again.alive(), 90, "the new standby to be in sync")
     assert again.alive(), again.tail()
+    _ctl(controls[ms], "resume")
     return killed, [(standby, ms), (again, mr)]
 
 
@@ -103,14 +136,14 @@ def test_training_through_etcd_survives_kills_of_the_primary_exactly(procs: Proc
     """No coordinator process: servers and workers rendezvous, take ranks and find each shard's view
     in etcd. kill -9 of whichever replica is primary, three times, each once its restarted peer is
     back in sync: the standby promotes itself through an etcd transaction on the view; the ledger holds
-    one history, equal digests, and the final version is workers x steps (1500 steps each: training outlasts
-    three kills, each waiting for a fresh interpreter to join and catch up)."""
+    one history, equal digests, and the final version is workers x steps (training is held with
+    ``ctl pause`` while each replacement joins and catches up, so three kills fit on any machine)."""
     url = etcd.url("train")
-    common, pair = _start_pair(procs, tmp_path, url)
+    common, pair, controls = _start_pair(procs, tmp_path, url)
     workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "1500", *PACED)[0] for i in range(2)]
     kills: list[tuple[float, int]] = []
     for round_ in range(3):
-        killed, pair = _kill_primary_and_replace(procs, common, pair, f"ps_{round_}")
+        killed, pair = _kill_primary_and_replace(procs, common, pair, controls, f"ps_{round_}")
         kills.append(killed)
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     (_, mlast), _ = pair
@@ -138,7 +171,7 @@ def test_a_kill_of_the_etcd_leader_during_training_pauses_nothing_and_loses_no_f
     the cluster runs on two members: updates never stop for more than 2 s, the failover happens
     (epoch 2), and the ledger is exact."""
     url = etcd.url("leader")
-    _, [(a, ma), (b, mb)] = _start_pair(procs, tmp_path, url)
+    _, [(a, ma), (b, mb)], _ = _start_pair(procs, tmp_path, url)
     workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "400", *PACED)[0] for i in range(2)]
     wait_until(lambda: _version(ma) >= 100, 90, "100 updates")
     leader = etcd.leader()
@@ -169,7 +202,7 @@ def test_a_frozen_primary_is_fenced_through_etcd(procs: ProcessGroup, tmp_path: 
     view in etcd, steps down and comes back as the new primary's standby. One primary at a time (the
     ledger), exact final version."""
     url = etcd.url("frozen")
-    _, [(a, ma), (b, mb)] = _start_pair(procs, tmp_path, url)
+    _, [(a, ma), (b, mb)], _ = _start_pair(procs, tmp_path, url)
     workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "500", *PACED)[0] for i in range(2)]
     wait_until(lambda: _version(ma) >= 150, 90, "150 updates")
     freeze_past_promotion(a, mb)
