@@ -204,9 +204,13 @@ class Registry:
         return self._cas(key, "", "")
 
     def _write(self, key: str, value: str) -> None:
+        """Returns once the store holds ``value``: TCPStore does not answer a set, so without the
+        check (answered on the same connection, after the set) another member's read right after
+        this returns could still find the old value."""
         try:
             with self._lock:
                 self._store.set(key, value)
+                self._store.check([key])
         except (RuntimeError, OSError) as e:
             raise StoreUnavailable(f"the group's store did not answer ({type(e).__name__})") from e
 

@@ -1,0 +1,45 @@
+"""free_ports: a port handed out once is not handed out again by the same process while it is
+remembered, even when the kernel offers it again (``local`` gave a server's control port to its
+standby too: the server could never bind it)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from rpcps import ports
+
+
+class _ScriptedSocket:
+    """Binds to the next port of a script: what a kernel that reuses released ports can do."""
+
+    offers: Iterator[int]
+
+    def bind(self, address: tuple[str, int]) -> None:
+        self.port = next(self.offers)
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+def test_a_port_the_kernel_offers_again_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ports, "_handed_out", type(ports._handed_out)(maxlen=8))
+    _ScriptedSocket.offers = iter([40001, 40001, 40002, 40001, 40002, 40003, 40004])
+    monkeypatch.setattr(ports.socket, "socket", _ScriptedSocket)
+    assert ports.free_port() == 40001
+    assert ports.free_port() == 40002
+    assert ports.free_ports(2) == [40003, 40004]
+
+
+@pytest.mark.timeout(30)
+def test_real_ports_are_distinct_and_bindable() -> None:
+    chosen = [ports.free_port() for _ in range(50)] + ports.free_ports(50)
+    assert len(set(chosen)) == 100
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", chosen[-1]))
