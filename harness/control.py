@@ -25,16 +25,18 @@ __all__ = ["pause", "resume"]
 CALL_TIMEOUT_S = 20.0
 
 
-def pause(address: str, timeout_s: float = CALL_TIMEOUT_S) -> int:
+def pause(address: str, timeout_s: float = CALL_TIMEOUT_S, wait_for_ready: bool = False) -> int:
     """Holds every push at the server whose control plane is at ``address`` (HOST:PORT); with a
-    standby the pause is a log entry, so the standby holds it too. Returns the model version it
-    holds at.
+    standby the pause is a log entry, so the standby holds it too. ``wait_for_ready``: a control
+    plane not listening yet (a server still starting) is waited for, up to ``timeout_s``, instead of
+    failing at once. Returns the model version it holds at.
 
     Raises:
         grpc.RpcError: when the server does not answer within ``timeout_s``.
     """
     with grpc.insecure_channel(address) as channel:
-        return int(ControlStub(channel).Pause(pb.PauseRequest(), timeout=timeout_s).model_version)
+        reply = ControlStub(channel).Pause(pb.PauseRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+        return int(reply.model_version)
 
 
 def resume(address: str, timeout_s: float = CALL_TIMEOUT_S) -> int:
