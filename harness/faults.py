@@ -48,6 +48,7 @@ from rpcps.failpoints import POINTS, REPLICATED_POINTS
 from rpcps.scrape import try_scrape
 
 POLL_S = 0.02
+STEPS = "rpcps_worker_steps_total"
 HOLD_RESEND_S = 0.5
 CONTROL_TIMEOUT_S = 2.0
 """A pause or resume the driver sends: short, so a server that stopped answering does not stall the polls."""
@@ -216,7 +217,8 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
                 driver.step()
                 time.sleep(POLL_S)
             if local.poll() is None:
-                raise TimeoutError(f"the local run did not finish within {plan.timeout_s:.0f}s; see {run_dir}")
+                held = f" (held for the planned crash {driver.by_version[0]}: its target never became ready)" if driver.held else ""
+                raise TimeoutError(f"the local run did not finish within {plan.timeout_s:.0f}s{held}; see {run_dir}")
         finally:
             if local.poll() is None:
                 os.killpg(local.pid, signal.SIGTERM)
@@ -297,8 +299,8 @@ class _Driver:
         """Whether training is paused (``_hold``) while a due kill waits for its target."""
         self.held_asked = 0.0
         """Monotonic time of the last pause sent (re-sent while held: a server that restarted forgot it)."""
-        self.released_at: float | None = None
-        """Shard 0's version when the hold was released; the deferred kill fires once it has moved on."""
+        self.released_steps: dict[str, float] = {}
+        """Each answering worker's steps when the hold was released; the deferred kill fires once all moved on."""
         self.fired: list[tuple[Fault, float]] = []
         self.notes: list[str] = []
         self.worst_unreplicated = 0.0
@@ -320,14 +322,14 @@ class _Driver:
                 return
             if self.held:
                 self.by_version.insert(0, kill)
-                self.released_at = self._release(children, version)
+                self._release(children, version)
                 return
-            if self.released_at is not None and version <= self.released_at:
-                # Fired once an update was applied after the resume: a kill that landed while the
-                # workers still waited out their pause poll would add that wait to the recovery measured.
+            if self.released_steps and not self._stepped_since_release(children):
+                # Fired once every worker has taken a step after the resume: a kill that landed while
+                # one still waited out its pause poll would add that wait to the recovery measured.
                 self.by_version.insert(0, kill)
                 return
-            self.released_at = None
+            self.released_steps = {}
             pids = [_pid(children, target) for target in targets if target is not None]
             if all(self._signal(children, target, kill.sig) for target in targets if target is not None):
                 server_pids = [pid for pid, target in zip(pids, targets) if target in self.servers and pid is not None]
@@ -357,14 +359,18 @@ class _Driver:
                 if _call(children, name, control.pause):
                     self.held = True
 
-    def _release(self, children: dict[str, Any], version: float) -> float:
-        """Resumes every server (idempotent; a standby promoted meanwhile may hold a replicated pause).
-        Returns shard 0's version at the release."""
+    def _release(self, children: dict[str, Any], version: float) -> None:
+        """Resumes every server (idempotent; a standby promoted meanwhile may hold a replicated pause),
+        noting each live worker's steps first."""
+        self.released_steps = {w: steps for w in self.workers if (steps := _metric(children, w, STEPS)) >= 0}
         for name in sorted(self.servers):
             _call(children, name, control.resume)
         self.held = False
         self.notes.append(f"training held at version {version:.0f} while a planned kill waited for its target")
-        return version
+
+    def _stepped_since_release(self, children: dict[str, Any]) -> bool:
+        """Whether every worker noted at the release has stepped since (or is gone: finished, killed)."""
+        return all(not 0 <= _metric(children, w, STEPS) <= steps for w, steps in self.released_steps.items())
 
     def _resolve(self, children: dict[str, Any], kill: Kill, part: str) -> str | None:
         """The child to signal for one ``part`` of ``kill``'s target (None: none fits right now, e.g.
