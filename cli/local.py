@@ -248,13 +248,16 @@ class Supervisor:
         return path
 
     def write_children(self) -> Path:
-        """Writes each child's current pid, restarts and metrics port to children.json (tools read it)."""
+        """Writes each child's current pid, restarts, metrics port and (servers) control port to children.json
+        (tools read it)."""
         path = self.run_dir / "children.json"
         info = {
-            c.name: {"pid": c.process.pid if c.process else None, "restarts": c.restarts, "metrics_port": c.metrics_port}
+            c.name: {
+                "pid": c.process.pid if c.process else None, "restarts": c.restarts, "metrics_port": c.metrics_port,
+                **({"control_port": c.control_port} if c.control_port is not None else {}),
+            }
             for c in self.children
         }
-        info["ps"]["control_port"] = self.control_port
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2))
         os.replace(tmp, path)

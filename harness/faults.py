@@ -7,7 +7,9 @@ Used by the integration tests and by ``tools/chaos.py``. Three kinds of planned 
   so every planned crash hurts something. With ``replicas=2`` the target ``primary`` (``primaryK``
   for shard K) is whichever of the shard's two server processes serves it when the kill fires, and a
   kill waits until the shard has its standby back in sync (so every kill is a failover, not a fall
-  back to a snapshot).
+  back to a snapshot). While a due kill waits for its target (a replica catching up, a coordinator
+  or evaluator restarting), training is held with the servers' own pause (``harness.control``) and
+  resumed before the kill fires, so a run cannot end first however slowly processes start.
 - ``KillAfterFinish(worker, delay_s)``: SIGKILL the server ``delay_s`` after a worker exited
   successfully (its steps must have been made durable first), or sooner, as soon as every worker
   has finished: the job then stops its server within a fraction of a second, and a kill that waited
@@ -31,10 +33,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from harness import control
 from harness.ledger import LedgerReport, check_ledger, recovery_after
 from harness.procs import pid_alive
 from harness.snapshots import verify_all
@@ -42,6 +48,10 @@ from rpcps.failpoints import POINTS, REPLICATED_POINTS
 from rpcps.scrape import try_scrape
 
 POLL_S = 0.02
+STEPS = "rpcps_worker_steps_total"
+HOLD_RESEND_S = 0.5
+CONTROL_TIMEOUT_S = 2.0
+"""A pause or resume the driver sends: short, so a server that stopped answering does not stall the polls."""
 EVALUATOR_ARGS = ("--eval-data", "rpcps.tasks:teacher_student_held_out", "--every-seconds", "1")
 """A sidecar evaluator for the built-in task (``ChaosPlan.every_role`` kills it too)."""
 
@@ -207,7 +217,8 @@ def run_chaos(plan: ChaosPlan, run_dir: Path, entry: str = "trainer_entry.py") -
                 driver.step()
                 time.sleep(POLL_S)
             if local.poll() is None:
-                raise TimeoutError(f"the local run did not finish within {plan.timeout_s:.0f}s; see {run_dir}")
+                held = f" (held for the planned crash {driver.by_version[0]}: its target never became ready)" if driver.held else ""
+                raise TimeoutError(f"the local run did not finish within {plan.timeout_s:.0f}s{held}; see {run_dir}")
         finally:
             if local.poll() is None:
                 os.killpg(local.pid, signal.SIGTERM)
@@ -284,6 +295,12 @@ class _Driver:
         self.by_version = sorted((k for k in plan.kills if isinstance(k, Kill)), key=lambda k: k.at_version)
         self.after_finish = [k for k in plan.kills if isinstance(k, KillAfterFinish)]
         self.finished_at: dict[str, float] = {}
+        self.held = False
+        """Whether training is paused (``_hold``) while a due kill waits for its target."""
+        self.held_asked = 0.0
+        """Monotonic time of the last pause sent (re-sent while held: a server that restarted forgot it)."""
+        self.released_steps: dict[str, float] = {}
+        """Each answering worker's steps when the hold was released; the deferred kill fires once all moved on."""
         self.fired: list[tuple[Fault, float]] = []
         self.notes: list[str] = []
         self.worst_unreplicated = 0.0
@@ -291,13 +308,28 @@ class _Driver:
     def step(self) -> None:
         children = _children(self.run_dir)
         self.worst_unreplicated = max(self.worst_unreplicated, _shard0_max(children, self.shard0, "rpcps_replication_unreplicated_updates"))
-        if self.by_version and _server_version(children, self.shard0) >= self.by_version[0].at_version:
+        version = _server_version(children, self.shard0)
+        if self.by_version and version >= self.by_version[0].at_version:
             kill = self.by_version.pop(0)
             targets = [self._resolve(children, kill, part) for part in kill.target.split("+")]
             if None in targets:
+                # No in-sync pair (or no such process) right now: try again on the next poll, with
+                # training held meanwhile. The target is restarting (a fresh interpreter, then a
+                # catch-up), and a run that ended first would leave the kill unfired on a slow machine.
                 self.deferred += 1
-                self.by_version.insert(0, kill)  # no in-sync pair (or no such process) right now: try again on the next poll
+                self.by_version.insert(0, kill)
+                self._hold(children)
                 return
+            if self.held:
+                self.by_version.insert(0, kill)
+                self._release(children, version)
+                return
+            if self.released_steps and not self._stepped_since_release(children):
+                # Fired once every worker has taken a step after the resume: a kill that landed while
+                # one still waited out its pause poll would add that wait to the recovery measured.
+                self.by_version.insert(0, kill)
+                return
+            self.released_steps = {}
             pids = [_pid(children, target) for target in targets if target is not None]
             if all(self._signal(children, target, kill.sig) for target in targets if target is not None):
                 server_pids = [pid for pid, target in zip(pids, targets) if target in self.servers and pid is not None]
@@ -313,6 +345,32 @@ class _Driver:
             if due and self._signal(children, kill.server, signal.SIGKILL):
                 self.after_finish.remove(kill)
                 self.fired.append((kill, time.time()))
+
+    def _hold(self, children: dict[str, Any]) -> None:
+        """Pauses each shard's serving process (with replicas, its primary: the pause is a log entry
+        its standby follows); a restarted replica still catches up and is handed over in sync. Sent
+        again every HOLD_RESEND_S while held: a server that restarted meanwhile forgot the pause."""
+        if self.held and time.monotonic() - self.held_asked < HOLD_RESEND_S:
+            return
+        self.held_asked = time.monotonic()
+        for shard in self.replicas:
+            serving = [name for name in shard if len(shard) == 1 or _metric(children, name, "rpcps_replica_role") == 2]
+            for name in serving:
+                if _call(children, name, control.pause):
+                    self.held = True
+
+    def _release(self, children: dict[str, Any], version: float) -> None:
+        """Resumes every server (idempotent; a standby promoted meanwhile may hold a replicated pause),
+        noting each live worker's steps first."""
+        self.released_steps = {w: steps for w in self.workers if (steps := _metric(children, w, STEPS)) >= 0}
+        for name in sorted(self.servers):
+            _call(children, name, control.resume)
+        self.held = False
+        self.notes.append(f"training held at version {version:.0f} while a planned kill waited for its target")
+
+    def _stepped_since_release(self, children: dict[str, Any]) -> bool:
+        """Whether every worker noted at the release has stepped since (or is gone: finished, killed)."""
+        return all(not 0 <= _metric(children, w, STEPS) <= steps for w, steps in self.released_steps.items())
 
     def _resolve(self, children: dict[str, Any], kill: Kill, part: str) -> str | None:
         """The child to signal for one ``part`` of ``kill``'s target (None: none fits right now, e.g.
@@ -375,6 +433,24 @@ def _children(run_dir: Path) -> dict[str, Any]:
 
 def _pid(children: dict[str, Any], name: str) -> int | None:
     return children.get(name, {}).get("pid")
+
+
+def _metric(children: dict[str, Any], name: str, metric: str) -> float:
+    port = children.get(name, {}).get("metrics_port")
+    return try_scrape(port).get(metric, -1) if port is not None else -1
+
+
+def _call(children: dict[str, Any], name: str, action: Callable[[str, float], int]) -> bool:
+    """``action`` (``control.pause``/``resume``) on ``name``'s control plane; False when it does not answer
+    (it is restarting)."""
+    port = children.get(name, {}).get("control_port")
+    if port is None:
+        return False
+    try:
+        action(f"127.0.0.1:{port}", CONTROL_TIMEOUT_S)
+    except grpc.RpcError:
+        return False
+    return True
 
 
 def _server_version(children: dict[str, Any], shard0: list[str]) -> float:

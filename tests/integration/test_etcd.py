@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from harness import control
 from harness.etcd import EtcdCluster, available
 from harness.ledger import check_ledger, recovery_after
 from harness.procs import (
@@ -28,7 +29,6 @@ from harness.procs import (
 )
 from rpcps.address import parse_store_address
 from rpcps.etcd.store import EtcdStore, open_store
-from tests.integration.conftest import run_ctl
 
 pytestmark = [
     pytest.mark.integration,
@@ -100,18 +100,14 @@ def _start_pair(
     return common, pair, {pair[0][1]: control_a, pair[1][1]: control_b}
 
 
-def _ctl(address: str, verb: str) -> None:
-    done = run_ctl(address, verb)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
 def _kill_primary_and_replace(
     procs: ProcessGroup, common: tuple[str, ...], pair: list[tuple[Proc, int]], controls: dict[int, str], name: str
 ) -> tuple[tuple[float, int], list[tuple[Proc, int]]]:
     """kill -9 of the primary 100 updates from now. Once the promoted standby has applied an update,
-    training is held with ``ctl pause`` while a new replica starts in the dead one's place and catches
-    up, then resumed: the workers cannot finish before the next kill, however slow the machine is at
-    starting an interpreter. Returns ((when, pid) of the kill, the new pair, primary first)."""
+    training is held with the control plane's pause (called in this process) while a new replica
+    starts in the dead one's place and catches up, then resumed: the workers cannot finish before the
+    next kill, however slow the machine is at starting an interpreter. Returns ((when, pid) of the
+    kill, the new pair, primary first)."""
     (primary, mp), (standby, ms) = pair
     target = _version(mp) + 100
     wait_until(lambda: _version(mp) >= target or not primary.alive(), 90, "100 more updates before the kill")
@@ -121,13 +117,13 @@ def _kill_primary_and_replace(
     wait_until(lambda: _scrape(ms, "rpcps_replica_role") == 2, 30, "the standby to promote itself")
     promoted_at = _version(ms)
     wait_until(lambda: _version(ms) > promoted_at, 30, "the promoted standby's first update")
-    _ctl(controls[ms], "pause")
-    control, flags = _control_flags()
+    control.pause(controls[ms])
+    address, flags = _control_flags()
     again, _, mr = procs.ps(name, *common, *flags)
-    controls[mr] = control
+    controls[mr] = address
     wait_until(lambda: _scrape(ms, "rpcps_replica_standby_in_sync") == 1 or not again.alive(), 90, "the new standby to be in sync")
     assert again.alive(), again.tail()
-    _ctl(controls[ms], "resume")
+    control.resume(controls[ms])
     return killed, [(standby, ms), (again, mr)]
 
 
@@ -137,7 +133,7 @@ def test_training_through_etcd_survives_kills_of_the_primary_exactly(procs: Proc
     in etcd. kill -9 of whichever replica is primary, three times, each once its restarted peer is
     back in sync: the standby promotes itself through an etcd transaction on the view; the ledger holds
     one history, equal digests, and the final version is workers x steps (training is held with
-    ``ctl pause`` while each replacement joins and catches up, so three kills fit on any machine)."""
+    the control plane's pause while each replacement joins and catches up, so three kills fit on any machine)."""
     url = etcd.url("train")
     common, pair, controls = _start_pair(procs, tmp_path, url)
     workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "1500", *PACED)[0] for i in range(2)]

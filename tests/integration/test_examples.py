@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import control as control_plane
 from harness.procs import ENTRY, REPO, ProcessGroup, child_env, free_port, try_scrape, wait_until
 from rpcps.examples import charlm
 from tests.integration.conftest import read_json
@@ -92,7 +93,14 @@ def test_hand_started_server_worker_and_evaluator(procs: ProcessGroup, tmp_path:
         "--export-best", tmp_path / "best.pt", "--metrics-port", evaluator_metrics, "--metrics-addr", "127.0.0.1",
         "--summary-json", tmp_path / "evaluator.json",
     ])
+    # Held until the evaluator has scored once: an evaluator scores only a changed model, and one
+    # slower to start (a loaded machine) than the worker's 200 steps would see the final model only.
+    control_plane.pause(f"127.0.0.1:{control}", 90, wait_for_ready=True)
     worker, _ = procs.worker("worker0", port, 0, 1, *DIGITS, "--steps", "200")
+    scored = "rpcps_evaluator_evaluations_total"
+    wait_until(lambda: try_scrape(evaluator_metrics).get(scored, 0) >= 1 or not evaluator.alive(), 90, "the evaluator's first score")
+    assert evaluator.alive(), evaluator.tail()
+    control_plane.resume(f"127.0.0.1:{control}")
     assert worker.wait(200) == 0, worker.tail()
 
     def final_scored() -> dict[str, float] | None:

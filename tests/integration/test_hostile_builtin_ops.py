@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from harness import control as control_plane
 from harness.procs import REPO, ProcessGroup, child_env, free_port, scrape_metrics, wait_until
 from rpcps.secret_files import create_secret_file
 from tests.integration import script_call_sender
-from tests.integration.conftest import model_version, run_ctl, wait_for_updates
+from tests.integration.conftest import model_version, wait_for_updates
 from tests.integration.paced_data import INTERVAL_ENV
 
 pytestmark = pytest.mark.integration
@@ -47,8 +48,9 @@ def test_requests_other_than_python_calls_are_refused_counted_logged_and_trainin
     )
     wait_for_updates(ps_metrics, 10, proc=ps)
     # Training is held (not ended) while the stranger starts and attacks: its start-up takes seconds
-    # on a loaded machine, and a worker that finished first would leave nothing to go on.
-    assert run_ctl(control, "pause").returncode == 0
+    # on a loaded machine, and a worker that finished first would leave nothing to go on. Paused from
+    # this process: a ctl client's own start-up would race the worker's remaining steps.
+    control_plane.pause(control)
     stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(job_secret), str(targets)], script=REPO / "tests/integration/builtin_op_stranger.py")
     assert stranger.wait(180) == 0, stranger.tail()
     results = json.loads(stranger.stdout().strip().splitlines()[-1])
@@ -82,7 +84,7 @@ def test_requests_other_than_python_calls_are_refused_counted_logged_and_trainin
     assert "request_callback_no_python.cpp" not in log, "torch's own callback saw a refused request"
     # Training goes on after the attacks, to the exact final version.
     assert attacked_at < STEPS, "the attacks landed while the worker trained"
-    assert run_ctl(control, "resume").returncode == 0
+    control_plane.resume(control)
     assert worker.wait(240) == 0, worker.tail()
     assert model_version(ps_metrics) == STEPS, "one update per step, nothing lost, nothing twice"
     assert ps.alive()

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from harness import control as control_plane
 from harness.procs import REPO, Proc, ProcessGroup, free_port, try_scrape, wait_until
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.transport.registry import encode_view
-from tests.integration.conftest import model_version, run_ctl, wait_for_updates
+from tests.integration.conftest import model_version, wait_for_updates
 from tests.integration.test_hostile_peers import secret, store_client
 
 pytestmark = pytest.mark.integration
@@ -42,16 +43,14 @@ def start_job(procs: ProcessGroup, job_secret: str, workers: int) -> tuple[Proc,
     started = [procs.worker(f"worker{k}", port, k, workers, "--steps", str(STEPS), "--job-secret-file", job_secret)[0]
                for k in range(workers)]
     wait_for_updates(metrics, 5, proc=ps)
-    paused = run_ctl(control, "pause")
-    assert paused.returncode == 0, paused.stdout + paused.stderr
+    control_plane.pause(control)  # from this process: a ctl client's start-up would race the workers' last steps
     assert model_version(metrics) < workers * STEPS, "the attack must happen while the workers train"
     return ps, port, metrics, control, started
 
 
 def finish(procs: ProcessGroup, ps: Proc, metrics: int, control: str, workers: list[Proc]) -> None:
     """Resumes training; every worker must end well and the server hold exactly workers x STEPS updates."""
-    resumed = run_ctl(control, "resume")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    control_plane.resume(control)
     for worker in workers:
         assert worker.wait(180) == 0, procs.tails()
     wait_until(lambda: model_version(metrics) == len(workers) * STEPS, 30, f"version {len(workers) * STEPS}")
@@ -100,13 +99,13 @@ def test_a_stranger_serving_a_fake_primary_and_announcing_it_gets_no_gradient(pr
     names = wait_until(lambda: _registered(ps, 2), 60, "the workers' registrations")
     # Held while the stranger starts and joins: unpaced, the workers' 3000 updates take ~5 s, and a
     # stranger slow to start (a loaded machine) once joined a group its targets had already left.
-    assert run_ctl(control, "pause").returncode == 0
+    control_plane.pause(control)
     go, stop = tmp_path / "go", tmp_path / "stop"
     stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(go), str(stop), "50", *names],
                            script=REPO / "tests/integration/store_stranger.py")
     wait_until(lambda: _event(stranger, "joined"), 120, "the stranger to join the group")
     held_at = model_version(metrics)
-    assert run_ctl(control, "resume").returncode == 0
+    control_plane.resume(control)
     wait_for_updates(metrics, held_at + 5, proc=ps)
     ps.freeze()  # its pushes now wait, and it cannot put its view back: the workers see the stranger's
     try:

@@ -22,8 +22,10 @@ namespaces the test makes (10.213.7.0/24 on a bridge in its own namespace) and i
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -40,7 +42,9 @@ pytestmark = pytest.mark.integration
 
 NODE = REPO / "deploy" / "bare-metal" / "rpcps-node.sh"
 RPC_PORT, SERVER_METRICS, WORKER_METRICS, STORE_METRICS = 29500, 9400, 9410, 9390
-STEPS = 2500  # per worker; paced to <= 100 steps/s, so training outlasts every fault below
+CONTROL_PORT = 9500
+"""The server's control plane (the node launcher's default), on its host's loopback."""
+STEPS = 2500  # per worker, paced to <= 100 steps/s; held with the server's pause where a worker would train alone
 CHECKPOINT_EVERY = 100
 RPC_TIMEOUT_S, LEASE_S, MAX_RETRIES = 2, 3, 3
 PACED_DATA = "tests.integration.paced_data:paced_data"
@@ -135,6 +139,20 @@ class Cluster:
     def server_value(self, name: str, host: str = "ps") -> float:
         return self.metrics(host).get(name, -1.0)
 
+    def control(self, host: str, action: str) -> int:
+        """``rpcps ctl pause|resume`` on ``host``'s server, tried until it answers (both are idempotent;
+        its control plane listens on the host's loopback, which a cut cable leaves up). Returns the
+        model version it answered with."""
+        command = self.net.argv(host, [sys.executable, str(REPO / "trainer_entry.py"), "ctl", action,
+                                       "--addr", f"127.0.0.1:{CONTROL_PORT}", "--json"])
+
+        def call() -> subprocess.CompletedProcess[str] | None:
+            done = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60, check=False)
+            return done if done.returncode == 0 else None
+
+        done = wait_until(call, 60, f"{host}'s control plane to answer {action}")
+        return int(json.loads(done.stdout)["model_version"])
+
     def serving_pid(self, host: str) -> int:
         """The server process on ``host`` (under the launcher, which alone restarts it)."""
         entry = str(REPO / "trainer_entry.py")
@@ -171,18 +189,22 @@ def test_training_across_hosts_survives_cut_links_and_a_server_crash(cluster: Cl
     wait_until(lambda: c.server_value(LIVE) == 2 and c.server_value(VERSION) >= 100, 90, "2 live workers and 100 updates")
 
     # 2. Worker 1's cable is pulled. The server stops hearing from it, removes it after its lease,
-    #    and worker 0 trains on undisturbed meanwhile.
+    #    and worker 0 trains on undisturbed meanwhile. Then training is held (the server's pause)
+    #    until worker 1 is back: its restart and rejoin take seconds, more on a loaded machine, and
+    #    worker 0 training alone all that time could finish before the faults below.
     reaped, at_cut = c.server_value(REAPED), c.server_value(VERSION)
     c.net.cut("w1")
     try:
         wait_until(lambda: c.server_value(REAPED) > reaped, 30, "the server to remove the unreachable worker 1")
         assert c.server_value(LIVE) == 1
         wait_until(lambda: c.server_value(VERSION) >= at_cut + 100, 30, "worker 0 to keep training while worker 1 is cut off")
+        c.control("ps", "pause")
     finally:
         c.net.restore("w1")
     # Back on the network, worker 1 finds its calls refused, restarts itself and rejoins.
     wait_until(lambda: c.metrics("w1").get("rpcps_worker_reconnects", 0) >= 1, 60, "worker 1 to restart itself")
     wait_until(lambda: c.server_value(LIVE) == 2, 60, "worker 1 to rejoin")
+    c.control("ps", "resume")
     wait_until(lambda: c.metrics("w1").get("rpcps_worker_steps_total", 0) >= 20, 60, "worker 1 to train again")
 
     # 3. The server's cable is pulled for longer than the workers' timeouts (rpc timeout x retries
@@ -196,19 +218,23 @@ def test_training_across_hosts_survives_cut_links_and_a_server_crash(cluster: Cl
                        f"{w} to give up on the unreachable server and restart itself")
         # pushes already on the wire when the cable went may still land; no more than that
         assert c.server_value(VERSION) <= version_at_cut + 2 * 2
+        c.control("ps", "pause")  # the first worker back must not train alone while the other rejoins
     finally:
         c.net.restore("ps")
     wait_until(lambda: c.server_value(LIVE) == 2, 60, "both workers to rejoin the server")
-    at_restore = c.server_value(VERSION)
+    at_restore = c.control("ps", "resume")
     wait_until(lambda: c.server_value(VERSION) >= at_restore + 100, 60, "training to resume after the server's link healed")
 
     # 4. The server crashes. The node launcher, the one layer that restarts it (rpcps ps runs with
     #    --supervise off under it), starts it again; it resumes from its newest snapshot, and the
     #    workers find it again.
+    #    Held from its first answer until both workers are back (neither trains alone meanwhile).
     os.kill(c.serving_pid("ps"), signal.SIGKILL)
     wait_until(lambda: c.metrics("ps").get("rpcps_server_resumes_total", 0) >= 1, 60, "the restarted server to resume")
+    c.control("ps", "pause")
     assert c.metrics("ps").get("rpcps_server_crash_restarts") == 1, "the launcher hands its restart count to the server"
     wait_until(lambda: c.server_value(LIVE) == 2, 60, "both workers to rejoin the restarted server")
+    c.control("ps", "resume")
 
     # 5. Both workers finish; then the server is stopped the way systemd or Slurm would stop it.
     for w in ("w0", "w1"):
@@ -313,13 +339,17 @@ def test_torchrun_workers_take_their_slots_from_rank_and_world_size(cluster: Clu
     """rpcps-node.sh workers --torchrun: torchrun starts two ranks on one host; RANK and WORLD_SIZE
     become slot and slot count, LOCAL_RANK the metrics port (9410 + LOCAL_RANK)."""
     c = cluster
-    steps = 400  # paced: at least 4 s of training, time to see both ranks live
+    steps = 400
     c.server()
+    # Held until both ranks are live: torchrun starts them together, but one interpreter may be up
+    # seconds before the other on a loaded machine, long enough for a rank to train all its steps.
+    c.control("ps", "pause")
     c.node("w0", "workers", "--ps", c.ps_address, "--torchrun", "--count", "2", "--", "--steps", str(steps),
            "--data", PACED_DATA, "--rpc-timeout-s", str(RPC_TIMEOUT_S), "--connect-timeout-s", "60")
     wait_until(lambda: c.server_value(LIVE) == 2, 90, "both torchrun ranks to join")
     second = c.net.call_in("w0", lambda: try_scrape(WORKER_METRICS + 1))
     assert second.get("rpcps_worker_steps_total", -1) >= 0, "rank 1 serves /metrics on 9410 + LOCAL_RANK"
+    c.control("ps", "resume")
     assert c.procs["w0"].wait(120) == 0, c.log("w0/torchrun.log")[-3000:]
     c.procs["ps"].send(signal.SIGTERM)
     assert c.procs["ps"].wait(60) == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import control as control_plane
 from harness.faults import ChaosPlan, FailPoint, Kill, run_chaos
 from harness.ledger import check_ledger, recovery_after
 from harness.procs import (
@@ -29,7 +30,6 @@ from harness.procs import (
     try_scrape,
     wait_until,
 )
-from tests.integration.conftest import run_ctl
 from tests.integration.paced_data import INTERVAL_ENV
 
 pytestmark = pytest.mark.integration
@@ -53,13 +53,6 @@ def _start_pair(
     [(a, ma), (b, mb)] = start_replica_pair(procs, common, own)
     wait_until(lambda: _scrape(mb, "rpcps_replica_role") == 1, 10, "ps_b to report itself an in-sync standby")
     return port, [(a, ma), (b, mb)]
-
-
-def _ctl(control: str, action: str) -> int:
-    """``rpcps ctl pause|resume`` against ``control``; returns the model version it answered with."""
-    done = run_ctl(control, action, "--json")
-    assert done.returncode == 0, done.stdout + done.stderr
-    return int(json.loads(done.stdout)["model_version"])
 
 
 @pytest.mark.timeout(240)
@@ -207,9 +200,10 @@ def test_ten_kills_of_the_primary_in_one_run_lose_nothing_and_recover_within_a_s
     one history (versions never go back, no step applied twice, final version workers x steps),
     digests equal; recovery (kill -> next update applied by another process) <= 1 s at the median
     and <= 2 s at worst."""
-    # ~50 updates/s: 96 s of training. Each kill waits for the restarted replica to be back in sync
-    # (a fresh interpreter importing torch: 3-6 s on a loaded 2-core machine), so the tenth kill needs
-    # slack after version 2000; with 1600 steps a loaded run once ended before it fired.
+    # ~50 updates/s. Each kill waits for the restarted replica to be back in sync (a fresh interpreter
+    # importing torch: 3-6 s on a loaded 2-core machine); run_chaos holds training with the servers'
+    # pause meanwhile, so every kill fires before the end however slow the start-ups (with 1600 steps
+    # and no hold, a loaded run once ended before the tenth).
     monkeypatch.setenv(INTERVAL_ENV, "0.04")
     kills = tuple(Kill("primary", v) for v in range(200, 2200, 200))
     plan = ChaosPlan(workers=2, steps=2400, replicas=2, kills=kills, extra_args=(*PACED, "--digest-every", "25"), timeout_s=420)
@@ -248,18 +242,18 @@ def test_a_killed_standby_is_dropped_and_a_new_one_catches_up(procs: ProcessGrou
     assert _scrape(ma, "rpcps_replica_standby_drops_total") == 1
     dropped_at = _scrape(ma, "rpcps_server_model_version")
     wait_until(lambda: _scrape(ma, "rpcps_server_model_version") >= dropped_at + 20, 30, "the primary to go on alone")
-    held_at = _ctl(control, "pause")
+    held_at = control_plane.pause(control)
     c, _, mc = procs.ps("ps_c", "--store", f"127.0.0.1:{port}", "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"),
                         "--digest-every", "10")
     wait_until(lambda: _scrape(mc, "rpcps_server_model_version") == held_at or not c.alive(), 60, "the new standby to copy the state")
     assert c.alive(), c.tail()
-    _ctl(control, "resume")
+    control_plane.resume(control)
     # Entries reach the catching-up standby while the workers train; then the hand-over is held.
     wait_until(lambda: _scrape(ma, "rpcps_server_model_version") >= held_at + 100, 60, "100 updates after the copy")
-    _ctl(control, "pause")
+    control_plane.pause(control)
     wait_until(lambda: _scrape(ma, "rpcps_replica_standby_in_sync") == 1 or not c.alive(), 60, "the new standby to be in sync")
     assert c.alive(), c.tail()
-    handed_over_at = _ctl(control, "resume")
+    handed_over_at = control_plane.resume(control)
     assert handed_over_at < 1400, "the new standby joined while training ran"
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert _scrape(ma, "rpcps_server_model_version") == 1400 and _scrape(ma, "rpcps_replica_role") == 2
