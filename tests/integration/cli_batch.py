@@ -30,13 +30,16 @@ def _run_child(argv: list[str], out: Path, err: Path) -> NoReturn:
     """In the forked child: ends it with the code the interpreter would have exited with."""
     code = 70  # not reached: each path below sets it
     try:
-        for fd, path in ((1, out), (2, err)):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                (2, err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            target = os.open(path, flags, 0o644)
             os.dup2(target, fd)
             os.close(target)
         import trainer_entry
 
+        # Both as `python trainer_entry.py ARGS` sets them: a supervising server restarts itself from orig_argv.
         sys.argv = [str(REPO / "trainer_entry.py"), *argv]
+        sys.orig_argv = [sys.executable, *sys.argv]
         trainer_entry.main()  # ends the process itself once the role returns
     except SystemExit as e:  # argparse's usage errors, sys.exit(...): as the interpreter ends on them
         if e.code is None or isinstance(e.code, int):
