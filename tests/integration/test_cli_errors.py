@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness.procs import ProcessGroup, free_port
+from harness.procs import REPO, ProcessGroup, child_env, dies_with_us, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -22,41 +25,58 @@ def _assert_one_clear_error(stderr: str, role: str, message: str) -> None:
         assert noise not in stderr, f"stderr holds {noise!r}:\n{stderr}"
 
 
-@pytest.mark.parametrize(
-    ("argv", "code", "message"),
-    [
-        (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 1, got -1"),
-        (["ps", "--optimizer", "nope"], 2, "argument --optimizer: 'nope' is not one of ['adagrad', 'adam'"),
-        (["ps", "--metrics-port", "0", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'], 2,
-         "optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', 'momentum'"),
-        (["ps", "--metrics-port", "0", "--model", "no_such_module:model"], 2,
-         "--model 'no_such_module:model': cannot import 'no_such_module'"),
-        (["worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"], 2,
-         "worker_index must be in [0, 2) for 2 workers, got 2"),
-        (["local", "--steps", "0"], 2, "steps must be >= 1, got 0"),
-        (["local", "--worker", "2"], 2, "unrecognized arguments: --worker 2; did you mean --workers? (see `rpcps local --help`)"),
-        (["worker", "--ps", "127.0.0.1:1", "--stesp", "5"], 2,
-         "unrecognized arguments: --stesp 5; did you mean --steps? (see `rpcps worker --help`)"),
-        (["local", "--model", "rpcps.tasks:nope"], 2, "--model 'rpcps.tasks:nope': module 'rpcps.tasks' has no attribute 'nope'"),
-        (["local", "--model", "rpcps.plugins:BUILTIN_MODEL"], 2, "--model 'rpcps.plugins:BUILTIN_MODEL' is not callable (it is a str)"),
-        (["ps", "--metrics-port", "0", "--model", "torch.nn:Linear"], 2,
-         "--model 'torch.nn:Linear' could not be called with no arguments"),
-        (["local", "--data", "rpcps.tasks:nope"], 2, "--data 'rpcps.tasks:nope': module 'rpcps.tasks' has no attribute 'nope'"),
-        (["local", "--data", "rpcps.plugins:BUILTIN_DATA"], 2, "--data 'rpcps.plugins:BUILTIN_DATA' is not callable (it is a str)"),
-        (["local", "--loss", "no_such_module:loss"], 2, "--loss 'no_such_module:loss': cannot import 'no_such_module'"),
-        (["local", "--loss", "rpcps.plugins:BUILTIN_MODEL"], 2, "--loss 'rpcps.plugins:BUILTIN_MODEL' is not callable (it is a str)"),
-    ],
-    ids=[
-        "negative-steps", "unknown-optimizer", "unknown-optimizer-setting", "unimportable-model", "worker-index", "zero-steps",
-        "flag-prefix", "flag-typo", "model-not-found", "model-not-callable", "model-not-a-factory", "data-not-found",
-        "data-not-callable", "loss-not-found", "loss-not-callable",
-    ],
-)
-@pytest.mark.timeout(60)
-def test_bad_settings_fail_with_one_line(procs: ProcessGroup, argv: list[str], code: int, message: str) -> None:
-    proc = procs.start("cli", argv)
-    assert proc.wait(45) == code
-    _assert_one_clear_error(proc.stderr(), argv[0], message)
+BAD_SETTINGS = [
+    (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 1, got -1"),
+    (["ps", "--optimizer", "nope"], 2, "argument --optimizer: 'nope' is not one of ['adagrad', 'adam'"),
+    (["ps", "--metrics-port", "0", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'], 2,
+     "optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', 'momentum'"),
+    (["ps", "--metrics-port", "0", "--model", "no_such_module:model"], 2,
+     "--model 'no_such_module:model': cannot import 'no_such_module'"),
+    (["worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"], 2,
+     "worker_index must be in [0, 2) for 2 workers, got 2"),
+    (["local", "--steps", "0"], 2, "steps must be >= 1, got 0"),
+    (["local", "--worker", "2"], 2, "unrecognized arguments: --worker 2; did you mean --workers? (see `rpcps local --help`)"),
+    (["worker", "--ps", "127.0.0.1:1", "--stesp", "5"], 2,
+     "unrecognized arguments: --stesp 5; did you mean --steps? (see `rpcps worker --help`)"),
+    (["local", "--model", "rpcps.tasks:nope"], 2, "--model 'rpcps.tasks:nope': module 'rpcps.tasks' has no attribute 'nope'"),
+    (["local", "--model", "rpcps.plugins:BUILTIN_MODEL"], 2, "--model 'rpcps.plugins:BUILTIN_MODEL' is not callable (it is a str)"),
+    (["ps", "--metrics-port", "0", "--model", "torch.nn:Linear"], 2,
+     "--model 'torch.nn:Linear' could not be called with no arguments"),
+    (["local", "--data", "rpcps.tasks:nope"], 2, "--data 'rpcps.tasks:nope': module 'rpcps.tasks' has no attribute 'nope'"),
+    (["local", "--data", "rpcps.plugins:BUILTIN_DATA"], 2, "--data 'rpcps.plugins:BUILTIN_DATA' is not callable (it is a str)"),
+    (["local", "--loss", "no_such_module:loss"], 2, "--loss 'no_such_module:loss': cannot import 'no_such_module'"),
+    (["local", "--loss", "rpcps.plugins:BUILTIN_MODEL"], 2, "--loss 'rpcps.plugins:BUILTIN_MODEL' is not callable (it is a str)"),
+]
+BAD_SETTINGS_IDS = [
+    "negative-steps", "unknown-optimizer", "unknown-optimizer-setting", "unimportable-model", "worker-index", "zero-steps",
+    "flag-prefix", "flag-typo", "model-not-found", "model-not-callable", "model-not-a-factory", "data-not-found",
+    "data-not-callable", "loss-not-found", "loss-not-callable",
+]
+
+
+@pytest.fixture(scope="module")
+def bad_settings_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], tuple[int, str]]:
+    """argv -> (exit code, stderr) of every command line in BAD_SETTINGS, each run in a process of its
+    own, forked after one shared import of torch (cli_batch.py); the other tests here start
+    ``trainer_entry.py`` itself."""
+    out = tmp_path_factory.mktemp("cli_batch")
+    argvs = [argv for argv, _, _ in BAD_SETTINGS]
+    done = subprocess.run(
+        dies_with_us([sys.executable, str(Path(__file__).with_name("cli_batch.py")), str(out)]),
+        input=json.dumps(argvs), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    codes = json.loads(done.stdout.splitlines()[-1])
+    return {tuple(argv): (code, (out / f"{n}.err").read_text(errors="replace")) for n, (argv, code) in enumerate(zip(argvs, codes, strict=True))}
+
+
+@pytest.mark.parametrize(("argv", "code", "message"), BAD_SETTINGS, ids=BAD_SETTINGS_IDS)
+@pytest.mark.timeout(240)  # the first test of a pytest worker starts the batch of all of them
+def test_bad_settings_fail_with_one_line(bad_settings_runs: dict[tuple[str, ...], tuple[int, str]], argv: list[str], code: int,
+                                        message: str) -> None:
+    exit_code, stderr = bad_settings_runs[tuple(argv)]
+    assert exit_code == code, stderr
+    _assert_one_clear_error(stderr, argv[0], message)
 
 
 @pytest.mark.timeout(60)
