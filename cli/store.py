@@ -35,10 +35,11 @@ from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.summary import run_summary, write_summary
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
+from rpcps.transport.store_client import INCARNATION_KEY
 
 logger = logging.getLogger(__name__)
 
-STORE_NAME = "store"
+STORE_NAME = transport.COORDINATOR_NAME
 """The coordinator's RPC name (rank 0)."""
 
 
@@ -191,6 +192,10 @@ def run_store(config: StoreConfig) -> int:
     except BaseException:
         http.shutdown()  # type: ignore[attr-defined]
         raise
+    # A new value per start: the members see the store restarted empty and write their part back (rpcps.transport.rebuild).
+    store = transport.store_client()
+    assert store is not None, "the coordinator hosts a TCPStore"
+    store.set(INCARNATION_KEY, f"{time.time_ns()}-{os.getpid()}")
     registry = transport.group_registry()
     registry.authenticate(  # before the janitor writes a dead record
         secret, STORE_NAME, trust_unsigned=config.listen.is_loopback, on_refused=rpc_policy.counting_store_refusals(metrics.store_refused)

@@ -30,9 +30,14 @@ from rpcps.etcd.store import EtcdStore, open_store, register_rendezvous, rendezv
 from rpcps.jobsecret import JobSecret
 from rpcps.transport import membership, protection, request_filter
 from rpcps.transport.config import TransportOptions
+from rpcps.transport.membership import RANK_COUNTER_KEY
 from rpcps.transport.registry import Registry
+from rpcps.transport.store_client import ReconnectingStore
 
 logger = logging.getLogger(__name__)
+
+COORDINATOR_NAME = "store"
+"""The RPC name (rank 0) of the ``rpcps store`` coordinator: a store host that holds no training state."""
 
 REGISTRY_TIMEOUT_S = 2.0
 """Deadline of one registry operation: a store that does not answer within it is taken as unreachable
@@ -41,6 +46,8 @@ REGISTRY_TIMEOUT_S = 2.0
 _registry: Registry | None = None
 _etcd: EtcdStore | None = None
 """The registry's store when the group's store is in etcd."""
+_tcp_store: ReconnectingStore | None = None
+"""The registry's store when a process (a coordinator, or a server with ``--listen``) hosts it."""
 
 
 class TransportError(RuntimeError):
@@ -176,18 +183,19 @@ def _etcd_rank(address: EtcdAddress, deadline: float) -> int:
 
 
 def _open_registry(address: StoreAddress) -> None:
-    global _registry, _etcd
+    global _registry, _etcd, _tcp_store
     if isinstance(address, EtcdAddress):
         _etcd = open_store(address, REGISTRY_TIMEOUT_S)
         _registry = Registry(_etcd)
         return
+    # Its own client, one that reconnects: torch's never does, and a coordinator may restart (store_client).
+    client = ReconnectingStore(address.host, address.port, REGISTRY_TIMEOUT_S)
     try:
-        client = dist.TCPStore(
-            address.host, address.port, is_master=False, timeout=datetime.timedelta(seconds=REGISTRY_TIMEOUT_S)
-        )
+        client.check([RANK_COUNTER_KEY])
     except (RuntimeError, dist.DistError) as e:
         raise TransportError(f"joined the group at {address} but could not open a store client: {e}") from e
     _registry = Registry(client)
+    _tcp_store = client
 
 
 def group_registry() -> Registry:
@@ -195,6 +203,11 @@ def group_registry() -> Registry:
     if _registry is None:
         raise TransportError("this process has not joined an RPC group yet")
     return _registry
+
+
+def store_client() -> ReconnectingStore | None:
+    """This process's own client of the group's TCPStore (the registry's); None with an etcd store."""
+    return _tcp_store
 
 
 def store_host() -> str:

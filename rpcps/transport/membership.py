@@ -223,6 +223,10 @@ def my_name() -> str:
     return api._get_current_rpc_agent().get_worker_info().name
 
 
+def my_rank() -> int:
+    return int(api._get_current_rpc_agent().get_worker_info().id)
+
+
 def member_names() -> list[str]:
     return [w.name for w in api._get_current_rpc_agent().get_worker_infos()]
 
