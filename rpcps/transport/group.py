@@ -33,6 +33,8 @@ from rpcps.transport.config import TransportOptions
 from rpcps.transport.membership import RANK_COUNTER_KEY
 from rpcps.transport.registry import Registry
 from rpcps.transport.store_client import ReconnectingStore
+from rpcps.transport.store_client import register_rendezvous as register_tcp_rendezvous
+from rpcps.transport.store_client import rendezvous_url as tcp_rendezvous_url
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +60,22 @@ class JoinFailed(TransportError):
     """The store answered but joining the RPC group failed; a fresh process may succeed."""
 
 
-def _backend_options(address: StoreAddress, options: TransportOptions) -> rpc.TensorPipeRpcBackendOptions:
+def _init_method(address: StoreAddress, rank: int) -> str:
+    """Where torch's agent rendezvouses: etcd, or the TCPStore that rank 0 hosts (torch's own
+    handler starts it there); every other rank's agent gets a client that reconnects (``store_client``)."""
+    if isinstance(address, EtcdAddress):
+        return rendezvous_url(address)
+    if rank == 0:
+        return f"tcp://{address}"
+    register_tcp_rendezvous()
+    return tcp_rendezvous_url(address.host, address.port)
+
+
+def _backend_options(address: StoreAddress, options: TransportOptions, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=options.rpc_threads,
         rpc_timeout=options.rpc_timeout_s,
-        init_method=rendezvous_url(address) if isinstance(address, EtcdAddress) else f"tcp://{address}",
+        init_method=_init_method(address, rank),
         _transports=list(options.rpc_transports),
         _channels=list(options.channels()),
     )
@@ -95,7 +108,7 @@ def _init_filtered_rpc(name: str, rank: int, address: StoreAddress, options: Tra
             down first: this process must not serve a single request unfiltered).
     """
     with request_filter.filtered_agents():
-        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options))
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options, rank))
     try:
         request_filter.require_filtered()
     except request_filter.FilterUnavailable:

@@ -5,14 +5,16 @@ port, it serves an empty store. The live members hold what it held, so each one 
 back as soon as it sees the new store (a new ``INCARNATION_KEY``, ``rpcps.transport.store_client``):
 
 - every member raises the rank counter to at least its own rank (a process joining later must not
-  take a rank a live member holds: its peers would take it for that member);
+  take a rank a live member holds: its peers would take it for that member), and puts its address
+  and its entry back in torch's member list (``membership.relist_self``), so a process that joins
+  later calls it; the coordinator's janitor adopts it into its own agent (``membership.tidy``);
 - a server writes its shard count and its replica record again (``on_restart`` hooks, ``ps.runner``);
 - a primary writes its shard's view again: its keeper puts its own view back over an empty key
   within a heartbeat (``ps.replication.primary``), and a standby whose primary died while the
   coordinator was down promotes itself from the view it followed (``ps.replication.standby``).
 
-Not rebuilt: torch's member list and the agents' addresses (see docs/FAULT_TOLERANCE.md: a process
-that joins after a coordinator restart does not learn of the members that joined before it).
+Members cannot call the restarted coordinator (their agents keep the dead one's connection under
+its rank, 0, for good): a member that leaves is removed by the janitor's next sweep instead.
 """
 
 from __future__ import annotations
@@ -71,4 +73,7 @@ def start_rebuild(store: ReconnectingStore | None) -> StoreRebuild | None:
     """A started ``StoreRebuild`` for this member of a TCPStore group; None with an etcd store."""
     if store is None:
         return None
-    return StoreRebuild(store, membership.my_rank()).start()
+    address = membership.own_address()  # read now: the store that holds it may be gone when it is needed
+    rebuild = StoreRebuild(store, membership.my_rank())
+    rebuild.on_restart(lambda: membership.relist_self(address))
+    return rebuild.start()

@@ -6,6 +6,10 @@ listens on the same port (measured with torch 2.13). The registry (``rpcps.trans
 reads and changes the shards' views through this client instead, so a standby can promote itself
 and a worker find the new primary once the coordinator is back, without restarting.
 
+Every member but the store's host (rank 0) holds two of them: the registry's, and the one its RPC
+agent was given at init (``rendezvous_url``): torch's agent reads a joining member's address from
+its store, so with torch's client no process could join the group after a coordinator restart.
+
 Each call runs on the current connection; when that fails, the connection is dropped and the call
 made once more on a fresh one (the store may have restarted since the last call). When nothing
 listens on the port, the call fails at once (one refused TCP connect: torch's client would retry
@@ -25,8 +29,9 @@ import datetime
 import logging
 import socket
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 
@@ -38,13 +43,22 @@ INCARNATION_KEY = "rpcps/store_incarnation"
 _T = TypeVar("_T")
 
 
-class ReconnectingStore:
-    """A TCPStore client of ``host:port`` that opens a new connection after the old one failed. Thread-safe."""
+RENDEZVOUS_SCHEME = "rpcps-tcp"
+"""The scheme of the ``init_method`` that gives a joining member's agent a ``ReconnectingStore``."""
+
+
+class ReconnectingStore(dist.Store):
+    """A TCPStore client of ``host:port`` that opens a new connection after the old one failed. Thread-safe.
+
+    Its timeout (``set_timeout``; init_rpc sets the agent's to the RPC timeout) bounds each call and
+    how long ``get``/``wait`` wait for a missing key.
+    """
 
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        super().__init__()
+        self.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.host = host
         self.port = port
-        self.timeout_s = timeout_s
         self._client: dist.TCPStore | None = None
         self._connected = False
         self._lock = threading.Lock()
@@ -54,14 +68,11 @@ class ReconnectingStore:
 
     def _connect(self) -> dist.TCPStore:
         try:
-            with socket.create_connection((self.host, self.port), timeout=min(self.timeout_s, 1.0)):
+            with socket.create_connection((self.host, self.port), timeout=min(self.timeout.total_seconds(), 1.0)):
                 pass
         except OSError as e:
             raise dist.DistNetworkError(f"nothing answers at the group's store {self.host}:{self.port} ({e})") from None
-        client = dist.TCPStore(
-            self.host, self.port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s)
-        )
-        return client
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
 
     def _run(self, call: Callable[[dist.TCPStore], _T]) -> _T:
         with self._lock:
@@ -81,11 +92,11 @@ class ReconnectingStore:
                         raise  # a connection opened for this very call failed: the store is down, not restarted
             raise AssertionError("unreachable")
 
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._run(lambda c: c.compare_set(key, expected, desired))
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._run(lambda c: c.compare_set(key, _text(expected), _text(desired)))
 
-    def set(self, key: str, value: str) -> None:
-        self._run(lambda c: c.set(key, value))
+    def set(self, key: str, value: Any) -> None:
+        self._run(lambda c: c.set(key, _text(value)))
 
     def add(self, key: str, amount: int) -> int:
         return int(self._run(lambda c: c.add(key, amount)))
@@ -95,6 +106,15 @@ class ReconnectingStore:
 
     def get(self, key: str) -> bytes:
         return self._run(lambda c: c.get(key))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._run(lambda c: c.wait(keys, timeout or self.timeout))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._run(lambda c: c.delete_key(key)))
+
+    def num_keys(self) -> int:
+        return int(self._run(lambda c: c.num_keys()))
 
     def raise_counter_to(self, key: str, floor: int) -> int:
         """Sets counter ``key`` to at least ``floor`` (compare-and-set, so it never goes back); returns its value."""
@@ -109,3 +129,37 @@ class ReconnectingStore:
         with self._lock:
             self._client = None
 
+
+
+def _text(value: Any) -> bytes:
+    # Values come as str from rpcps and as bytes or a list of ints from torch's C++ side.
+    return value if isinstance(value, bytes) else bytes(value) if isinstance(value, (bytearray, list)) else str(value).encode()
+
+
+def rendezvous_url(host: str, port: int) -> str:
+    """The ``init_method`` that gives a joining member's agent a ``ReconnectingStore`` (``register_rendezvous``)."""
+    return f"{RENDEZVOUS_SCHEME}://{host}:{port}"
+
+
+_agent_stores: list[ReconnectingStore] = []
+
+
+def _rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(seconds=30), **_kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    # torch appends ?rank=..&world_size=-1; the group is dynamic and rpcps chose the rank already.
+    parsed = urlparse(url)
+    if parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"{url}: the group's store needs HOST:PORT")
+    rank = int(parse_qs(parsed.query).get("rank", ["-1"])[0])
+    store = ReconnectingStore(parsed.hostname, parsed.port, timeout.total_seconds())
+    # init_rpc keeps only the C++ side (in a PrefixStore); once the Python object is collected,
+    # every call from C++ fails with "Not implemented". The agent lives as long as the process.
+    _agent_stores.append(store)
+    yield store, rank, -1
+
+
+def register_rendezvous() -> None:
+    """Makes ``rpcps-tcp://`` an ``init_method`` torch understands (once per process)."""
+    try:
+        dist.register_rendezvous_handler(RENDEZVOUS_SCHEME, _rendezvous)
+    except ValueError:
+        pass  # registered already (torch refuses a second handler for a scheme)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from harness.ledger import check_ledger, first_apply_after
-from harness.procs import ProcessGroup, start_replica_pair, try_scrape, wait_until
+from harness.procs import ProcessGroup, free_port, start_replica_pair, try_scrape, wait_until
 from tests.integration.conftest import model_version as version
-from tests.integration.conftest import read_json
+from tests.integration.conftest import read_json, run_ctl
 
 pytestmark = pytest.mark.integration
 
@@ -77,11 +77,13 @@ def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_ov
     on. kill -9 of the primary while the coordinator is down: the standby notices at once and waits
     for the store to promote. The coordinator is started again on the same port (as its supervisor
     would): it serves an empty store, the members write their part back, and the standby promotes
-    from the view it followed (epoch 1 -> 2). The ledger: one history, final version workers x steps,
-    no restart and nothing rolled back (no checkpoint fallback); recovery times printed."""
+    from the view it followed (epoch 1 -> 2); a new standby then joins through the new store. The
+    ledger: one history, final version workers x steps, nothing resumed from a checkpoint; recovery
+    times printed."""
     _store, port, _ = procs.store("store", "--lease-s", "3")
     common = ("--store", f"127.0.0.1:{port}", "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"), "--digest-every", "10")
-    [(a, ma), (b, mb)] = start_replica_pair(procs, common)
+    control_b = f"127.0.0.1:{free_port()}"
+    [(a, ma), (b, mb)] = start_replica_pair(procs, common, second_only=("--control-port", control_b.rsplit(":", 1)[1]))
     wait_until(lambda: try_scrape(mb).get("rpcps_replica_role") == 1, 10, "ps_b to report itself an in-sync standby")
     workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "800", "--failover-timeout-s", "60", *PACED)[0] for i in range(2)]
     wait_until(lambda: version(ma) >= 150, 90, "150 updates")
@@ -99,16 +101,26 @@ def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_ov
     wait_until(lambda: "coordinator serving" in store.stderr() or not store.alive(), 60, "the coordinator to serve again")
     back_at = time.time()
     wait_until(lambda: try_scrape(mb).get("rpcps_replica_role") == 2, 30, "ps_b to promote once the coordinator is back")
+    # The members put themselves back in the new store's member list: a new standby joins through
+    # it, and the primary (which joined the old store) learns its address there. Training is held
+    # while its process starts, so the run cannot end first.
+    run_ctl(control_b, "pause")
+    c, _, _ = procs.ps("ps_c", *common)
+    wait_until(lambda: try_scrape(mb).get("rpcps_replica_standby_in_sync") == 1 or not c.alive(), 90, "ps_c to join and catch up")
+    assert c.alive(), c.tail()
+    run_ctl(control_b, "resume")
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert version(mb) == 1600
     assert try_scrape(store_metrics)['rpcps_store_view_epoch{shard="0"}'] == 2, "the view was rebuilt in the new store"
     assert "restarting" not in b.stderr() and "took the shard over" not in b.stderr(), b.tail()
-    b.send(signal.SIGTERM)
+    for proc in (b, c):
+        proc.send(signal.SIGTERM)
     assert b.wait(60) == 0, b.tail()
+    c.wait(60)
     report = check_ledger(tmp_path / "audit.log")
     assert report.problems == [], report.problems[:5]
     assert report.final_version == 1600
-    assert report.restarts == 2 and report.updates_lost == [], "the two replicas' starts only: none from a checkpoint"
+    assert report.restarts == 3 and report.updates_lost == [], "the three replicas' starts only: none from a checkpoint"
     assert [p[1] for p in report.promotions] == [2]
     promoted = report.promotions[0][0]
     applied = first_apply_after(report, killed_at, other_than=report.names[a.pid])
