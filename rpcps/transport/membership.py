@@ -351,8 +351,9 @@ class StoreKeeper:
         return int(self._raw.add(RANK_COUNTER_KEY, 0))
 
     def _check_rank_counter(self, known: dict[str, int]) -> list[Repair]:
-        # Every member took its rank from the counter, so it is at least the highest known rank.
-        floor = max(self._seen_rank, *known.values())
+        # Every member took its rank from the counter, so it is at least the highest known rank, or
+        # listed by a member back after a restart of the store (it raises the counter once listed).
+        floor = max(self._seen_rank, *known.values(), *self._relisted_ranks(known))
         now = self._rank_counter()
         if floor <= now <= min(floor + self.MAX_RANK_STEP, MAX_RANK):
             self._seen_rank = now
@@ -360,6 +361,9 @@ class StoreKeeper:
         self._raw.set(RANK_COUNTER_KEY, str(floor))
         self._seen_rank = floor
         return [Repair("rank_counter", f"the rank counter was set to {now}; put back {floor}")]
+
+    def _relisted_ranks(self, known: dict[str, int]) -> list[int]:
+        return [rank for name, rank in store_members().items() if name not in known and self._store.check([_REJOINED_PREFIX + name])]
 
     def _check_members(self, known: dict[str, int]) -> list[Repair]:
         raw = self._get(_MEMBERS_KEY)

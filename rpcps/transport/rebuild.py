@@ -61,9 +61,11 @@ class StoreRebuild:
         if not now or now == self._seen:
             return  # '' : a coordinator that has not written it yet (or a store hosted by a server)
         if self._seen:
-            self._store.raise_counter_to(RANK_COUNTER_KEY, self._own_rank)
             for hook in self._hooks:
                 hook()
+            # Last: the coordinator's store guard takes a counter above every rank it knows of for
+            # tampering, and it knows of this member's rank once the member is listed (a hook).
+            self._store.raise_counter_to(RANK_COUNTER_KEY, self._own_rank)
             self.rebuilds += 1
             logger.warning("the group's coordinator restarted with an empty store; wrote this member's part back")
         self._seen = now
