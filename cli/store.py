@@ -6,6 +6,10 @@ join needs, so the store lives in a process of its own that holds no training st
 training work (the only reasons it dies are its host and an operator). It also serves the shards'
 views on /metrics, so an alert can say which shard runs without a standby.
 
+It keeps everything in memory: started again on the same port after a crash (by its supervisor), it
+serves an empty store under a new incarnation (``INCARNATION_KEY``), and the live members write back
+what it held (``rpcps.transport.rebuild``); its janitor adopts them into the new group as they do.
+
 It is protected like every rpcps process (``rpc_policy.protect`` before it serves), demands the
 job secret's proof before it drops a member (``--job-secret-file``), puts back what a stranger
 changed in its store (``ps.lifecycle.store_guard``), and refuses to listen off loopback without

@@ -15,7 +15,9 @@
   by compare-and-set, applies every entry it holds, removes P from the group, and serves. A
   connection error is trusted to mean the process exited (assumption A1, docs/FAULT_TOLERANCE.md)
   unless the primary's record names this host and its process still runs: then the lease is
-  waited out as for a hang.
+  waited out as for a hang. With the coordinator down, the promotion waits for it to come back
+  (``coordinator_wait_s``); back with an empty store, the view this standby followed is the one it
+  moves on from.
 - A standby that is not in the view (still catching up, or dropped) cannot promote; it detaches and
   its process restarts to attach again (or to take the shard over from snapshots if nobody serves it).
 """
