@@ -108,6 +108,12 @@ def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_ov
     c, _, _ = procs.ps("ps_c", *common)
     wait_until(lambda: try_scrape(mb).get("rpcps_replica_standby_in_sync") == 1 or not c.alive(), 90, "ps_c to join and catch up")
     assert c.alive(), c.tail()
+    # The coordinator, the new primary, the new standby and both workers: all in the new member list,
+    # and the members that joined the old store adopted by the new coordinator's agent (and not
+    # taken for dead by its janitor, which pings them every second).
+    wait_until(lambda: try_scrape(store_metrics).get("rpcps_store_members") == 5, 30, "the member list to be rebuilt")
+    wait_until(lambda: "members back in the group" in store.stderr(), 30, "the coordinator to adopt the members")
+    assert "is gone" not in store.stderr() and "has not answered" not in store.stderr(), store.tail()
     run_ctl(control_b, "resume")
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert version(mb) == 1600
