@@ -40,7 +40,6 @@ from rpcps.reexec import restart_self
 from rpcps.summary import write_summary
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
-from rpcps.transport.rebuild import start_rebuild
 from rpcps.transport.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -183,9 +182,9 @@ def run_server(config: ServerRunConfig) -> int:
         service, config.lease_s, store_host=store_host, secret=secret, failures=metrics.reaper_ping_failures
     )
     reaper.start()
-    # A restarted coordinator serves an empty store: this server writes its part back (the view: its keeper).
-    rebuild = None if config.hosts_store else start_rebuild(transport.store_client())
-    if rebuild is not None:
+    # A restarted coordinator serves an empty store: this server writes its records back too (the
+    # view: its keeper; its membership: the transport).
+    if (rebuild := transport.store_rebuild()) is not None:
         rebuild.on_restart(lambda: registry.claim_shard_count(config.core.shard_count))
         rebuild.on_restart(lambda: registry.put_replica(name, own_record))
     trimmer = memory.start_trimming(config.process.malloc_trim_s)  # after start-up, which leaves the most behind
@@ -240,8 +239,6 @@ def run_server(config: ServerRunConfig) -> int:
     finally:
         control.stop(grace_s=5)
         reaper.stop()
-        if rebuild is not None:
-            rebuild.stop()
         if trimmer is not None:
             trimmer.stop()
         if janitor is not None:

@@ -45,7 +45,6 @@ from rpcps.periodic import WaitNotice
 from rpcps.reexec import rejoin_or_give_up
 from rpcps.settings import build, declared
 from rpcps.summary import write_summary
-from rpcps.transport.rebuild import StoreRebuild, start_rebuild
 from rpcps.transport.registry import require_secret_off_loopback
 from worker.client import ServerClient
 from worker.config import DEFAULT_METRICS_PORT, WorkerRunConfig
@@ -159,7 +158,6 @@ class Training:
         self._trimmer: memory.Trimmer | None = None
         self._name: str | None = None
         self._store_host = ""
-        self._rebuild: StoreRebuild | None = None
         self._secret: JobSecret | None = None
 
     # ---- what the loop reads ---------------------------------------------------------------------
@@ -281,7 +279,6 @@ class Training:
             on_refused=rpc_policy.counting_store_refusals(metrics.store_refused),
         )
         self._store_host = transport.store_host()
-        self._rebuild = start_rebuild(transport.store_client())  # its rank, after a coordinator restart
         secret = self._secret
         first = ServerClient(options.rpc_timeout_s, shard=0, wait_s=options.connect_timeout_s, secret=secret)
         clients = [first] + [
@@ -360,9 +357,6 @@ class Training:
         if self._trimmer is not None:
             self._trimmer.stop()
             self._trimmer = None
-        if self._rebuild is not None:
-            self._rebuild.stop()
-            self._rebuild = None
         if self._store_host:
             transport.leave(self._name, self._store_host, self._secret)  # bounded: fails fast (or in 5 s) when the store's host is gone
             self._store_host = ""

@@ -36,6 +36,7 @@ from rpcps.transport.group import (
     shutdown,
     store_client,
     store_host,
+    store_rebuild,
 )
 from rpcps.transport.pickling import Refusal, set_max_message_bytes
 from rpcps.transport.protection import Surface, protect, protected
@@ -82,4 +83,5 @@ __all__ = [
     "shutdown",
     "store_client",
     "store_host",
+    "store_rebuild",
 ]

@@ -31,6 +31,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.transport import membership, protection, request_filter
 from rpcps.transport.config import TransportOptions
 from rpcps.transport.membership import RANK_COUNTER_KEY
+from rpcps.transport.rebuild import StoreRebuild, start_rebuild
 from rpcps.transport.registry import Registry
 from rpcps.transport.store_client import ReconnectingStore
 from rpcps.transport.store_client import register_rendezvous as register_tcp_rendezvous
@@ -50,6 +51,8 @@ _etcd: EtcdStore | None = None
 """The registry's store when the group's store is in etcd."""
 _tcp_store: ReconnectingStore | None = None
 """The registry's store when a process (a coordinator, or a server with ``--listen``) hosts it."""
+_rebuild: StoreRebuild | None = None
+"""Writes this member's part back into a restarted coordinator's store (joined members of a TCPStore group)."""
 
 
 class TransportError(RuntimeError):
@@ -156,6 +159,8 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
     except (RuntimeError, dist.DistError) as e:
         raise JoinFailed(f"could not join the server at {address}: {str(e).splitlines()[0]}") from e
     _open_registry(address)
+    global _rebuild
+    _rebuild = start_rebuild(_tcp_store)  # a coordinator restarted empty gets this member's part back
     return name
 
 
@@ -221,6 +226,12 @@ def group_registry() -> Registry:
 def store_client() -> ReconnectingStore | None:
     """This process's own client of the group's TCPStore (the registry's); None with an etcd store."""
     return _tcp_store
+
+
+def store_rebuild() -> StoreRebuild | None:
+    """What this member writes back after a coordinator restart (add a role's own records with
+    ``on_restart``); None for the store's host and with an etcd store."""
+    return _rebuild
 
 
 def store_host() -> str:
@@ -314,6 +325,10 @@ def shared_duty(duty: str, holder: str) -> HeldKey | None:
 
 def shutdown() -> None:
     """Local, non-graceful shutdown: a graceful one waits forever on any dead peer."""
+    global _rebuild
+    if _rebuild is not None:
+        _rebuild.stop()
+        _rebuild = None
     try:
         rpc.shutdown(graceful=False)
     except Exception as e:  # noqa: BLE001 - shutting down must not raise over the real error
