@@ -39,6 +39,7 @@ from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.summary import run_summary, write_summary
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
+from rpcps.transport.rebuild import REBUILD_GRACE_S
 from rpcps.transport.store_client import INCARNATION_KEY
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def run_store(config: StoreConfig) -> int:
         on_refusal=rpc_policy.counting(metrics.refused), max_message_bytes=rpc_policy.message_limit(0, config.transport.max_message_mb)
     )
     try:
-        transport.serve(config.listen, STORE_NAME, config.transport, secret)
+        transport.serve(config.listen, STORE_NAME, config.transport, secret, ranks_after_s=REBUILD_GRACE_S)
     except BaseException:
         http.shutdown()  # type: ignore[attr-defined]
         raise

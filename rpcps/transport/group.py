@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch.distributed as dist
@@ -119,10 +120,14 @@ def _init_filtered_rpc(name: str, rank: int, address: StoreAddress, options: Tra
         raise
 
 
-def serve(address: Address, name: str, options: TransportOptions, secret: JobSecret | None = None) -> None:
+def serve(
+    address: Address, name: str, options: TransportOptions, secret: JobSecret | None = None, ranks_after_s: float = 0.0
+) -> None:
     """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``.
 
-    With ``secret``, a member asking to be dropped from the group must prove it holds it.
+    With ``secret``, a member asking to be dropped from the group must prove it holds it. Joining
+    processes take ranks only ``ranks_after_s`` from now: a restarted coordinator's store counts
+    ranks from 0 until the live members have raised it past theirs (``rpcps.transport.rebuild``).
     """
     _require_protection()
     _loopback_agent(address)
@@ -137,6 +142,14 @@ def serve(address: Address, name: str, options: TransportOptions, secret: JobSec
             ) from e
         raise TransportError(f"could not start the RPC server on {address}: {text.splitlines()[0]}") from e
     _open_registry(address)
+    store = _tcp_store
+    assert store is not None  # a TCPStore address: _open_registry opened one
+    if ranks_after_s > 0:
+        opener = threading.Timer(ranks_after_s, lambda: store.set(membership.RANKS_OPEN_KEY, "1"))
+        opener.daemon = True
+        opener.start()
+    else:
+        store.set(membership.RANKS_OPEN_KEY, "1")
 
 
 def join(address: StoreAddress, base_name: str, options: TransportOptions) -> str:
@@ -177,6 +190,7 @@ def _store_rank(address: Address, deadline: float) -> int:
             address.host, address.port, is_master=False,
             timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
         )
+        store.wait([membership.RANKS_OPEN_KEY])  # a coordinator that just restarted: live members' ranks first
         return int(store.add(membership.RANK_COUNTER_KEY, 1))
     except (RuntimeError, dist.DistError) as e:
         raise unreachable from e

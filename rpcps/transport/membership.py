@@ -44,6 +44,9 @@ _token_names = itertools.count()
 # Keys of the raw store (not prefixed): rpcps's own.
 RANK_COUNTER_KEY = "rpcps/next_rank"
 """Every joining process takes its rank from this counter (ranks are never reused)."""
+RANKS_OPEN_KEY = "rpcps/ranks_open"
+"""Set by the store's host once joining processes may take ranks (``group.serve``): a restarted
+coordinator waits until the live members raised the counter past their own ranks."""
 MAX_RANK = 32767
 """TensorPipe ranks are int16."""
 

@@ -5,7 +5,8 @@ port, it serves an empty store. The live members hold what it held, so each one 
 back as soon as it sees the new store (a new ``INCARNATION_KEY``, ``rpcps.transport.store_client``):
 
 - every member raises the rank counter to at least its own rank (a process joining later must not
-  take a rank a live member holds: its peers would take it for that member), and puts its address
+  take a rank a live member holds: its peers would take it for that member; the coordinator hands
+  out no rank for ``REBUILD_GRACE_S`` after it starts, so the members come first), and puts its address
   and its entry back in torch's member list (``membership.relist_self``), so a process that joins
   later calls it; the coordinator's janitor adopts it into its own agent (``membership.tidy``);
 - a server writes its shard count and its replica record again (``on_restart`` hooks, ``ps.runner``);
@@ -30,10 +31,17 @@ from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore
 logger = logging.getLogger(__name__)
 
 
+REBUILD_INTERVAL_S = 0.5
+REBUILD_GRACE_S = 2.0
+"""How long a coordinator lets the live members write their part back before a joining process
+may take a rank (``group.serve``): four of their checks; a member slower than that (a frozen one)
+may see a joiner take its rank."""
+
+
 class StoreRebuild:
     """Watches the store's incarnation (every ``interval_s``) and, on a new one, runs this member's rewrites."""
 
-    def __init__(self, store: ReconnectingStore, own_rank: int, interval_s: float = 0.5) -> None:
+    def __init__(self, store: ReconnectingStore, own_rank: int, interval_s: float = REBUILD_INTERVAL_S) -> None:
         self._store = store
         self._own_rank = own_rank
         self._hooks: list[Callable[[], None]] = []
