@@ -313,6 +313,7 @@ class StoreKeeper:
         self._raw = agent.store.underlying_store
         self._addresses: dict[tuple[str, int], bytes] = {}
         self._seen_rank = self._rank_counter()
+        self._ranks_open_seen = False
         self._remember_addresses(self._known())
 
     def check(self) -> list[Repair]:
@@ -354,16 +355,27 @@ class StoreKeeper:
         return int(self._raw.add(RANK_COUNTER_KEY, 0))
 
     def _check_rank_counter(self, known: dict[str, int]) -> list[Repair]:
+        repairs = self._check_ranks_open()
         # Every member took its rank from the counter, so it is at least the highest known rank, or
         # listed by a member back after a restart of the store (it raises the counter once listed).
         floor = max(self._seen_rank, *known.values(), *self._relisted_ranks(known))
         now = self._rank_counter()
         if floor <= now <= min(floor + self.MAX_RANK_STEP, MAX_RANK):
             self._seen_rank = now
-            return []
+            return repairs
         self._raw.set(RANK_COUNTER_KEY, str(floor))
         self._seen_rank = floor
-        return [Repair("rank_counter", f"the rank counter was set to {now}; put back {floor}")]
+        return [*repairs, Repair("rank_counter", f"the rank counter was set to {now}; put back {floor}")]
+
+    def _check_ranks_open(self) -> list[Repair]:
+        # Deleted once it was set, every later join would wait for it until its deadline.
+        if self._raw.check([RANKS_OPEN_KEY]):
+            self._ranks_open_seen = True
+            return []
+        if not self._ranks_open_seen:
+            return []  # not yet: a restarted coordinator opens ranks after a grace (group.serve)
+        self._raw.set(RANKS_OPEN_KEY, "1")
+        return [Repair("rank_counter", "the key that lets joining processes take ranks was deleted; put back")]
 
     def _relisted_ranks(self, known: dict[str, int]) -> list[int]:
         return [rank for name, rank in store_members().items() if name not in known and self._store.check([_REJOINED_PREFIX + name])]
