@@ -6,6 +6,10 @@ join needs, so the store lives in a process of its own that holds no training st
 training work (the only reasons it dies are its host and an operator). It also serves the shards'
 views on /metrics, so an alert can say which shard runs without a standby.
 
+It keeps everything in memory: started again on the same port after a crash (by its supervisor), it
+serves an empty store under a new incarnation (``INCARNATION_KEY``), and the live members write back
+what it held (``rpcps.transport.rebuild``); its janitor adopts them into the new group as they do.
+
 It is protected like every rpcps process (``rpc_policy.protect`` before it serves), demands the
 job secret's proof before it drops a member (``--job-secret-file``), puts back what a stranger
 changed in its store (``ps.lifecycle.store_guard``), and refuses to listen off loopback without
@@ -35,10 +39,12 @@ from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.summary import run_summary, write_summary
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
+from rpcps.transport.rebuild import REBUILD_GRACE_S
+from rpcps.transport.store_client import INCARNATION_KEY
 
 logger = logging.getLogger(__name__)
 
-STORE_NAME = "store"
+STORE_NAME = transport.COORDINATOR_NAME
 """The coordinator's RPC name (rank 0)."""
 
 
@@ -187,10 +193,14 @@ def run_store(config: StoreConfig) -> int:
         on_refusal=rpc_policy.counting(metrics.refused), max_message_bytes=rpc_policy.message_limit(0, config.transport.max_message_mb)
     )
     try:
-        transport.serve(config.listen, STORE_NAME, config.transport, secret)
+        transport.serve(config.listen, STORE_NAME, config.transport, secret, ranks_after_s=REBUILD_GRACE_S)
     except BaseException:
         http.shutdown()  # type: ignore[attr-defined]
         raise
+    # A new value per start: the members see the store restarted empty and write their part back (rpcps.transport.rebuild).
+    store = transport.store_client()
+    assert store is not None, "the coordinator hosts a TCPStore"
+    store.set(INCARNATION_KEY, f"{time.time_ns()}-{os.getpid()}")
     registry = transport.group_registry()
     registry.authenticate(  # before the janitor writes a dead record
         secret, STORE_NAME, trust_unsigned=config.listen.is_loopback, on_refused=rpc_policy.counting_store_refusals(metrics.store_refused)

@@ -298,9 +298,13 @@ class ProcessGroup:
         )
         return proc, port, metrics_port
 
-    def store(self, name: str = "store", *args: str, **kwargs: object) -> tuple[Proc, int, int]:
-        """Starts a ``rpcps store`` coordinator on 127.0.0.1 with free ports. Returns (process, store port, metrics port)."""
-        port, metrics_port = free_ports(2)
+    def store(self, name: str = "store", *args: str, port: int | None = None, **kwargs: object) -> tuple[Proc, int, int]:
+        """Starts a ``rpcps store`` coordinator on 127.0.0.1 with free ports (``port``: on that one, as a
+        supervisor restarts it). Returns (process, store port, metrics port)."""
+        if port is None:
+            port, metrics_port = free_ports(2)
+        else:
+            metrics_port = free_port()
         proc = self.start(
             name,
             ["store", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args],

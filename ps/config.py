@@ -111,6 +111,11 @@ class ReplicationConfig:
         help="a primary without a standby stops applying when it cannot read its view from the store for this long; "
         "a vanished shard is taken over only after it",
     )
+    coordinator_wait_s: float = setting(
+        60.0,
+        help="a standby whose primary died while the group's coordinator (rpcps store) was down waits this long for it to "
+        "come back and take the promotion, before it restarts to claim the shard again",
+    )
     digest_every: int | None = setting(
         None, help="write a digest of the state to the audit ledger every N versions (replicas compare them)", metavar="N"
     )
@@ -155,6 +160,8 @@ class ReplicationConfig:
             )
         if not self.store_lease_s >= 2.0:
             raise ValueError(f"store_lease_s must be >= 2, got {self.store_lease_s}")
+        if not self.coordinator_wait_s >= 0:
+            raise ValueError(f"coordinator_wait_s must be >= 0, got {self.coordinator_wait_s}")
         if self.digest_every is not None and self.digest_every < 1:
             raise ValueError(f"digest_every must be >= 1, got {self.digest_every}")
 

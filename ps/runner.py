@@ -138,7 +138,8 @@ def run_server(config: ServerRunConfig) -> int:
             janitor = Janitor(registry, config.lease_s, on_removed=lambda gone: _member_gone(service, metrics, gone), duty=duty)
             janitor.start()
         registry.claim_shard_count(config.core.shard_count)
-        registry.put_replica(name, _replica_record(config, metrics_port, control.port))
+        own_record = _replica_record(config, metrics_port, control.port)
+        registry.put_replica(name, own_record)
         checkpoint_config, point = _find_resume(server, config, secret)
         claim = _claim(registry, config, name, point)
         if claim.attach_to is not None and checkpoint_config.directory is None and checkpoint_config.resume:
@@ -176,10 +177,16 @@ def run_server(config: ServerRunConfig) -> int:
         raise
     if restart:
         _leave_and_restart(control, janitor, store_guard, http, _snapshot_if_stepped_down(server, replica, checkpointer, config))
+    store_host = transport.store_host()
     reaper = MembershipReaper(
-        service, config.lease_s, store_host=transport.store_host(), secret=secret, failures=metrics.reaper_ping_failures
+        service, config.lease_s, store_host=store_host, secret=secret, failures=metrics.reaper_ping_failures
     )
     reaper.start()
+    # A restarted coordinator serves an empty store: this server writes its records back too (the
+    # view: its keeper; its membership: the transport).
+    if (rebuild := transport.store_rebuild()) is not None:
+        rebuild.on_restart(lambda: registry.claim_shard_count(config.core.shard_count))
+        rebuild.on_restart(lambda: registry.put_replica(name, own_record))
     trimmer = memory.start_trimming(config.process.malloc_trim_s)  # after start-up, which leaves the most behind
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
     recovery = ListenerRecovery(time.monotonic(), transport.membership.ranks_handed_out)
@@ -205,6 +212,11 @@ def run_server(config: ServerRunConfig) -> int:
                 break
             if reaper.store_host_lost and not store_lost:
                 store_lost = True
+                if store_host == transport.COORDINATOR_NAME:
+                    # It holds no training state and comes back (supervised) on the same port: serve on.
+                    logger.warning("the group's coordinator %s is gone; serving on (joins and failovers wait for it to come back)",
+                                   store_host)
+                    continue
                 restart_from = _on_store_lost(server, replica, checkpointer, config)
                 if restart_from is not None:
                     break

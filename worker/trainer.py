@@ -699,7 +699,9 @@ class Trainer:
         try:
             now = shard_view(link.index)
         except transport.StoreUnavailable:
-            raise error from None
+            # The coordinator is down too: the view in use says whether a standby will promote once
+            # it is back (the new client below waits for that, up to failover_timeout_s).
+            now = old
         if now is None or (now.epoch == old.epoch and now.standby is None):
             raise error  # nobody to take over: the shard comes back from its snapshot
         logger.warning(  # the view's names come from the store, which has no authentication

@@ -124,6 +124,8 @@ class Primary:
         self._view_read_at = time.monotonic()
         self._last_restored: str | None = None
         """The stored text this primary last put its view back over (logged once per text)."""
+        self._incarnation: str | None = None
+        """The store's incarnation this primary last read its own view in ('' in a store a server hosts)."""
         self._lease_revoked = False
         """A pipe error towards the in-sync standby: no apply until a compare-and-set settles who serves."""
         self._stopped = threading.Event()
@@ -413,6 +415,8 @@ class Primary:
         record, mine = reading.record, self.record
         if record is not None and record.raw == mine.raw:
             self._view_read_at = time.monotonic()
+            if self._incarnation is None:
+                self._incarnation = self.registry.incarnation()
             return
         if record is not None and (record.view.epoch > mine.view.epoch or record.view.primary != self.name):
             self._step_down(f"the view is now {record.view}")
@@ -433,6 +437,10 @@ class Primary:
             found = "nothing (the key was deleted)"
         if not self.registry.restore_view(self.shard, reading.raw, self.record):
             return  # changed again meanwhile: the next round reads it
+        if not reading.raw and self._store_restarted():
+            logger.warning("shard %d's view: the group's coordinator restarted empty; wrote this primary's view (%s) back",
+                           self.shard, self.record.view)
+            return
         self.server.metrics.store_repairs.labels("view").inc()
         if reading.raw != self._last_restored:
             self._last_restored = reading.raw
@@ -440,6 +448,13 @@ class Primary:
                 "shard %d's view in the group's store was replaced by %s: put this primary's view (%s) back; someone "
                 "outside this job writes to the store (docs/SECURITY.md)", self.shard, found, self.record.view,
             )
+
+    def _store_restarted(self) -> bool:
+        """Whether the store's incarnation changed since this primary last looked: a new coordinator
+        serves an empty store, so an empty view key is no stranger's doing (``rpcps.transport.rebuild``)."""
+        now = self.registry.incarnation()
+        before, self._incarnation = self._incarnation, now
+        return bool(now) and before is not None and before != now
 
     def _hand_over(self, follower: _Follower) -> None:
         """Adds a caught-up standby to the view, holding the server's lock for the final few entries."""

@@ -15,7 +15,9 @@
   by compare-and-set, applies every entry it holds, removes P from the group, and serves. A
   connection error is trusted to mean the process exited (assumption A1, docs/FAULT_TOLERANCE.md)
   unless the primary's record names this host and its process still runs: then the lease is
-  waited out as for a hang.
+  waited out as for a hang. With the coordinator down, the promotion waits for it to come back
+  (``coordinator_wait_s``); back with an empty store, the view this standby followed is the one it
+  moves on from.
 - A standby that is not in the view (still catching up, or dropped) cannot promote; it detaches and
   its process restarts to attach again (or to take the shard over from snapshots if nobody serves it).
 """
@@ -45,13 +47,15 @@ from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
 from rpcps.transport import membership
-from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
+from rpcps.transport.registry import Registry, StoreUnavailable, ViewReading, ViewRecord
 
 logger = logging.getLogger(__name__)
 
 MAX_UNAPPLIED = 16
 _PIECES_IN_FLIGHT = 4
 _VIEW_CHECK_S = 0.5
+_STORE_RETRY_S = 0.05
+"""A promotion waiting for the store asks again this often (a refused connect costs well under a millisecond)."""
 
 
 class CatchUpFailed(RuntimeError):
@@ -294,11 +298,17 @@ class Standby:
         old = self.primary
         logger.warning("primary %s of shard %d failed: %s; promoting this standby", peer_text(old), self.shard, peer_text(why, MESSAGE_LIMIT))
         try:
-            record = self.registry.view(self.shard)
-            if record is None or record.view.standby != self.name or record.view.primary != old:
+            reading = self._read_view_when_store_answers()
+            record = reading.record
+            if record is None and not reading.raw and self.in_view:
+                # The coordinator restarted empty and the primary died before it wrote its view back:
+                # the view this standby followed ({e, P, S}, it was in it) is the shard's last one.
+                new = self.registry.change_view(self.shard, None, View(self.epoch + 1, self.name))
+            elif record is None or record.view.standby != self.name or record.view.primary != old:
                 self._detach(f"it is not the view's standby ({record.view if record else 'no view'}), so it cannot promote", left=True)
                 return
-            new = self.registry.change_view(self.shard, record, View(record.view.epoch + 1, self.name))
+            else:
+                new = self.registry.change_view(self.shard, record, View(record.view.epoch + 1, self.name))
         except StoreUnavailable as e:
             self._detach(f"the store did not answer the promotion ({e})", left=True)
             return
@@ -325,6 +335,24 @@ class Standby:
         # Serving first: removing the old primary from the group takes the group token and a few
         # store writes (etcd transactions when the store is in etcd), which the workers need not wait for.
         _forget(old, self.secret)
+
+    def _read_view_when_store_answers(self) -> ViewReading:
+        """The shard's view, waiting up to ``coordinator_wait_s`` for a store that does not answer (its
+        coordinator is down: the promotion needs its compare-and-set, and a supervised coordinator
+        comes back); raises StoreUnavailable after that."""
+        deadline = time.monotonic() + self.config.coordinator_wait_s
+        waiting = False
+        while True:
+            try:
+                return self.registry.read_view(self.shard)
+            except StoreUnavailable as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if not waiting:
+                    waiting = True
+                    logger.warning("the group's store does not answer (%s); promoting once it is back (waiting up to %.0fs)",
+                                   e, self.config.coordinator_wait_s)
+                time.sleep(_STORE_RETRY_S)
 
     def _drain(self) -> None:
         """Applies every entry received from the old primary (they become part of the new history)."""
@@ -360,7 +388,11 @@ def _forget(name: str, secret: JobSecret | None) -> None:
     member too: changed behind its back, its store guard would take the shorter member list for a
     stranger's tampering and put the dead primary back.
     """
-    store_host = transport.store_host()
+    try:
+        store_host = transport.store_host()
+    except RuntimeError as e:  # the store this agent joined through is gone (a restarted coordinator's holds no member list)
+        logger.debug("could not remove %s from the group: %s", name, str(e).splitlines()[0] if str(e) else e)
+        return
     if store_host != membership.my_name() and transport.leave(name, store_host, secret, timeout_s=1.0):
         return
     for _ in range(20):

@@ -25,6 +25,7 @@ from rpcps.transport.calls import (
 )
 from rpcps.transport.config import Address, TransportOptions
 from rpcps.transport.group import (
+    COORDINATOR_NAME,
     JoinFailed,
     TransportError,
     group_registry,
@@ -33,7 +34,9 @@ from rpcps.transport.group import (
     serve,
     shared_duty,
     shutdown,
+    store_client,
     store_host,
+    store_rebuild,
 )
 from rpcps.transport.pickling import Refusal, set_max_message_bytes
 from rpcps.transport.protection import Surface, protect, protected
@@ -45,6 +48,7 @@ REFUSAL_KINDS: tuple[str, ...] = (*pickling.REFUSAL_KINDS, *request_filter.REFUS
 requests the agent refused for their message type."""
 
 __all__ = [
+    "COORDINATOR_NAME",
     "REFUSAL_KINDS",
     "Address",
     "CallFailed",
@@ -77,5 +81,7 @@ __all__ = [
     "set_max_message_bytes",
     "shared_duty",
     "shutdown",
+    "store_client",
     "store_host",
+    "store_rebuild",
 ]

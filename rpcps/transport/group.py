@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch.distributed as dist
@@ -30,9 +31,17 @@ from rpcps.etcd.store import EtcdStore, open_store, register_rendezvous, rendezv
 from rpcps.jobsecret import JobSecret
 from rpcps.transport import membership, protection, request_filter
 from rpcps.transport.config import TransportOptions
+from rpcps.transport.membership import RANK_COUNTER_KEY
+from rpcps.transport.rebuild import StoreRebuild, start_rebuild
 from rpcps.transport.registry import Registry
+from rpcps.transport.store_client import ReconnectingStore
+from rpcps.transport.store_client import register_rendezvous as register_tcp_rendezvous
+from rpcps.transport.store_client import rendezvous_url as tcp_rendezvous_url
 
 logger = logging.getLogger(__name__)
+
+COORDINATOR_NAME = "store"
+"""The RPC name (rank 0) of the ``rpcps store`` coordinator: a store host that holds no training state."""
 
 REGISTRY_TIMEOUT_S = 2.0
 """Deadline of one registry operation: a store that does not answer within it is taken as unreachable
@@ -41,6 +50,10 @@ REGISTRY_TIMEOUT_S = 2.0
 _registry: Registry | None = None
 _etcd: EtcdStore | None = None
 """The registry's store when the group's store is in etcd."""
+_tcp_store: ReconnectingStore | None = None
+"""The registry's store when a process (a coordinator, or a server with ``--listen``) hosts it."""
+_rebuild: StoreRebuild | None = None
+"""Writes this member's part back into a restarted coordinator's store (joined members of a TCPStore group)."""
 
 
 class TransportError(RuntimeError):
@@ -51,11 +64,22 @@ class JoinFailed(TransportError):
     """The store answered but joining the RPC group failed; a fresh process may succeed."""
 
 
-def _backend_options(address: StoreAddress, options: TransportOptions) -> rpc.TensorPipeRpcBackendOptions:
+def _init_method(address: StoreAddress, rank: int) -> str:
+    """Where torch's agent rendezvouses: etcd, or the TCPStore that rank 0 hosts (torch's own
+    handler starts it there); every other rank's agent gets a client that reconnects (``store_client``)."""
+    if isinstance(address, EtcdAddress):
+        return rendezvous_url(address)
+    if rank == 0:
+        return f"tcp://{address}"
+    register_tcp_rendezvous()
+    return tcp_rendezvous_url(address.host, address.port)
+
+
+def _backend_options(address: StoreAddress, options: TransportOptions, rank: int) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=options.rpc_threads,
         rpc_timeout=options.rpc_timeout_s,
-        init_method=rendezvous_url(address) if isinstance(address, EtcdAddress) else f"tcp://{address}",
+        init_method=_init_method(address, rank),
         _transports=list(options.rpc_transports),
         _channels=list(options.channels()),
     )
@@ -88,7 +112,7 @@ def _init_filtered_rpc(name: str, rank: int, address: StoreAddress, options: Tra
             down first: this process must not serve a single request unfiltered).
     """
     with request_filter.filtered_agents():
-        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options))
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=_backend_options(address, options, rank))
     try:
         request_filter.require_filtered()
     except request_filter.FilterUnavailable:
@@ -96,10 +120,14 @@ def _init_filtered_rpc(name: str, rank: int, address: StoreAddress, options: Tra
         raise
 
 
-def serve(address: Address, name: str, options: TransportOptions, secret: JobSecret | None = None) -> None:
+def serve(
+    address: Address, name: str, options: TransportOptions, secret: JobSecret | None = None, ranks_after_s: float = 0.0
+) -> None:
     """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``.
 
-    With ``secret``, a member asking to be dropped from the group must prove it holds it.
+    With ``secret``, a member asking to be dropped from the group must prove it holds it. Joining
+    processes take ranks only ``ranks_after_s`` from now: a restarted coordinator's store counts
+    ranks from 0 until the live members have raised it past theirs (``rpcps.transport.rebuild``).
     """
     _require_protection()
     _loopback_agent(address)
@@ -114,6 +142,14 @@ def serve(address: Address, name: str, options: TransportOptions, secret: JobSec
             ) from e
         raise TransportError(f"could not start the RPC server on {address}: {text.splitlines()[0]}") from e
     _open_registry(address)
+    store = _tcp_store
+    assert store is not None  # a TCPStore address: _open_registry opened one
+    if ranks_after_s > 0:
+        opener = threading.Timer(ranks_after_s, lambda: store.set(membership.RANKS_OPEN_KEY, "1"))
+        opener.daemon = True
+        opener.start()
+    else:
+        store.set(membership.RANKS_OPEN_KEY, "1")
 
 
 def join(address: StoreAddress, base_name: str, options: TransportOptions) -> str:
@@ -136,6 +172,8 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
     except (RuntimeError, dist.DistError) as e:
         raise JoinFailed(f"could not join the server at {address}: {str(e).splitlines()[0]}") from e
     _open_registry(address)
+    global _rebuild
+    _rebuild = start_rebuild(_tcp_store)  # a coordinator restarted empty gets this member's part back
     return name
 
 
@@ -152,6 +190,7 @@ def _store_rank(address: Address, deadline: float) -> int:
             address.host, address.port, is_master=False,
             timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
         )
+        store.wait([membership.RANKS_OPEN_KEY])  # a coordinator that just restarted: live members' ranks first
         return int(store.add(membership.RANK_COUNTER_KEY, 1))
     except (RuntimeError, dist.DistError) as e:
         raise unreachable from e
@@ -176,18 +215,19 @@ def _etcd_rank(address: EtcdAddress, deadline: float) -> int:
 
 
 def _open_registry(address: StoreAddress) -> None:
-    global _registry, _etcd
+    global _registry, _etcd, _tcp_store
     if isinstance(address, EtcdAddress):
         _etcd = open_store(address, REGISTRY_TIMEOUT_S)
         _registry = Registry(_etcd)
         return
+    # Its own client, one that reconnects: torch's never does, and a coordinator may restart (store_client).
+    client = ReconnectingStore(address.host, address.port, REGISTRY_TIMEOUT_S)
     try:
-        client = dist.TCPStore(
-            address.host, address.port, is_master=False, timeout=datetime.timedelta(seconds=REGISTRY_TIMEOUT_S)
-        )
+        client.check([RANK_COUNTER_KEY])
     except (RuntimeError, dist.DistError) as e:
         raise TransportError(f"joined the group at {address} but could not open a store client: {e}") from e
     _registry = Registry(client)
+    _tcp_store = client
 
 
 def group_registry() -> Registry:
@@ -195,6 +235,17 @@ def group_registry() -> Registry:
     if _registry is None:
         raise TransportError("this process has not joined an RPC group yet")
     return _registry
+
+
+def store_client() -> ReconnectingStore | None:
+    """This process's own client of the group's TCPStore (the registry's); None with an etcd store."""
+    return _tcp_store
+
+
+def store_rebuild() -> StoreRebuild | None:
+    """What this member writes back after a coordinator restart (add a role's own records with
+    ``on_restart``); None for the store's host and with an etcd store."""
+    return _rebuild
 
 
 def store_host() -> str:
@@ -288,6 +339,10 @@ def shared_duty(duty: str, holder: str) -> HeldKey | None:
 
 def shutdown() -> None:
     """Local, non-graceful shutdown: a graceful one waits forever on any dead peer."""
+    global _rebuild
+    if _rebuild is not None:
+        _rebuild.stop()
+        _rebuild = None
     try:
         rpc.shutdown(graceful=False)
     except Exception as e:  # noqa: BLE001 - shutting down must not raise over the real error

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.rpc import _utils, api
+from torch.distributed.rpc import WorkerInfo, _utils, api
 
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.logsafe import peer_text
@@ -34,6 +34,9 @@ _MEMBERS_KEY = "names/_ALL_WORKER_INFOS"
 """The member list, "name-rank," entries; every join reads it and appends itself."""
 _ADDRESS_PREFIX = "addrs/"
 """``addrs/<name>``: where member ``name``'s agent listens; joiners connect there."""
+_REJOINED_PREFIX = "rpcps_rejoined/"
+"""``rpcps_rejoined/<name>``: member ``name`` put itself back in a restarted store's member list
+(``relist_self``); the store's host adopts it rather than dropping it as a failed join (``tidy``)."""
 _TOKEN_KEY = "RpcGroupManagementToken"
 """Held (compare-and-set) by whoever changes the member list: a join, or the server here."""
 _token_names = itertools.count()
@@ -41,6 +44,9 @@ _token_names = itertools.count()
 # Keys of the raw store (not prefixed): rpcps's own.
 RANK_COUNTER_KEY = "rpcps/next_rank"
 """Every joining process takes its rank from this counter (ranks are never reused)."""
+RANKS_OPEN_KEY = "rpcps/ranks_open"
+"""Set by the store's host once joining processes may take ranks (``group.serve``): a restarted
+coordinator waits until the live members raised the counter past their own ranks."""
 MAX_RANK = 32767
 """TensorPipe ranks are int16."""
 
@@ -105,17 +111,55 @@ def tidy(names: Iterable[str], dead_holder: str = "") -> tuple[list[str], list[s
     A failed join is a listed member this agent never heard of: a join adds its name to the store
     and then tells every member, this process included, all while holding the token; with the token
     held here no join is in progress, so a listed name this agent does not know can only be a join
-    that failed (its process is gone or about to exit). With ``dead_holder`` the token is taken over
+    that failed (its process is gone or about to exit), unless it put itself back after a restart of
+    the store (``relist_self``): then it is adopted. With ``dead_holder`` the token is taken over
     from a join that died holding it (see ``_holding_token``). Returns (the ``names`` that were
     known and removed, the failed joins removed). Raises TokenBusy while a join is in progress.
     """
     with _holding_token(dead_holder):
         removed = [name for name in sorted(names) if _forget_locked(name)]
+        _adopt_relisted(set(member_names()))
         known = set(member_names())
         failed = [name for name in store_members() if name not in known]
         for name in failed:
             _forget_locked(name)
         return removed, failed
+
+
+def _adopt_relisted(known: set[str]) -> list[str]:
+    """Makes this agent (the store's host) know every member that put itself back in the member list
+    after a restart of the store (``relist_self``); returns their names. Call holding the token."""
+    agent = api._get_current_rpc_agent()
+    store = agent.store
+    adopted = []
+    for name, rank in store_members().items():
+        if name not in known and store.check([_REJOINED_PREFIX + name]):
+            agent._update_group_membership(WorkerInfo(name, rank), [], {}, True)  # reads its address from the store
+            store.delete_key(_REJOINED_PREFIX + name)
+            adopted.append(name)
+    if adopted:
+        logger.warning("members back in the group after the store restarted: %s", [peer_text(n) for n in adopted])  # names in the store
+    return adopted
+
+
+def own_address() -> bytes:
+    """Where this member's agent listens, as it published it in the store when it joined."""
+    return bytes(api._get_current_rpc_agent().store.get(_ADDRESS_PREFIX + my_name()))
+
+
+def relist_self(address: bytes) -> None:
+    """Puts this member back into a restarted store: its address and its member-list entry, under its
+    name and rank, so a process that joins later calls it and can be called by it. Raises TokenBusy
+    while a join is in progress."""
+    agent = api._get_current_rpc_agent()
+    me = agent.get_worker_info()
+    with _holding_token():
+        store = agent.store
+        store.set(_ADDRESS_PREFIX + me.name, address)
+        store.set(_REJOINED_PREFIX + me.name, "1")
+        raw = store.get(_MEMBERS_KEY).decode() if store.check([_MEMBERS_KEY]) else ""
+        if me.name not in {e.rpartition("-")[0] for e in raw.split(",") if e}:
+            store.set(_MEMBERS_KEY, f"{raw}{me.name}-{me.id},")
 
 
 def unknown_listed() -> list[str]:
@@ -223,6 +267,10 @@ def my_name() -> str:
     return api._get_current_rpc_agent().get_worker_info().name
 
 
+def my_rank() -> int:
+    return int(api._get_current_rpc_agent().get_worker_info().id)
+
+
 def member_names() -> list[str]:
     return [w.name for w in api._get_current_rpc_agent().get_worker_infos()]
 
@@ -265,6 +313,7 @@ class StoreKeeper:
         self._raw = agent.store.underlying_store
         self._addresses: dict[tuple[str, int], bytes] = {}
         self._seen_rank = self._rank_counter()
+        self._ranks_open_seen = False
         self._remember_addresses(self._known())
 
     def check(self) -> list[Repair]:
@@ -306,15 +355,30 @@ class StoreKeeper:
         return int(self._raw.add(RANK_COUNTER_KEY, 0))
 
     def _check_rank_counter(self, known: dict[str, int]) -> list[Repair]:
-        # Every member took its rank from the counter, so it is at least the highest known rank.
-        floor = max(self._seen_rank, *known.values())
+        repairs = self._check_ranks_open()
+        # Every member took its rank from the counter, so it is at least the highest known rank, or
+        # listed by a member back after a restart of the store (it raises the counter once listed).
+        floor = max(self._seen_rank, *known.values(), *self._relisted_ranks(known))
         now = self._rank_counter()
         if floor <= now <= min(floor + self.MAX_RANK_STEP, MAX_RANK):
             self._seen_rank = now
-            return []
+            return repairs
         self._raw.set(RANK_COUNTER_KEY, str(floor))
         self._seen_rank = floor
-        return [Repair("rank_counter", f"the rank counter was set to {now}; put back {floor}")]
+        return [*repairs, Repair("rank_counter", f"the rank counter was set to {now}; put back {floor}")]
+
+    def _check_ranks_open(self) -> list[Repair]:
+        # Deleted once it was set, every later join would wait for it until its deadline.
+        if self._raw.check([RANKS_OPEN_KEY]):
+            self._ranks_open_seen = True
+            return []
+        if not self._ranks_open_seen:
+            return []  # not yet: a restarted coordinator opens ranks after a grace (group.serve)
+        self._raw.set(RANKS_OPEN_KEY, "1")
+        return [Repair("rank_counter", "the key that lets joining processes take ranks was deleted; put back")]
+
+    def _relisted_ranks(self, known: dict[str, int]) -> list[int]:
+        return [rank for name, rank in store_members().items() if name not in known and self._store.check([_REJOINED_PREFIX + name])]
 
     def _check_members(self, known: dict[str, int]) -> list[Repair]:
         raw = self._get(_MEMBERS_KEY)

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.messages import View
+from rpcps.transport.store_client import INCARNATION_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +256,11 @@ class Registry:
         )
         if self._on_refused is not None:
             self._on_refused(Refusal(kind, key, reason))
+
+    def incarnation(self) -> str:
+        """Which start of the coordinator serves the store ('' when a server hosts it): a new value is a
+        store that restarted empty (``rpcps.transport.store_client.INCARNATION_KEY``)."""
+        return self._read(INCARNATION_KEY)
 
     # ---- shards ------------------------------------------------------------------------------
 

@@ -1,0 +1,89 @@
+"""Putting back what a member holds in the group's store after the coordinator restarted.
+
+The coordinator (``rpcps store``) keeps the store in memory: killed and started again on the same
+port, it serves an empty store. The live members hold what it held, so each one writes its own part
+back as soon as it sees the new store (a new ``INCARNATION_KEY``, ``rpcps.transport.store_client``):
+
+- every member raises the rank counter to at least its own rank (a process joining later must not
+  take a rank a live member holds: its peers would take it for that member; the coordinator hands
+  out no rank for ``REBUILD_GRACE_S`` after it starts, so the members come first), and puts its address
+  and its entry back in torch's member list (``membership.relist_self``), so a process that joins
+  later calls it; the coordinator's janitor adopts it into its own agent (``membership.tidy``);
+- a server writes its shard count and its replica record again (``on_restart`` hooks, ``ps.runner``);
+- a primary writes its shard's view again: its keeper puts its own view back over an empty key
+  within a heartbeat (``ps.replication.primary``), and a standby whose primary died while the
+  coordinator was down promotes itself from the view it followed (``ps.replication.standby``).
+
+Members cannot call the restarted coordinator (their agents keep the dead one's connection under
+its rank, 0, for good): a member that leaves is removed by the janitor's next sweep instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from rpcps.periodic import Periodic
+from rpcps.transport import membership
+from rpcps.transport.membership import RANK_COUNTER_KEY
+from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore
+
+logger = logging.getLogger(__name__)
+
+
+REBUILD_INTERVAL_S = 0.5
+REBUILD_GRACE_S = 2.0
+"""How long a coordinator lets the live members write their part back before a joining process
+may take a rank (``group.serve``): four of their checks; a member slower than that (a frozen one)
+may see a joiner take its rank."""
+
+
+class StoreRebuild:
+    """Watches the store's incarnation (every ``interval_s``) and, on a new one, runs this member's rewrites."""
+
+    def __init__(self, store: ReconnectingStore, own_rank: int, interval_s: float = REBUILD_INTERVAL_S) -> None:
+        self._store = store
+        self._own_rank = own_rank
+        self._hooks: list[Callable[[], None]] = []
+        self._seen = ""
+        """The incarnation whose store holds this member's part ('' until one was read)."""
+        self._task = Periodic("store-rebuild", interval_s, self.check)
+        self.rebuilds = 0
+        """Restarts of the coordinator this member wrote its part back after."""
+
+    def on_restart(self, hook: Callable[[], None]) -> None:
+        """Adds a rewrite run after each restart of the store (it may raise: all are run again next time)."""
+        self._hooks.append(hook)
+
+    def start(self) -> StoreRebuild:
+        self.check()
+        self._task.start()
+        return self
+
+    def stop(self) -> None:
+        self._task.stop()
+
+    def check(self) -> None:
+        """Reads the incarnation; on a new one, writes this member's part back (raises while the store is down)."""
+        now = self._store.compare_set(INCARNATION_KEY, "", "").decode()
+        if not now or now == self._seen:
+            return  # '' : a coordinator that has not written it yet (or a store hosted by a server)
+        if self._seen:
+            for hook in self._hooks:
+                hook()
+            # Last: the coordinator's store guard takes a counter above every rank it knows of for
+            # tampering, and it knows of this member's rank once the member is listed (a hook).
+            self._store.raise_counter_to(RANK_COUNTER_KEY, self._own_rank)
+            self.rebuilds += 1
+            logger.warning("the group's coordinator restarted with an empty store; wrote this member's part back")
+        self._seen = now
+
+
+def start_rebuild(store: ReconnectingStore | None) -> StoreRebuild | None:
+    """A started ``StoreRebuild`` for this member of a TCPStore group; None with an etcd store."""
+    if store is None:
+        return None
+    address = membership.own_address()  # read now: the store that holds it may be gone when it is needed
+    rebuild = StoreRebuild(store, membership.my_rank())
+    rebuild.on_restart(lambda: membership.relist_self(address))
+    return rebuild.start()

@@ -1,0 +1,56 @@
+"""``StoreRebuild`` against a real TCPStore in this process: a member writes its part back once per
+new incarnation of the store (not at the first one it sees), raises the rank counter to its rank, and
+tries again on the next check when a rewrite failed."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+
+import pytest
+import torch.distributed as dist
+
+from rpcps.ports import free_port
+from rpcps.transport.membership import RANK_COUNTER_KEY
+from rpcps.transport.rebuild import StoreRebuild
+from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _coordinator(port: int, incarnation: str) -> dist.TCPStore:
+    """A store as a freshly started coordinator serves it: empty but for its incarnation."""
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    master.set(INCARNATION_KEY, incarnation)
+    return master
+
+
+def test_a_member_writes_its_part_back_once_per_restart_and_again_after_a_failed_rewrite() -> None:
+    port = free_port()
+    master = _coordinator(port, "first")
+    store = ReconnectingStore("127.0.0.1", port, timeout_s=2.0)
+    rebuild = StoreRebuild(store, own_rank=5)
+    rewrites: list[str] = []
+    failing = [True]
+
+    def rewrite() -> None:
+        if failing[0]:
+            failing[0] = False
+            raise RuntimeError("the group token is held")
+        rewrites.append(store.compare_set(INCARNATION_KEY, "", "").decode())
+
+    rebuild.on_restart(rewrite)
+    rebuild.check()
+    assert rewrites == [] and rebuild.rebuilds == 0, "the first incarnation seen is the one the member joined"
+    del master
+    gc.collect()
+    with pytest.raises(RuntimeError):
+        rebuild.check()  # the coordinator is down: nothing to do but fail, and ask again later
+    master = _coordinator(port, "second")
+    with pytest.raises(RuntimeError, match="token"):
+        rebuild.check()
+    rebuild.check()
+    assert store.add(RANK_COUNTER_KEY, 0) == 5, "a later joiner must not take a live member's rank"
+    rebuild.check()
+    assert rewrites == ["second"] and rebuild.rebuilds == 1
+    del master
