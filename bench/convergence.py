@@ -51,6 +51,7 @@ from bench.common import child_env, emit_json
 from bench.reference_train import RunConfig, train
 from ps.checkpoints.export import read_checkpoint
 from rpcps import examples
+from rpcps.summary import read_summary
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BATCHES = {"digits": 600, "charlm": 400}
@@ -73,6 +74,8 @@ class Row:
     scores: dict[str, float]
     seconds: float
     seed: int = 0
+    staleness: tuple[float, int] | None = None
+    """rpcps runs: the mean and the largest staleness of the applied pushes (updates behind), from the summary."""
 
 
 def seeded_module(example: str, seed: int, work: Path) -> str:
@@ -125,7 +128,9 @@ def rpcps_run(example: str, batches: int, workers: int, mode: str, work: Path, l
     model.load_state_dict(read_checkpoint(run_dir / "ckpt").state_dict)
     label = " ".join([f"{mode} H={local_steps}" if mode == LOCAL_STEPS else mode, *local_args])
     batch = workers if mode == "sync" else per_step
-    return Row("rpcps", workers, label, steps, batch, examples.load(example).evaluate(model), seconds, seed)
+    summary = read_summary(run_dir / "summary.json")
+    staleness = (round(summary.get("mean_staleness", 0.0), 3), summary.get("max_staleness", 0))
+    return Row("rpcps", workers, label, steps, batch, examples.load(example).evaluate(model), seconds, seed, staleness)
 
 
 def check_targets(example: str, rows: list[Row]) -> list[str]:
@@ -171,9 +176,11 @@ def check_targets(example: str, rows: list[Row]) -> list[str]:
 
 def table(example: str, rows: list[Row]) -> str:
     metric = METRIC[example]
-    head = f"| setup | workers | seed | steps | global batch | held-out {metric} | held-out loss | wall s |\n|---|---|---|---|---|---|---|---|"
+    head = (f"| setup | workers | seed | steps | global batch | held-out {metric} | held-out loss | staleness mean / max | wall s |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     body = [
-        f"| {r.mode} | {r.workers} | {r.seed} | {r.steps} | {r.global_batch} | {r.scores[metric]:.4f} | {r.scores['loss']:.4f} | {r.seconds:.0f} |"
+        f"| {r.mode} | {r.workers} | {r.seed} | {r.steps} | {r.global_batch} | {r.scores[metric]:.4f} | {r.scores['loss']:.4f} | "
+        f"{'-' if r.staleness is None else f'{r.staleness[0]:.2f} / {r.staleness[1]}'} | {r.seconds:.0f} |"
         for r in rows
     ]
     return "\n".join([head, *body])
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def add(row: Row) -> None:
         rows.append(row)
-        print(f"seed {row.seed} {row.mode:>11} x{row.workers} steps {row.steps:>4} batch {row.global_batch}: {row.scores} ({row.seconds:.0f}s)",
+        print(f"seed {row.seed} {row.mode:>11} x{row.workers} steps {row.steps:>4} batch {row.global_batch}: {row.scores} "
+              f"staleness {row.staleness} ({row.seconds:.0f}s)",
               file=sys.stderr, flush=True)
 
     for seed in seeds:

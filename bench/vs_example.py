@@ -6,6 +6,7 @@
     python -m bench.vs_example --sides example,local-sgd,hand   # with rpcps started by hand, without local
     python -m bench.vs_example --preset tiny --sides one,example,local-steps   # local steps (H=8) at equal samples
     python -m bench.vs_example --preset charlm --workers 1 --sides one,local-sgd   # the byte-level transformer, one worker
+    python -m bench.vs_example --sides example,local-adam,local-adam-args --local-args "--max-in-flight 1"   # a setting's cost
 
 In one run, ``--repeats`` times interleaved (the best of each side kept), same model, data, loss and
 number of updates:
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -120,11 +122,13 @@ def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str
     return run.steady_updates_per_s()
 
 
-SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "hand", "hand-setsid", "local-steps")
+SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "local-adam-args", "hand", "hand-setsid",
+         "local-steps")
 """What ``--sides`` may name: the one process, the example design (each of --example-transports),
-``local`` with SGD, with its defaults, and with its defaults but weight prediction off (what the
-default staleness remedy costs), rpcps started by hand with SGD (``hand-setsid``: its server in a
-session of its own), and ``local`` in local-steps mode (H inner AdamW steps per push, equal samples)."""
+``local`` with SGD, with its defaults, with its defaults but weight prediction off (what the
+default staleness remedy costs), with its defaults and ``--local-args`` (what another setting
+costs), rpcps started by hand with SGD (``hand-setsid``: its server in a session of its own), and
+``local`` in local-steps mode (H inner AdamW steps per push, equal samples)."""
 
 
 def main() -> int:
@@ -135,6 +139,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--example-transports", default="default,uv", help="the example design's TensorPipe options: default, uv")
     parser.add_argument("--sides", default="one,example,local-sgd,local-adam", help=f"comma-separated, of {','.join(SIDES)}")
+    parser.add_argument("--local-args", default="", help="`rpcps local` flags of the local-adam-args side, e.g. '--max-in-flight 1'")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     if args.steps:
@@ -142,6 +147,8 @@ def main() -> int:
     wanted = args.sides.split(",")
     if not set(wanted) <= set(SIDES) or not {"example", "one"} & set(wanted):
         parser.error(f"--sides must name the example or the one process (what the others are compared with), of {','.join(SIDES)}")
+    if ("local-adam-args" in wanted) != bool(args.local_args):
+        parser.error("--sides local-adam-args and --local-args go together (the side runs `local` with those flags)")
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-vs-"))
     sides: dict[str, Callable[[int], float]] = {}
     if "one" in wanted:
@@ -154,6 +161,9 @@ def main() -> int:
         sides["rpcps defaults (Adam)"] = lambda i: rpcps(preset, args.workers, root, f"adam-{i}", [])
     if "local-adam-unpredicted" in wanted:
         sides["rpcps defaults (Adam), --predict-ahead 0"] = lambda i: rpcps(preset, args.workers, root, f"adam-np-{i}", ["--predict-ahead", "0"])
+    if "local-adam-args" in wanted:
+        extra = shlex.split(args.local_args)
+        sides[f"rpcps defaults (Adam), {args.local_args}"] = lambda i: rpcps(preset, args.workers, root, f"adam-args-{i}", extra)
     if "local-steps" in wanted:
         sides[LOCAL_STEPS_SIDE] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-{i}")
     if "hand" in wanted:

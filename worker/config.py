@@ -43,7 +43,10 @@ class WorkerConfig:
     loss: str = loss_setting()
     device: str = setting("auto", help="auto (a GPU if present, else the CPU), cpu, cuda or cuda:N")
     pull_every: int = setting(1, help="refresh parameters every N steps")
-    max_in_flight: int = setting(2, help="pushes on the wire before a worker waits for the oldest reply")
+    max_in_flight: int = setting(
+        1, help="pushes on the wire before a worker waits for the oldest reply (1: each step computes on parameters its "
+        "last push is in, so a lone async worker trains as one process; 2 overlaps a step with the last push, one update stale)"
+    )
     heartbeat_s: float = setting(2.0, help="how often an otherwise idle worker tells the server it is alive")
     max_retries: int = setting(30, help="timeouts in a row on one call before a worker gives up on a hung server")
     max_consecutive_rejects: int = setting(10, help="rejected pushes in a row before a worker stops (exit 4)")

@@ -7,8 +7,9 @@ buffer is never overwritten while TensorPipe may still be reading it.
 Parameters come back with the push replies (``--prefetch-pull on``, the default): a push asks for
 them when a refresh is due within the window, and the next refresh loads the newest that arrived, so
 a step costs one call, not a push and a pull. Step t computes on parameters at least as fresh as
-the reply to push t - window brings (with the default window of 2, what a pull issued when step t - 1
-started would have answered), so the newest push stays on the wire while step t computes. Only when
+the reply to push t - window brings: with the default window of 1, the parameters push t - 1 made
+(nothing a lone worker computes on is stale; issue 27); with a window of 2, what a pull issued when
+step t - 1 started would have answered, so the newest push stays on the wire while step t computes. Only when
 no such reply came (the first step, a paused server, a refused push) does a refresh pull on its own.
 
 With several server shards each step sends one push per shard (its own parameters' gradients), in

@@ -36,10 +36,10 @@ import torch
 
 MAX_PULLS = 64
 """Pulls remembered per table. A worker's pull for step t comes before its pushes of steps t - 1 and
-t - 2 are applied (the default window of 2 pushes in flight), so up to 3 pulls per worker wait for
-their push. The oldest is dropped first, and it is the one whose push comes next: with fewer
+t - 2 are applied (a window of 2 pushes in flight; the default is 1), so up to 3 pulls per worker wait
+for their push. The oldest is dropped first, and it is the one whose push comes next: with fewer
 entries than pulls waiting, no push would match at all (3 workers against 8 entries: none did).
-64 covers 21 workers at the default window (or one worker's ``--max-in-flight`` up to 62); the
+64 covers 21 workers at a window of 2 (or one worker's ``--max-in-flight`` up to 62); the
 scan in ``take`` compares lengths before any ids, so it stays cheap."""
 MAX_IDS = 1 << 17
 """Ids remembered per table (2 MiB with their rows): a CTR pull holds about 1,100 per table and

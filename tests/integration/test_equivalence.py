@@ -2,7 +2,8 @@
 
 Sync mode is plain SGD on the global batch, whatever the number of workers; sharding the parameters
 over several servers changes where they live, not what they become. Both hold only when every
-gradient is computed on the parameters of the step before it, which sync mode guarantees; so these
+gradient is computed on the parameters of the step before it, which sync mode guarantees, and so
+does one async worker with the default window of one push in flight; so these
 runs are deterministic, and the final parameters (read from the final checkpoint) must match a
 single-process reference to float precision. A stale gradient, a round that averaged the wrong
 pushes, a shard applying another shard's slice, or a parameter packed at the wrong offset moves them
@@ -33,6 +34,19 @@ RTOL, ATOL = 1e-5, 1e-6
 MOVED = 1e-2
 
 
+def reference_adam(steps: int, lr: float) -> dict[str, torch.Tensor]:
+    """One process, ``torch.optim.Adam`` (fused, as the server builds it), one worker's batches in order."""
+    model = teacher_student_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+    data = TeacherStudentData(0, 1)
+    for step in range(steps):
+        inputs, targets = data.batch(step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def reference_sgd(steps: int, workers: int, lr: float, momentum: float = 0.0) -> dict[str, torch.Tensor]:
     """One process, ``torch.optim.SGD``: step t trains on every worker's batch t at once."""
     model = teacher_student_model()
@@ -46,11 +60,13 @@ def reference_sgd(steps: int, workers: int, lr: float, momentum: float = 0.0) ->
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def run_local(procs: ProcessGroup, run_dir: Path, *args: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """A sync ``rpcps local`` run to its end; returns (final parameters from its checkpoint, its summary)."""
+def run_local(procs: ProcessGroup, run_dir: Path, *args: str, sync: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """A sync SGD ``rpcps local`` run to its end (``sync=False``: the async defaults); returns (final
+    parameters from its checkpoint, its summary)."""
     summary = run_dir / "summary.json"
+    mode = ["--mode", "sync", "--round-timeout-s", "300", "--optimizer", "sgd"] if sync else []
     local = procs.start(run_dir.name, [
-        "local", "--mode", "sync", "--round-timeout-s", "300", "--optimizer", "sgd", "--run-dir", run_dir,
+        "local", *mode, "--run-dir", run_dir,
         "--checkpoint-dir", run_dir / "ckpt", "--summary-json", summary, "--progress-s", "60", *args,
     ])
     assert local.wait(100) == 0, local.tail()
@@ -85,3 +101,18 @@ def test_two_shards_equal_one_server(procs: ProcessGroup, tmp_path: Path) -> Non
     assert [s["model_version"] for s in summary["shards"]] == [steps, steps]
     assert_same_parameters(two, one)
     assert_same_parameters(one, reference_sgd(steps, workers=1, lr=0.05, momentum=0.9))
+
+
+@pytest.mark.timeout(150)
+def test_one_async_worker_on_defaults_equals_one_process(procs: ProcessGroup, tmp_path: Path) -> None:
+    """Async mode, Adam, weight prediction and the push window all on their defaults: a lone worker's
+    every gradient is computed on the parameters its previous push made (``--max-in-flight 1``), so
+    nothing is stale and nothing is predicted, and the run is one process's Adam (issue 27: the
+    default window of 2 made each gradient one update old, +21 % bits/char on the transformer).
+    A window that lets a step compute before the last push is applied moves the parameters by far
+    more than the tolerance."""
+    steps, lr = 40, 0.01
+    params, summary = run_local(procs, tmp_path / "async", "--workers", "1", "--steps", str(steps), "--lr", str(lr),
+                                sync=False)
+    assert (summary["server"]["model_version"], summary["max_staleness"]) == (steps, 0), summary["server"]
+    assert_same_parameters(params, reference_adam(steps, lr))

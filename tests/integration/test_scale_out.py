@@ -88,7 +88,8 @@ def test_bounded_mode_refuses_stale_pushes_and_workers_recompute_them(tmp_path: 
     promise, one step on fresh parameters per round, is held by tests/integration/test_equivalence.py:
     its staleness is 0 by construction, so checking that number would prove nothing.)
     """
-    plan = ChaosPlan(workers=2, steps=200, shards=2, extra_args=("--mode", "bounded", "--max-staleness", "0"))
+    # Two pushes in flight (not the default one): a refusal then finds a newer push of the same worker on the wire.
+    plan = ChaosPlan(workers=2, steps=200, shards=2, extra_args=("--mode", "bounded", "--max-staleness", "0", "--max-in-flight", "2"))
     bounded = run_chaos(plan, tmp_path / "bounded")
     assert bounded.problems(plan) == [], (tmp_path / "bounded" / "local.log").read_text()[-3000:]
     shards = bounded.summary["shards"]

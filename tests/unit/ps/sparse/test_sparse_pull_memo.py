@@ -167,7 +167,7 @@ def test_forgotten_rows_read_minus_one() -> None:
 
 @pytest.mark.parametrize("workers", [2, 3, 8])
 def test_every_push_matches_when_each_worker_has_its_window_of_pulls_waiting(workers: int) -> None:
-    """Round robin, each worker pulling step t before its pushes of t - 1 and t - 2 land (the default
+    """Round robin, each worker pulling step t before its pushes of t - 1 and t - 2 land (a
     window of 2): the pull a push needs is the oldest remembered, so a FIFO memo shorter than the
     pulls waiting would match none of them."""
     memo, waiting = PullMemo(), 3 * workers
