@@ -206,7 +206,10 @@ def test_ten_kills_of_the_primary_in_one_run_lose_nothing_and_recover_within_a_s
     # and no hold, a loaded run once ended before the tenth).
     monkeypatch.setenv(INTERVAL_ENV, "0.04")
     kills = tuple(Kill("primary", v) for v in range(200, 2200, 200))
-    plan = ChaosPlan(workers=2, steps=2400, replicas=2, kills=kills, extra_args=(*PACED, "--digest-every", "25"), timeout_s=420)
+    # Two pushes in flight per worker (the default is one): a kill then lands with pushes a dead
+    # primary may or may not have applied, which the successor must resolve exactly once each.
+    plan = ChaosPlan(workers=2, steps=2400, replicas=2, kills=kills, timeout_s=420,
+                     extra_args=(*PACED, "--digest-every", "25", "--max-in-flight", "2"))
     result = run_chaos(plan, tmp_path / "run")
     assert result.problems(plan) == [], (result.problems(plan)[:5], result.notes)
     ledger = result.ledger
