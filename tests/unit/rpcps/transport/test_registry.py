@@ -19,7 +19,9 @@ from rpcps.transport.registry import Registry, ShardCountMismatch, StoreUnavaila
 def registry() -> Iterator[Registry]:
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
+    # 10 s to connect: the master's thread in this process can be starved for seconds on a loaded
+    # 2-core run (2 s timed out under xdist); no test here waits on the store's timeout.
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
     yield Registry(client)
     del client, master
 
