@@ -50,6 +50,8 @@ class StoreRebuild:
         self._task = Periodic("store-rebuild", interval_s, self.check)
         self.rebuilds = 0
         """Restarts of the coordinator this member wrote its part back after."""
+        self.store_down = False
+        """The last check found nobody answering at the store (said once in the log, not per check)."""
 
     def on_restart(self, hook: Callable[[], None]) -> None:
         """Adds a rewrite run after each restart of the store (it may raise: all are run again next time)."""
@@ -64,8 +66,18 @@ class StoreRebuild:
         self._task.stop()
 
     def check(self) -> None:
-        """Reads the incarnation; on a new one, writes this member's part back (raises while the store is down)."""
-        now = self._store.compare_set(INCARNATION_KEY, "", "").decode()
+        """Reads the incarnation; on a new one, writes this member's part back (a rewrite that fails raises)."""
+        try:
+            now = self._store.compare_set(INCARNATION_KEY, "", "").decode()
+        except (RuntimeError, OSError) as e:
+            # Expected while the coordinator (or the server hosting the store) restarts: one line,
+            # not a traceback with torch's C++ frames every half second.
+            if not self.store_down:
+                reason = (str(e).splitlines() or [type(e).__name__])[0]
+                logger.warning("the group's store does not answer (%s); this member writes its part back once it is back", reason)
+            self.store_down = True
+            return
+        self.store_down = False
         if not now or now == self._seen:
             return  # '' : a coordinator that has not written it yet (or a store hosted by a server)
         if self._seen:
