@@ -40,7 +40,6 @@ from rpcps.summary import run_summary, write_summary
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
 from rpcps.transport.rebuild import REBUILD_GRACE_S
-from rpcps.transport.store_client import INCARNATION_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -193,14 +192,13 @@ def run_store(config: StoreConfig) -> int:
         on_refusal=rpc_policy.counting(metrics.refused), max_message_bytes=rpc_policy.message_limit(0, config.transport.max_message_mb)
     )
     try:
-        transport.serve(config.listen, STORE_NAME, config.transport, secret, ranks_after_s=REBUILD_GRACE_S)
+        # A new incarnation per start: the members see the store restarted empty and write their part
+        # back (rpcps.transport.rebuild).
+        transport.serve(config.listen, STORE_NAME, config.transport, secret, ranks_after_s=REBUILD_GRACE_S,
+                        incarnation=f"{time.time_ns()}-{os.getpid()}")
     except BaseException:
         http.shutdown()  # type: ignore[attr-defined]
         raise
-    # A new value per start: the members see the store restarted empty and write their part back (rpcps.transport.rebuild).
-    store = transport.store_client()
-    assert store is not None, "the coordinator hosts a TCPStore"
-    store.set(INCARNATION_KEY, f"{time.time_ns()}-{os.getpid()}")
     registry = transport.group_registry()
     registry.authenticate(  # before the janitor writes a dead record
         secret, STORE_NAME, trust_unsigned=config.listen.is_loopback, on_refused=rpc_policy.counting_store_refusals(metrics.store_refused)

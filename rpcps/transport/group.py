@@ -34,7 +34,7 @@ from rpcps.transport.config import TransportOptions
 from rpcps.transport.membership import RANK_COUNTER_KEY
 from rpcps.transport.rebuild import StoreRebuild, start_rebuild
 from rpcps.transport.registry import Registry
-from rpcps.transport.store_client import ReconnectingStore
+from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore
 from rpcps.transport.store_client import register_rendezvous as register_tcp_rendezvous
 from rpcps.transport.store_client import rendezvous_url as tcp_rendezvous_url
 
@@ -121,13 +121,20 @@ def _init_filtered_rpc(name: str, rank: int, address: StoreAddress, options: Tra
 
 
 def serve(
-    address: Address, name: str, options: TransportOptions, secret: JobSecret | None = None, ranks_after_s: float = 0.0
+    address: Address,
+    name: str,
+    options: TransportOptions,
+    secret: JobSecret | None = None,
+    ranks_after_s: float = 0.0,
+    incarnation: str | None = None,
 ) -> None:
     """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``.
 
     With ``secret``, a member asking to be dropped from the group must prove it holds it. Joining
     processes take ranks only ``ranks_after_s`` from now: a restarted coordinator's store counts
     ranks from 0 until the live members have raised it past theirs (``rpcps.transport.rebuild``).
+    ``incarnation`` (a coordinator's, new per start) is in the store before any rank is handed out,
+    so every member finds it when it joins.
     """
     _require_protection()
     _loopback_agent(address)
@@ -144,6 +151,8 @@ def serve(
     _open_registry(address)
     store = _tcp_store
     assert store is not None  # a TCPStore address: _open_registry opened one
+    if incarnation is not None:
+        store.set(INCARNATION_KEY, incarnation)
     if ranks_after_s > 0:
         opener = threading.Timer(ranks_after_s, lambda: store.set(membership.RANKS_OPEN_KEY, "1"))
         opener.daemon = True

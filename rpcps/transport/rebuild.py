@@ -92,8 +92,11 @@ class StoreRebuild:
 
 
 def start_rebuild(store: ReconnectingStore | None) -> StoreRebuild | None:
-    """A started ``StoreRebuild`` for this member of a TCPStore group; None with an etcd store."""
-    if store is None:
+    """A started ``StoreRebuild`` for this member of a group whose store a coordinator hosts; None
+    with an etcd store, or with a store hosted by shard 0's server (no incarnation: the coordinator
+    writes one before it hands out any rank). A server that hosted the store restarts from its
+    snapshot and the members rejoin it: there is nothing to write back, and nothing to watch."""
+    if store is None or not store.compare_set(INCARNATION_KEY, "", "").decode():
         return None
     address = membership.own_address()  # read now: the store that holds it may be gone when it is needed
     rebuild = StoreRebuild(store, membership.my_rank())

@@ -69,6 +69,7 @@ def test_the_coordinator_honours_threads_and_writes_its_summary_at_exit(procs: P
     assert result["members_removed"] == 0 and result["store_repairs"] == {"members": 0, "address": 0, "rank_counter": 0}
 
 
+@pytest.mark.alone  # with another worker's fault tests beside it, a second failover (epoch 3) once came on top of the expected one
 @pytest.mark.timeout(300)
 def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_over_exactly(
     procs: ProcessGroup, tmp_path: Path
