@@ -17,8 +17,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import grpc
 
-from ps.control import control_pb2 as pb
-from ps.control.control_pb2_grpc import ControlStub
+from cli import ctl
 
 __all__ = ["pause", "resume"]
 
@@ -33,10 +32,12 @@ def pause(address: str, timeout_s: float = CALL_TIMEOUT_S, wait_for_ready: bool 
 
     Raises:
         grpc.RpcError: when the server does not answer within ``timeout_s``.
+        grpc.FutureTimeoutError: with ``wait_for_ready``, when nothing listens within ``timeout_s``.
     """
     with grpc.insecure_channel(address) as channel:
-        reply = ControlStub(channel).Pause(pb.PauseRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
-        return int(reply.model_version)
+        if wait_for_ready:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        return int(ctl.call("pause", channel, (), timeout_s)["model_version"])
 
 
 def resume(address: str, timeout_s: float = CALL_TIMEOUT_S) -> int:
@@ -46,4 +47,4 @@ def resume(address: str, timeout_s: float = CALL_TIMEOUT_S) -> int:
         grpc.RpcError: when the server does not answer within ``timeout_s``.
     """
     with grpc.insecure_channel(address) as channel:
-        return int(ControlStub(channel).Resume(pb.ResumeRequest(), timeout=timeout_s).model_version)
+        return int(ctl.call("resume", channel, (), timeout_s)["model_version"])
