@@ -48,7 +48,7 @@ from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
 from ps.replication.auth import ReplicaGate, new_attach_id
 from ps.replication.metrics import ReplicationMetrics
 from rpcps import failpoints, replica_endpoints, transport
-from rpcps.errors import AttachRefused
+from rpcps.errors import AttachRefused, ServerStopping
 from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import peer_text
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
@@ -337,6 +337,9 @@ class Primary:
                 follower.acked = max(follower.acked, reply.have_through)
                 follower.newest_acked_send = max(follower.newest_acked_send, sent_at)
             self.log.acknowledged(reply.have_through, retain=follower.in_sync)
+            return
+        if isinstance(reply, ErrorReply) and reply.kind == ServerStopping.__name__:
+            self._fail(follower, f"it stopped following ({reply.message})")
             return
         if isinstance(error, transport.PeerTimeout) or isinstance(reply, ErrorReply):
             with self.log.cond:  # send again from the first entry it has not acknowledged

@@ -42,7 +42,7 @@ from ps.core.update_log import ReorderBuffer, Sequenced
 from ps.replication.auth import ReplicaGate, attach_proof
 from ps.replication.metrics import ROLE_PRIMARY, ROLE_STANDBY, ReplicationMetrics
 from rpcps import failpoints, replica_endpoints, transport
-from rpcps.errors import ERROR_TYPES, RpcpsError
+from rpcps.errors import ERROR_TYPES, RpcpsError, ServerStopping
 from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, LogEntry, View
@@ -112,6 +112,8 @@ class Standby:
         self._heard = time.monotonic()
         self._primary_pid: int | None = None
         self._leaving = threading.Event()
+        self._promoting = False
+        """Set (under ``_leave_lock``) by the one ``_leave`` that promotes: only then is the primary fenced."""
         """Set once this process stops following (promoting, detaching or shutting down): appends are
         refused from then on. Only the first of those moves happens (``_leave``)."""
         self._leave_lock = threading.Lock()
@@ -184,8 +186,14 @@ class Standby:
     def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Ack | Fenced:
         del sent_at
         self.gate.check_attach_id(self.attach_id, attach_id, f"append from '{peer_text(sender)}'")  # before any state is told
-        if self._leaving.is_set() or epoch != self.epoch or sender != self.primary:
-            return Fenced(self.epoch if not self._leaving.is_set() else self.epoch + 1, None)
+        if self._leaving.is_set():
+            if self._promoting:  # taking over: the old primary must apply nothing more
+                return Fenced(self.epoch + 1, None)
+            # Shutting down or restarting to claim again: the primary drops this standby and goes on
+            # (a Fenced here would depose a healthy primary whenever its standby is stopped).
+            return ErrorReply(ServerStopping.__name__, f"standby {self.name} stopped following; drop it")
+        if epoch != self.epoch or sender != self.primary:
+            return Fenced(self.epoch, None)
         log = self.log
         with self._receive:
             for entry in self._buffer.add(entries):
@@ -278,12 +286,13 @@ class Standby:
         elif view.epoch != self.epoch or view.primary != self.primary:
             self._detach(f"the shard's view moved on without this standby ({view})")
 
-    def _leave(self) -> bool:
+    def _leave(self, promoting: bool = False) -> bool:
         """Stops following; True for the one caller that did it (the monitor, the watch callback and a
         shutdown may race: exactly one of promote, detach and stop may act)."""
         with self._leave_lock:
             if self._leaving.is_set():
                 return False
+            self._promoting = promoting
             self._leaving.set()
             return True
 
@@ -292,7 +301,7 @@ class Standby:
         self._leave()
 
     def _promote(self, why: str) -> None:
-        if not self._leave():
+        if not self._leave(promoting=True):
             return
         noticed = time.monotonic()
         old = self.primary

@@ -3,77 +3,37 @@ credentials and refused, logged and counted without them."""
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-import torch
-from prometheus_client import CollectorRegistry
 from torch.distributed.rpc import internal
 
-from ps.config import ReplicationConfig
-from ps.core.update_log import ReplicationLog
 from ps.replication import auth, standby
 from ps.replication.auth import ReplicaRefused, attach_proof
 from ps.replication.metrics import ReplicationMetrics
-from ps.replication.primary import Primary
-from ps.replication.standby import Standby
 from rpcps import replica_endpoints, rpc_policy
 from rpcps.errors import AttachRefused, RpcpsError
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import Ack, Attached, ErrorReply, Fenced, Mark, View
 from rpcps.transport import pickling
-from rpcps.transport.registry import ViewRecord, encode_view
 from worker import trainer
+
+from .fakes import COMPAT, make_primary, make_standby
 
 SECRET = JobSecret("s" * 40)
 OTHER = JobSecret("o" * 40)
-COMPAT = {"model": "m"}
-
-
-def _metrics() -> ReplicationMetrics:
-    return ReplicationMetrics(CollectorRegistry(), replicas=2)
 
 
 def _refused(metrics: ReplicationMetrics, reason: str) -> float:
     return metrics.refused.labels(reason)._value.get()
 
 
-class _FakeServer:
-    """What ``Primary.attach`` and ``Standby.append`` touch of a ParameterServer."""
-
-    def __init__(self) -> None:
-        self.log = ReplicationLog()
-        self.lock = threading.Lock()
-        self.deposed = False
-        self.epoch = 0
-        self.lease = None
-
-    def capture_replica_state_locked(self) -> dict:
-        return {"version": 3, "weights": torch.arange(4.0)}
-
-
-def _primary(secret: JobSecret | None) -> Primary:
-    view = View(1, "server0", None)
-    return Primary(
-        _FakeServer(), SimpleNamespace(), 0, "server0", ViewRecord(view, encode_view(view)), ReplicationConfig(replicas=2),
-        _metrics(), COMPAT, None, on_step_down=lambda why: None, secret=secret,
-    )
-
-
-def _standby(secret: JobSecret | None) -> Standby:
-    return Standby(
-        _FakeServer(), SimpleNamespace(), 0, "server1", ReplicationConfig(replicas=2), _metrics(), COMPAT, None,
-        on_promoted=lambda record, took: None, on_detached=lambda why: None, rpc_timeout_s=5.0, secret=secret,
-    )
-
-
 # ---- attach ------------------------------------------------------------------------------------
 
 
 def test_an_attach_with_a_valid_proof_gets_an_unguessable_attach_id() -> None:
-    primary = _primary(SECRET)
+    primary = make_primary(SECRET)
     attached = primary.attach("server1", COMPAT, *attach_proof(SECRET, "server1", "server0"))
     assert isinstance(attached, Attached) and attached.pieces == 1
     assert len(attached.attach_id) == 32 and int(attached.attach_id, 16) >= 0  # 128 random bits
@@ -91,7 +51,7 @@ def test_an_attach_with_a_valid_proof_gets_an_unguessable_attach_id() -> None:
     ],
 )
 def test_an_attach_without_a_valid_proof_is_refused_and_copies_nothing(proof, reason: str) -> None:
-    primary = _primary(SECRET)
+    primary = make_primary(SECRET)
     with pytest.raises(ReplicaRefused):
         primary.attach("server1", COMPAT, *proof())
     assert _refused(primary.metrics, reason) == 1
@@ -99,7 +59,7 @@ def test_an_attach_without_a_valid_proof_is_refused_and_copies_nothing(proof, re
 
 
 def test_an_old_or_replayed_attach_proof_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    primary = _primary(SECRET)
+    primary = make_primary(SECRET)
     proof = attach_proof(SECRET, "server1", "server0")
     primary.attach("server1", COMPAT, *proof)
     with pytest.raises(ReplicaRefused, match="used already"):
@@ -113,14 +73,14 @@ def test_an_old_or_replayed_attach_proof_is_refused(monkeypatch: pytest.MonkeyPa
 
 
 def test_without_a_job_secret_any_attach_is_accepted_and_the_id_still_unguessable() -> None:
-    primary = _primary(None)
+    primary = make_primary(None)
     attached = primary.attach("server1", COMPAT, *attach_proof(None, "server1", "server0"))
     assert len(attached.attach_id) == 32
     assert primary.attach("server1", COMPAT, "", 0.0, "").attach_id != attached.attach_id
 
 
 def test_the_attach_endpoint_answers_a_refusal_with_an_error_reply() -> None:
-    primary = _primary(SECRET)
+    primary = make_primary(SECRET)
     replica_endpoints.publish_replica(primary)
     try:
         reply = replica_endpoints.replica_attach("intruder", COMPAT, "n", time.time(), "forged")
@@ -134,7 +94,7 @@ def test_the_attach_endpoint_answers_a_refusal_with_an_error_reply() -> None:
 
 @pytest.mark.parametrize("secret", [SECRET, None])
 def test_snapshot_ready_and_watch_need_the_issued_attach_id(secret: JobSecret | None) -> None:
-    primary = _primary(secret)
+    primary = make_primary(secret)
     for call in (lambda a: primary.snapshot_piece(a, 0), primary.ready, primary.watch):
         with pytest.raises(ReplicaRefused):
             call("0" * 32)  # nothing attached yet
@@ -152,7 +112,7 @@ def test_snapshot_ready_and_watch_need_the_issued_attach_id(secret: JobSecret | 
 
 
 def test_a_standby_takes_appends_only_with_its_attach_id() -> None:
-    standby = _standby(SECRET)
+    standby = make_standby(SECRET)
     standby.primary, standby.epoch, standby.attach_id = "server0", 1, "a" * 32
     with pytest.raises(ReplicaRefused):
         standby.append("b" * 32, 1, "server0", [Mark(1, 1, 0, 0)], 0.0)
@@ -170,7 +130,7 @@ def test_a_standby_takes_appends_only_with_its_attach_id() -> None:
 
 
 def test_a_standby_that_never_attached_refuses_every_append() -> None:
-    standby = _standby(None)
+    standby = make_standby(None)
     with pytest.raises(ReplicaRefused):
         standby.append("", 0, "", [], 0.0)
 
@@ -195,7 +155,7 @@ def test_a_refusal_crossing_the_wire_arrives_as_itself() -> None:
     """A primary's refusal travels as an ``ErrorReply`` through torch's serializer and the allow-list
     unpickler, and the standby raises the refusal's own class (before it was in ``ERROR_TYPES`` it
     arrived as a plain RpcpsError)."""
-    primary = _primary(SECRET)
+    primary = make_primary(SECRET)
     replica_endpoints.publish_replica(primary)
     rpc_policy.protect(extra_calls=replica_endpoints.SERVER_ENDPOINTS)
     try:
