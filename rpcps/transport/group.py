@@ -34,7 +34,7 @@ from rpcps.transport.config import TransportOptions
 from rpcps.transport.membership import RANK_COUNTER_KEY
 from rpcps.transport.rebuild import StoreRebuild, start_rebuild
 from rpcps.transport.registry import Registry
-from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore
+from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore, open_client
 from rpcps.transport.store_client import register_rendezvous as register_tcp_rendezvous
 from rpcps.transport.store_client import rendezvous_url as tcp_rendezvous_url
 
@@ -195,10 +195,8 @@ def _store_rank(address: Address, deadline: float) -> int:
     if not _wait_for_listener(address, deadline):
         raise unreachable
     try:
-        store = dist.TCPStore(
-            address.host, address.port, is_master=False,
-            timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)),
-        )
+        left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+        store = open_client(address.host, address.port, left.total_seconds(), left)
         store.wait([membership.RANKS_OPEN_KEY])  # a coordinator that just restarted: live members' ranks first
         return int(store.add(membership.RANK_COUNTER_KEY, 1))
     except (RuntimeError, dist.DistError) as e:

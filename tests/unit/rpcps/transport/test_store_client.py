@@ -13,20 +13,27 @@ import torch.distributed as dist
 
 from rpcps.ports import free_port
 from rpcps.transport.registry import Registry, StoreUnavailable
-from rpcps.transport.store_client import ReconnectingStore
+from rpcps.transport.store_client import ReconnectingStore, open_client
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _master(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    """A store on ``port``; tried again when torch's own client of it stalls (see ``open_client``)."""
+    for attempt in range(3):
+        try:
+            return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=2))
+        except dist.DistNetworkError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def test_a_restarted_store_is_reached_again_and_a_dead_one_fails_at_once() -> None:
     port = free_port()
     master = _master(port)
     client = ReconnectingStore("127.0.0.1", port, timeout_s=2.0)
-    plain = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
+    plain = open_client("127.0.0.1", port, 5.0, datetime.timedelta(seconds=2))  # torch's own client, opened past a stall
     client.set("k", "before")
     assert client.get("k") == b"before" and client.reconnects == 0
     del master
@@ -80,3 +87,15 @@ def test_a_long_connect_timeout_leaves_each_call_its_short_one() -> None:
         client.get("missing")  # waits for the key: bounded by the call's 0.5 s, not the 20 s connect
     assert time.monotonic() - started < 10.0
     del master
+
+
+
+def test_a_connection_that_does_not_come_is_tried_again_until_the_budget_is_spent() -> None:
+    """torch's client sometimes never connects to a healthy store (store_client.open_client): each
+    try is short (1 s, then 2 s, ...) and a new one follows until the caller's budget is spent."""
+    port = free_port()  # nothing listens: every try times out as a stalled one does
+    started = time.monotonic()
+    with pytest.raises(dist.DistNetworkError):
+        open_client("127.0.0.1", port, 3.5, datetime.timedelta(seconds=1))
+    took = time.monotonic() - started
+    assert 3.0 <= took < 10.0, f"gave up after {took:.1f}s: the tries did not fill the 3.5 s budget"
