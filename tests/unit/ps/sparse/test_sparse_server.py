@@ -18,6 +18,7 @@ from ps.sparse.store import SparseConfig
 from rpcps.errors import PushRejected
 from rpcps.messages import PushStatus
 from rpcps.sparse.embedding import NotAttached, SparseEmbeddingBagCollection
+from rpcps.sparse.row_init import initial_rows
 from rpcps.sparse.spec import SparsePull, TableSpec, declared_tables
 from worker.sparse_client import SparseRouter
 
@@ -124,13 +125,16 @@ def test_push_applies_dense_and_sparse_once_and_a_retry_is_a_duplicate() -> None
     model = TinyModel()
     model.embeddings.attach(_Rows(server, incarnation))
     chunks, sparse = _step(server, model, incarnation, 0)
-    before = _rows(server)  # the step's pull created the rows
+    assert _rows(server) == {"user": {}, "item": {}}  # the pull admitted the ids; the update creates their rows
     assert server.push(0, incarnation, 0, 0, chunks, 1.0, sparse).status == PushStatus.APPLIED
     after = _rows(server)
     ids, grads = sparse["user"]
-    for i, g in zip(ids.tolist(), grads):
+    table = server.sparse.tables["user"].config
+    before = initial_rows(table.init, table.table_id, ids, table.dim)  # what the pull read
+    assert sorted(after["user"]) == sorted(ids.tolist())
+    for i, g, pulled in zip(ids.tolist(), grads, before):
         if bool(g.abs().sum() > 0):
-            assert not torch.equal(after["user"][i][:4], before["user"][i][:4])
+            assert not torch.equal(after["user"][i][:4], pulled)
     # A retry of the same (slot, step) is answered duplicate and changes neither part.
     masters = server.master_tensors()
     assert server.push(0, incarnation, 0, 0, chunks, 1.0, sparse).status == PushStatus.DUPLICATE
