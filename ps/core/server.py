@@ -143,6 +143,9 @@ class ParameterServer:
         """The epoch of the view this process serves under."""
         self.mirroring = False
         """This process is a standby: it applies what its primary sequenced and serves no one."""
+        self.promotion: threading.Event | None = None
+        """Set by a standby taking over, until it serves or gives up (``ps.replication.standby``): a
+        worker's call meanwhile waits for that instead of being told this process is not the primary."""
         self.deposed = False
         """This process was a primary and learned of a newer epoch: it sequences and applies nothing more."""
         self.not_primary_reason = ""

@@ -303,6 +303,16 @@ class Standby:
     def _promote(self, why: str) -> None:
         if not self._leave(promoting=True):
             return
+        # A worker may read the new view and call here before this process serves (the drain below
+        # comes after the compare-and-set): its call waits for the outcome instead of being refused.
+        promotion = threading.Event()
+        self.server.promotion = promotion
+        try:
+            self._take_over(why)
+        finally:
+            promotion.set()
+
+    def _take_over(self, why: str) -> None:
         noticed = time.monotonic()
         old = self.primary
         logger.warning("primary %s of shard %d failed: %s; promoting this standby", peer_text(old), self.shard, peer_text(why, MESSAGE_LIMIT))
