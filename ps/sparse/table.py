@@ -89,6 +89,7 @@ ClockMode = Literal["applies", "seconds"]
 BucketRanges = list[tuple[int, int]]
 Chain = tuple[dict[str, Any], list[dict[str, Any]]]
 _SAMPLE_SALT = 0x5A4D
+_NONE = torch.empty(0, dtype=torch.int64)
 _ADMITTED_COMPACT = 1 << 16
 """Queued admitted ids (repeats included) past which the queue is deduplicated."""
 
@@ -291,9 +292,11 @@ class SparseTable:
 
     def take_admitted(self) -> torch.Tensor:
         """The ids deferred pulls admitted since the last call (unique, ascending), for ``create``."""
+        if not self._admitted:  # read without the lock (every update asks): a pull queueing now is taken next time
+            return _NONE
         with self._lock:
             waiting, self._admitted, self._admitted_n = self._admitted, [], 0
-        return torch.unique(torch.cat(waiting)) if waiting else torch.empty(0, dtype=torch.int64)
+        return torch.unique(torch.cat(waiting)) if waiting else _NONE
 
     def create(self, ids: torch.Tensor) -> int:
         """Rows for the admitted ``ids`` (unique, ascending: ``take_admitted``) that have none;
