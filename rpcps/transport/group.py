@@ -148,7 +148,7 @@ def serve(
                 f"port {address.port} on {address.host} is already in use; stop whatever holds it or pick another --listen port"
             ) from e
         raise TransportError(f"could not start the RPC server on {address}: {text.splitlines()[0]}") from e
-    _open_registry(address)
+    _open_registry(address, options.connect_timeout_s)
     store = _tcp_store
     assert store is not None  # a TCPStore address: _open_registry opened one
     if incarnation is not None:
@@ -180,7 +180,7 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
         raise
     except (RuntimeError, dist.DistError) as e:
         raise JoinFailed(f"could not join the server at {address}: {str(e).splitlines()[0]}") from e
-    _open_registry(address)
+    _open_registry(address, max(deadline - time.monotonic(), REGISTRY_TIMEOUT_S))
     global _rebuild
     _rebuild = start_rebuild(_tcp_store)  # a coordinator restarted empty gets this member's part back
     return name
@@ -223,14 +223,14 @@ def _etcd_rank(address: EtcdAddress, deadline: float) -> int:
         store.client.close()
 
 
-def _open_registry(address: StoreAddress) -> None:
+def _open_registry(address: StoreAddress, connect_timeout_s: float) -> None:
     global _registry, _etcd, _tcp_store
     if isinstance(address, EtcdAddress):
         _etcd = open_store(address, REGISTRY_TIMEOUT_S)
         _registry = Registry(_etcd)
         return
     # Its own client, one that reconnects: torch's never does, and a coordinator may restart (store_client).
-    client = ReconnectingStore(address.host, address.port, REGISTRY_TIMEOUT_S)
+    client = ReconnectingStore(address.host, address.port, REGISTRY_TIMEOUT_S, connect_timeout_s=connect_timeout_s)
     try:
         client.check([RANK_COUNTER_KEY])
     except (RuntimeError, dist.DistError) as e:

@@ -54,11 +54,15 @@ class ReconnectingStore(dist.Store):
     how long ``get``/``wait`` wait for a missing key.
     """
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float, connect_timeout_s: float | None = None) -> None:
         super().__init__()
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.host = host
         self.port = port
+        self.connect_timeout = datetime.timedelta(seconds=max(timeout_s, connect_timeout_s or 0.0))
+        """How long opening a connection may take once something listens: a store on a loaded host
+        (nine processes starting on 2 cores) took over 2 s to accept a client that a call's short
+        timeout would give up on."""
         self._client: dist.TCPStore | None = None
         self._connected = False
         self._lock = threading.Lock()
@@ -72,7 +76,9 @@ class ReconnectingStore(dist.Store):
                 pass
         except OSError as e:
             raise dist.DistNetworkError(f"nothing answers at the group's store {self.host}:{self.port} ({e})") from None
-        return dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        client = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.connect_timeout)
+        client.set_timeout(self.timeout)
+        return client
 
     def _run(self, call: Callable[[dist.TCPStore], _T]) -> _T:
         with self._lock:

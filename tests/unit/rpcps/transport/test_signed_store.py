@@ -27,7 +27,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.ports import free_port
 from rpcps.transport.registry import Refusal, Registry, encode_view, require_secret_off_loopback
-from tests.unit.ps.replication.test_replica_auth import _FakeServer
+from tests.unit.ps.replication.fakes import FakeServer
 from tests.unit.rpcps.transport.test_registry import Clock
 from worker import client
 
@@ -183,7 +183,7 @@ def test_a_claim_neither_follows_nor_replaces_a_view_it_cannot_verify(store: Sto
 # ---- the primary's keeper against a tampered view --------------------------------------------------
 
 
-class _Server(_FakeServer):
+class _Server(FakeServer):
     """A fake server whose store-repair counter can be read back."""
 
     def __init__(self) -> None:

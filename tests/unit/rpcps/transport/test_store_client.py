@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import time
 
 import pytest
 import torch.distributed as dist
@@ -63,4 +64,19 @@ def test_the_registry_reads_views_again_once_its_store_is_back() -> None:
     assert registry.shard_count() is None
     registry.claim_shard_count(1)
     assert registry.shard_count() == 1
+    del master
+
+
+def test_a_long_connect_timeout_leaves_each_call_its_short_one() -> None:
+    """A joining member waits long for a loaded store to accept it (``connect_timeout_s``), but a
+    call on the open connection still gives up after the call's timeout."""
+    port = free_port()
+    master = _master(port)
+    client = ReconnectingStore("127.0.0.1", port, timeout_s=0.5, connect_timeout_s=20.0)
+    assert client.connect_timeout == datetime.timedelta(seconds=20)
+    client.set("k", "v")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        client.get("missing")  # waits for the key: bounded by the call's 0.5 s, not the 20 s connect
+    assert time.monotonic() - started < 10.0
     del master
