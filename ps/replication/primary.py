@@ -1,8 +1,9 @@
 """The primary's side of replication: taking a standby in, shipping it the log, committing, its lease.
 
 - **Attach** (a standby asks to follow): the applied state is copied under the server's lock (the
-  sparse tables in slices before it, closed under it: ``ps.sparse.store.FullTables``), serialised, and handed out in pieces of at most 16 MB (``replica_snapshot``); every entry after
-  it is kept for the standby until it acknowledges it.
+  sparse tables in slices before it, closed under it: ``ps.sparse.store.FullTables``), serialised,
+  and handed out in pieces of at most 16 MB (``replica_snapshot``); every entry after it is kept for
+  the standby until it acknowledges it.
 - **Ship**: one sender thread sends ``replica_append`` calls in index order, up to
   ``_MAX_IN_FLIGHT`` at a time (the transfer of entry i+1 overlaps the apply of entry i), and an
   empty one (a heartbeat) after ``replica_heartbeat_s`` of silence. A call that times out makes it

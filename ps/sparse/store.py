@@ -3,8 +3,13 @@
 What the worker API needs of them: check a push's sparse part before the server's lock is taken,
 pull rows for a request, apply a checked part (the server calls it under its lock, in the same
 update as the push's dense part), capture and restore the tables with the server's snapshots, and
-run eviction in the background. The numerics and data structures are ``ps.sparse``'s; this module
-only wires them to the server.
+decide evictions in the background. The numerics and data structures are ``ps.sparse``'s; this
+module only wires them to the server.
+
+Replication: nothing here changes a row except from the server's log, applied in its order on a
+primary and its standby alike. A pull only admits (the ids it admits wait for ``take_admitted``,
+which the next update carries, and ``apply`` creates their rows); the eviction thread only decides
+(``evict_once`` hands each decision to the server, which logs it and calls ``evict``).
 
 Placement: ids go to servers by ``rpcps.sparse.sharding.BucketManifest.even(shard_count)``, the
 manifest the worker routes with; a request holding an id of another server's buckets is refused, so
