@@ -19,9 +19,9 @@ from harness.procs import ProcessGroup, free_port, try_scrape, wait_until
 pytestmark = pytest.mark.integration
 
 CTR = ("--model", "rpcps.examples.ctr:dlrm_model", "--data", "rpcps.examples.ctr:ctr_data_small", "--loss", "rpcps.examples.ctr:bce_loss")
-SPARSE = ("--sparse-admit-count", "2", "--sparse-ttl", "10", "--sparse-evict-every-s", "0.2")
+SPARSE = ("--sparse-admit-count", "2", "--sparse-ttl", "5", "--sparse-evict-every-s", "0.2")
 """Admission by count and a TTL, so that admission and eviction decisions are part of what is replicated."""
-STEPS = 50
+STEPS = 40
 
 
 def _metric(port: int, key: str) -> float:
