@@ -289,7 +289,8 @@ class ParameterServer:
             (self._running.clear if entry.action == "pause" else self._running.set)()
             self.metrics.paused.set(1 if entry.action == "pause" else 0)
         elif isinstance(entry, Evicted) and self.sparse is not None:
-            self.sparse.evict(entry.table, entry.ids, entry.clock)
+            # A standby writes no delta (promoted, its first snapshot is a full): no tombstones to keep.
+            self.sparse.evict(entry.table, entry.ids, entry.clock, tombstones=not self.mirroring)
 
     def apply_locked(self, grads: list[torch.Tensor], update: Update, stamp: float) -> int:
         """Under the lock: one optimizer step from ``grads`` and the update's sparse rows; records

@@ -203,9 +203,10 @@ class SparseStore:
         # check_push made apply's checks (unique ids, shape, finite): not again per table.
         return sum(self.tables[name].apply_checked(ids, grads).applied for name, (ids, grads) in part.tables.items())
 
-    def evict(self, name: str, ids: torch.Tensor, clock: int) -> int:
-        """Applies one eviction decision (``Eviction``); returns the rows evicted."""
-        return self.tables[name].evict(ids, clock).numel()
+    def evict(self, name: str, ids: torch.Tensor, clock: int, tombstones: bool = True) -> int:
+        """Applies one eviction decision (``Eviction``); returns the rows evicted. ``tombstones``:
+        as ``SparseTable.evict`` (a standby keeps none: they would pile up until it is promoted)."""
+        return self.tables[name].evict(ids, clock, tombstones).numel()
 
     def digest(self, crc: int) -> int:
         """Every table's rows folded into ``crc`` (``SparseTable.digest``), in name order."""

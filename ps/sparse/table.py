@@ -395,10 +395,11 @@ class SparseTable:
                 self._plan = None
             return EvictionSlice(evicted=self._index.ids_of(victims), scanned=hi - lo, sweep_done=done, clock=now)
 
-    def evict(self, ids: torch.Tensor, clock: int) -> torch.Tensor:
+    def evict(self, ids: torch.Tensor, clock: int, tombstones: bool = True) -> torch.Tensor:
         """Evicts the rows of ``ids`` (a ``plan_eviction`` decision taken at ``clock``) that were not
         updated since: a row pushed to after the decision stays, as do ids without a row. Returns the
-        ids evicted (also recorded as tombstones)."""
+        ids evicted, also recorded as tombstones for the next delta unless ``tombstones`` is False
+        (a standby, which takes no delta: its first snapshot once promoted is a full)."""
         with self._lock:
             rows = self._index.lookup(ids)
             keep = rows >= 0
@@ -410,7 +411,8 @@ class SparseTable:
                 self._memo.forget(victims)
             for capture in self._fulls:
                 capture.queue(victims, None)
-            self._tombstones.append(evicted)
+            if tombstones:
+                self._tombstones.append(evicted)
             self._counters.evicted += evicted.numel()
         return evicted
 
