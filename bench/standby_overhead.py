@@ -2,6 +2,10 @@
 asynchronous replication, side by side.
 
     flock /tmp/rpcps-cpu.lock timeout 900 python -m bench.standby_overhead --rounds 2
+    # the CTR task (sparse tables), synchronous replication only:
+    flock /tmp/rpcps-cpu.lock timeout 900 python -m bench.standby_overhead --rounds 2 --only none sync \
+        --model rpcps.examples.ctr:dlrm_model --data rpcps.examples.ctr:ctr_data --loss rpcps.examples.ctr:bce_loss \
+        --server-args "--sparse-admit-count 2 --sparse-ttl 20000"
 
 Runs the three configurations interleaved (none, sync, async, none, sync, async ...) on the same model
 and data, so a machine that gets busier during the run hurts all alike, and prints one Markdown row
@@ -31,6 +35,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="rpcps.tasks:mlp_5m")
     p.add_argument("--data", default="rpcps.tasks:mlp_5m_data")
+    p.add_argument("--loss", default="mse")
+    p.add_argument("--server-args", default="", help="more flags for every run, e.g. sparse settings (one string, split on spaces)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=150, help="steps per worker per run")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the three configurations")
@@ -44,7 +50,7 @@ def main() -> int:
         for label in args.only:
             run_dir = root / f"{label}-{n}"
             argv = local_argv(run_dir, model=args.model, data=args.data, workers=args.workers, steps=args.steps,
-                              extra=CONFIGS[label])
+                              extra=[*CONFIGS[label], *args.server_args.split()], loss=args.loss)
             run = run_local(argv, run_dir)
             rate = run.steady_steps_per_s()
             rates[label].append(rate)

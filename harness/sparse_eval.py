@@ -21,8 +21,8 @@ from rpcps.sparse.spec import SparsePull, declared_tables
 
 
 class StoreRows:
-    """A RowSource reading a local SparseStore (pulls of ids without a row read zeros or create one,
-    exactly as on the server)."""
+    """A RowSource reading a local SparseStore (pulls of ids without a row read zeros, or the initial
+    row of an id admission lets in, exactly as on the server)."""
 
     def __init__(self, store: SparseStore) -> None:
         self.store = store

@@ -82,10 +82,6 @@ def run_server(config: ServerRunConfig) -> int:
     model = plugins.load_model(config.model)
     server = ParameterServer(model, config.core, metrics)
     server.thread_budget = budget
-    if server.sparse is not None and config.replication.replicas > 1:
-        # Sparse rows are applied by the primary only (ps.replication ships dense updates): a standby
-        # would take over without them.
-        raise ValueError("sparse embedding tables cannot have a standby yet: run them with --replicas 1")
     largest_chunk = max(server.layout.chunk_numels) * server.wire.itemsize
     config = replace(config, transport=replace(config.transport, rpc_channels=config.transport.channels(largest_chunk)))
     rpc_policy.protect(

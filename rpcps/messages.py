@@ -170,6 +170,11 @@ class Update(WireRecord):
     absent: int = 0
     """Presence mask: bit i set means the shard's parameter i (signature order) got no gradient in
     any push of this step, and the step leaves it and its optimizer state as they are (``ps.core.presence``)."""
+    sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    """The push's sparse part as the primary checked it: table -> (unique int64 ids, fp32 grads)."""
+    admitted: dict[str, torch.Tensor] | None = None
+    """Ids the primary's pulls admitted since its previous update, per table: this step creates
+    their rows first (``ps.sparse.store.SparseStore.take_admitted``)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +218,19 @@ class Control(WireRecord):
     action: str
 
 
-LogEntry = Update | Mark | Registered | Removed | Control
+@dataclass(frozen=True)
+class Evicted(WireRecord):
+    """An eviction decision of the primary's sparse table: the rows of ``ids`` not updated since the
+    table's clock read ``clock`` go (``ps.sparse.table.SparseTable.evict``)."""
+
+    index: int
+    epoch: int
+    table: str
+    ids: torch.Tensor
+    clock: int
+
+
+LogEntry = Update | Mark | Registered | Removed | Control | Evicted
 """Everything that changes a shard's replicated state, in the order both replicas apply it."""
 
 

@@ -6,8 +6,10 @@
     python tools/chaos.py --kill ps@300 --kill worker1@700   # chosen ones
     python tools/chaos.py --replicas 2 --kills 10 --pace-s 0.04 --steps 1600   # failovers of a hot standby
     python tools/chaos.py --every-role 3 --pairs 3 --pace-s 0.05 --steps 3000 --no-baseline   # every role, pairs too
+    python tools/chaos.py --ctr --replicas 2 --steps 300 --kill primary@80 --kill primary@180   # sparse tables: AUC too
 
-Runs an undisturbed baseline first (unless --no-baseline) and compares final losses. Prints each
+Runs an undisturbed baseline first (unless --no-baseline) and compares final losses (with --ctr,
+also the held-out AUC of each run's final snapshot). Prints each
 seed's plan and outcome; exit status 0 when every check of docs/FAULT_TOLERANCE.md held for every seed.
 """
 
@@ -41,6 +43,8 @@ def main() -> int:
                    help="with --replicas 2: asynchronous replication with this lag bound (default: synchronous)")
     p.add_argument("--model", default=None, help="a model other than the built-in task (e.g. rpcps.tasks:mlp_5m)")
     p.add_argument("--data", default=None, help="its data (e.g. rpcps.tasks:mlp_5m_data); --pace-s paces the built-in task only")
+    p.add_argument("--ctr", action="store_true", help="the built-in CTR task (sparse tables, with admission and a TTL); "
+                   "prints each run's held-out AUC")
     p.add_argument("--every-role", type=int, default=0, metavar="ROUNDS",
                    help="kill every role ROUNDS times in random order: each worker, the primary, the standby, the "
                    "coordinator and an evaluator (implies --replicas 2 and starts the evaluator)")
@@ -54,6 +58,8 @@ def main() -> int:
         extra = ("--data", "tests.integration.paced_data:paced_data")
     if args.model is not None:
         extra = ("--model", args.model, "--loss", "mse", *(("--data", args.data) if args.data else ()))
+    if args.ctr:
+        extra = CTR_ARGS
     common = {"workers": args.workers, "steps": args.steps, "checkpoint_every_updates": args.checkpoint_every_updates,
               "replicas": args.replicas, "extra_args": extra, "timeout_s": max(240.0, 4.0 * args.steps * (args.pace_s or 0.0)),
               "max_replica_lag": args.max_replica_lag}
@@ -61,11 +67,14 @@ def main() -> int:
         common["replicas"] = 2
         common["extra_args"] = (*extra, *EVALUATOR_ARGS)
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="rpcps-chaos-"))
-    baseline_loss = None
+    baseline_loss = baseline_auc = None
     if not args.no_baseline:
         base = run_chaos(ChaosPlan(**common), root / "baseline")
         baseline_loss = base.summary.get("final_loss")
         print(f"baseline: exit {base.exit_code}, final loss {baseline_loss}", flush=True)
+        if args.ctr:
+            baseline_auc = _ctr_auc(root / "baseline", args.steps)
+            print(f"baseline: held-out AUC {baseline_auc:.4f}", flush=True)
     if args.every_role:
         plans = {seed: ChaosPlan.every_role(args.every_role, args.pairs, seed, **common) for seed in range(args.seed, args.seed + args.seeds)}
     elif args.kill:
@@ -82,10 +91,29 @@ def main() -> int:
         if baseline_loss is not None and loss is not None and abs(loss - baseline_loss) > 0.1 * baseline_loss:
             problems.append(f"final loss {loss:.4f} is not within 10% of the undisturbed {baseline_loss:.4f}")
         _report(seed, result, problems)
+        if args.ctr:
+            auc = _ctr_auc(root / f"seed-{seed}", args.steps)
+            versus = f" ({auc - baseline_auc:+.4f} against the baseline)" if baseline_auc is not None else ""
+            print(f"seed {seed}: held-out AUC {auc:.4f}{versus}", flush=True)
         if problems:
             failed.append(seed)
     print(f"{len(plans) - len(failed)} of {len(plans)} seeds OK" + (f"; failed: {failed}" if failed else ""))
     return 1 if failed else 0
+
+
+CTR_ARGS = (
+    "--model", "rpcps.examples.ctr:dlrm_model", "--data", "rpcps.examples.ctr:ctr_data_small", "--loss", "rpcps.examples.ctr:bce_loss",
+    "--sparse-admit-count", "2", "--sparse-ttl", "200", "--sparse-evict-every-s", "0.5",
+)
+
+
+def _ctr_auc(run_dir: Path, steps: int) -> float:
+    """Held-out AUC of the CTR model in the run's newest snapshot (the batches after the ones trained on)."""
+    from harness.sparse_eval import model_from_snapshot
+    from rpcps.examples import ctr
+
+    model = model_from_snapshot(run_dir / "checkpoints", ctr.dlrm_model)
+    return ctr.evaluate(model, ctr.eval_batches(8, 512, at_batch=steps))["auc"]
 
 
 def _report(seed: int, result: ChaosResult, problems: list[str]) -> None:

@@ -1,21 +1,23 @@
 """Routes a step's sparse ids to the server shards that own them: one pull per shard, one push part per shard.
 
 Ids go to shards by ``BucketManifest.even(shard count)``, the manifest every server checks requests
-against. A pull for all tables is split by shard, sent to every shard at once and reassembled in
-the caller's order; a step's summed gradients are split the same way and ride on that shard's dense
+against. A pull for all tables is split by shard, sent to every shard at once (by the trainer, which
+follows each shard's primary through a failover) and reassembled in the caller's order; a step's summed gradients are split the same way and ride on that shard's dense
 push (``worker.trainer``), so they share its (slot, step) deduplication.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from rpcps.sparse.sharding import BucketManifest
 from rpcps.sparse.spec import SparsePull, SparsePush, TableSpec
-from worker.client import ServerClient, result
+
+Fetch = Callable[[list[SparsePull]], list[SparsePull]]
+"""Sends each shard its part of a pull (index = shard), all at once, and returns their replies in
+shard order: the trainer's, which follows each shard's primary through a failover."""
 
 
 class SparseRouter:
@@ -23,45 +25,27 @@ class SparseRouter:
 
     Args:
         specs: every table the model declares.
-        clients: one per shard, in shard order; ``incarnations`` the worker's registration on each.
-        slot: this worker's slot.
+        shard_count: the servers' shard count.
         wire: the dtype rows and gradients travel in.
-        retry: runs a call, retrying it on timeouts (the trainer's policy).
+        fetch: calls the shards (``Fetch``).
     """
 
-    def __init__(
-        self,
-        specs: Sequence[TableSpec],
-        clients: Sequence[ServerClient],
-        incarnations: Sequence[str],
-        slot: int,
-        wire: torch.dtype,
-        retry: Callable[[Callable[[], Any]], Any],
-    ) -> None:
+    def __init__(self, specs: Sequence[TableSpec], shard_count: int, wire: torch.dtype, fetch: Fetch) -> None:
         self.specs = {s.name: s for s in specs}
-        self.clients = list(clients)
-        self.incarnations = list(incarnations)
-        self.slot = slot
+        self.shard_count = shard_count
         self.wire = wire
-        self.retry = retry
-        self.manifest = BucketManifest.even(len(self.clients))
+        self.fetch = fetch
+        self.manifest = BucketManifest.even(shard_count)
         self.rows_pulled = 0
 
     def pull(self, request: SparsePull) -> SparsePull:
-        shards = len(self.clients)
+        shards = self.shard_count
         owners = {name: self._owners(name, ids) for name, ids in request.items()} if shards > 1 else {}
         parts: list[SparsePull] = [{} for _ in range(shards)]
         for name, ids in request.items():
             for shard in range(shards):
                 parts[shard][name] = ids if shards == 1 else ids[owners[name] == shard]
-
-        def fetch() -> list[SparsePull]:
-            pending = [
-                c.pull_rows(self.slot, inc, part) for c, inc, part in zip(self.clients, self.incarnations, parts)
-            ]
-            return [result(p) for p in pending]
-
-        replies = self.retry(fetch)
+        replies = self.fetch(parts)
         rows: SparsePull = {}
         for name, ids in request.items():
             if shards == 1:
@@ -76,7 +60,7 @@ class SparseRouter:
 
     def split_push(self, grads: SparsePush) -> list[SparsePush]:
         """Per shard, its part of ``{table: (ids, fp32 grads)}``, grads in the wire dtype."""
-        shards = len(self.clients)
+        shards = self.shard_count
         parts: list[SparsePush] = [{} for _ in range(shards)]
         for name, (ids, grad) in grads.items():
             grad = grad.to(self.wire)

@@ -52,7 +52,7 @@ from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, 
 from rpcps.partition import partition, partition_digest
 from rpcps.signature import FlatLayout, ModelSignature
 from rpcps.sparse.embedding import collections_of
-from rpcps.sparse.spec import SparsePush, declared_tables
+from rpcps.sparse.spec import SparsePull, SparsePush, declared_tables
 from rpcps.summary import run_summary
 from rpcps.wire import TopK, wire_dtype
 from worker.acked import AckedPushes
@@ -299,10 +299,7 @@ class Trainer:
         self.router: SparseRouter | None = None
         if self.sparse_modules:
             self.metrics.watch_sparse()
-            self.router = SparseRouter(
-                declared_tables(self.model), clients, [r.incarnation for r in registrations], config.worker_index,
-                wire_dtype(first.wire_dtype), self._with_retries,
-            )
+            self.router = SparseRouter(declared_tables(self.model), first.shard_count, wire_dtype(first.wire_dtype), self._pull_rows)
             for module in self.sparse_modules:
                 module.attach(self.router)
         # A shard restored from an older snapshot has processed fewer steps: start at the earliest;
@@ -639,10 +636,21 @@ class Trainer:
 
     def _pull_all(self, shards: list[ShardLink]) -> list[Any]:
         """Pulls from ``shards`` in parallel; a shard whose primary failed is pulled again from its successor."""
+        return self._at_every_primary(shards, lambda link: link.client.pull(self.slot, link.registration.incarnation, link.version))
+
+    def _pull_rows(self, parts: list[SparsePull]) -> list[SparsePull]:
+        """Each shard's part of a sparse pull (``SparseRouter``), in parallel, as ``_pull_all``; retried on timeouts."""
+        return self._with_retries(lambda: self._at_every_primary(
+            self.shards, lambda link: link.client.pull_rows(self.slot, link.registration.incarnation, parts[link.index]),
+        ))
+
+    def _at_every_primary(self, shards: list[ShardLink], start: Callable[[ShardLink], transport.Pending]) -> list[Any]:
+        """``result(start(link))`` for every link, the calls in flight together; a shard whose primary
+        failed fails over (``_fail_over``) and is called again at its successor."""
         started: list[Any] = []
         for link in shards:
             try:
-                started.append(link.client.pull(self.slot, link.registration.incarnation, link.version))
+                started.append(start(link))
             except _PRIMARY_LOST as e:
                 started.append(e)
         replies = []
@@ -653,7 +661,7 @@ class Trainer:
                 replies.append(self._result(link, pending))
             except _PRIMARY_LOST as e:
                 self._fail_over(link, e)
-                replies.append(link.client.pull_now(self.slot, link.registration.incarnation, link.version))
+                replies.append(result(start(link)))
         return replies
 
     def _result(self, link: ShardLink, pending: transport.Pending) -> Any:

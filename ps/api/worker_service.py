@@ -62,6 +62,9 @@ from rpcps.summary import run_summary
 
 logger = logging.getLogger(__name__)
 
+PROMOTION_WAIT_S = 5.0
+"""How long a worker's call waits for a standby that is taking over before it is told to look again."""
+
 _REGISTRATION_WAIT_S = 30.0
 """How long a registration waits for its log entry to be applied (committed by the standby)."""
 
@@ -96,8 +99,13 @@ class WorkerService:
         return self.server.config.shard_count
 
     def _check_serving(self) -> None:
-        """Raises NotPrimary on a process that does not serve its shard now (a standby, a replaced primary)."""
+        """Raises NotPrimary on a process that does not serve its shard now (a standby, a replaced
+        primary); waits first, up to ``PROMOTION_WAIT_S``, for a standby that is taking over (a worker
+        that read the new view may call before the standby applied its last entries and serves)."""
         server = self.server
+        promotion = server.promotion
+        if server.mirroring and promotion is not None:
+            promotion.wait(PROMOTION_WAIT_S)
         if server.mirroring or server.deposed:
             raise NotPrimary(server.not_primary_reason)
 

@@ -49,8 +49,8 @@ from ps.checkpoints.snapshot_files import (
 )
 from ps.core.metrics import ServerMetrics
 from ps.sparse.checkpoint import InvalidPayload, check_chain, payload_nbytes
-from ps.sparse.store import SparseStore
-from ps.sparse.table import Chain, ClosedFull, FullCapture
+from ps.sparse.store import FullTables, SparseStore
+from ps.sparse.table import Chain, ClosedFull
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class SparseCheckpoints:
         self._chain_id = ""
         self._full_bytes = 0
         self._delta_bytes = 0
-        self._prepared: dict[str, list[FullCapture]] | None = None
+        self._prepared: FullTables | None = None
 
     def full_due(self) -> bool:
         """True when the next snapshot should be a full: no chain, ``full_every_deltas`` deltas on it,
@@ -132,15 +132,11 @@ class SparseCheckpoints:
         self.chain = None
         for table in self.store.tables.values():
             table.drop_changes()
-        prepared = {
-            name: [table.begin_full(lo, hi) for lo, hi in self.store.ranges] for name, table in self.store.tables.items()
-        }
+        prepared = self.store.begin_full()
         try:
-            for captures in prepared.values():
-                for capture in captures:
-                    capture.copy_slices()
+            prepared.copy_slices()
         except BaseException:
-            _abort(prepared)
+            prepared.abort()
             raise
         self._prepared = prepared
         logger.info("sparse tables: full prepared off the request path in %.2fs", time.perf_counter() - started)
@@ -151,7 +147,7 @@ class SparseCheckpoints:
         deltas = {name: table.capture_delta() for name, table in self.store.tables.items()}
         if self._prepared is not None:
             prepared, self._prepared = self._prepared, None
-            closed = {name: [c.close() for c in cs] for name, cs in prepared.items()}
+            closed = prepared.close()
             capture = SparseCapture("full", uuid.uuid4().hex, closed=closed)
             self.metrics.sparse_full_snapshots.labels("sliced").inc()
         elif self.chain is None:
@@ -194,14 +190,8 @@ class SparseCheckpoints:
     def close(self) -> None:
         """Drops a prepared full (the checkpointer stops)."""
         if self._prepared is not None:
-            _abort(self._prepared)
+            self._prepared.abort()
             self._prepared = None
-
-
-def _abort(prepared: dict[str, list[FullCapture]]) -> None:
-    for captures in prepared.values():
-        for capture in captures:
-            capture.abort()
 
 
 # ---- reading chains back -------------------------------------------------------------------------

@@ -272,7 +272,7 @@ _SPARSE_COUNTERS = (
     ("admitted_total", "admitted_ids", "Ids given a row by admission."),
     ("filtered_total", "filtered_ids", "Pulled ids refused by admission (they read zeros)."),
     ("dropped_gradients_total", "dropped_gradients", "Gradients of ids without a row (not admitted, or evicted since their pull), dropped."),
-    ("evicted_total", "evicted_rows", "Rows evicted (TTL or row cap), each recorded as a tombstone."),
+    ("evicted_total", "evicted_rows", "Rows evicted (TTL or row cap; a standby counts its primary's decisions as it applies them)."),
     ("pulled_rows_total", "pulled_rows", "Rows sent to workers by pulls."),
     ("pushed_rows_total", "pushed_rows", "Rows updated by pushes."),
     ("push_lookups_reused_total", "push_lookups_reused", "Pushes that took their rows from a remembered pull of the same ids (only ids that pull left without a row are looked up again)."),

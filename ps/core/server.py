@@ -49,7 +49,7 @@ from ps.sparse.store import CheckedPush, SparseStore
 from ps.sparse.table import ClosedFull
 from rpcps import threads
 from rpcps.errors import NotPrimary
-from rpcps.messages import Control, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Removed, Update
+from rpcps.messages import Control, Evicted, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Removed, Update
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, named_state, persistent_buffers
 from rpcps.sparse.spec import declared_tables
@@ -131,8 +131,10 @@ class ParameterServer:
         specs = declared_tables(model)
         if specs and config.mode in (Mode.SYNC, Mode.LOCAL_STEPS):
             raise ValueError(f"sparse embedding tables need --mode async or bounded ({config.mode} applies dense updates only)")
-        self.sparse = SparseStore(specs, config.sparse, config.shard_index, config.shard_count) if specs else None
-        """The model's sparse tables (this server's buckets of them), or None."""
+        self.sparse = SparseStore(specs, config.sparse, config.shard_index, config.shard_count, self._evict) if specs else None
+        """The model's sparse tables (this server's buckets of them), or None. Every change of their
+        rows is an entry of the log (rows created for admitted ids and row updates with an update,
+        evictions as ``Evicted``), applied in log order, so a standby's tables are the primary's."""
         if self.sparse is not None:
             self.metrics.watch_sparse(self.sparse.stats)
         self.version = 0
@@ -141,6 +143,9 @@ class ParameterServer:
         """The epoch of the view this process serves under."""
         self.mirroring = False
         """This process is a standby: it applies what its primary sequenced and serves no one."""
+        self.promotion: threading.Event | None = None
+        """Set by a standby taking over, until it serves or gives up (``ps.replication.standby``): a
+        worker's call meanwhile waits for that instead of being told this process is not the primary."""
         self.deposed = False
         """This process was a primary and learned of a newer epoch: it sequences and applies nothing more."""
         self.not_primary_reason = ""
@@ -216,12 +221,16 @@ class ParameterServer:
     ) -> Sequenced:
         """Under the lock: the next optimizer step, from ``grads`` (the fp32 form of ``chunks``); with
         ``buffers``, the model buffers that become the server's with it; with ``sparse``, the sparse
-        rows it changes (applied here only: not shipped to a standby, see ``ps.runner``); ``absent``, the
-        parameters it leaves as they are (``ps.core.presence``)."""
+        rows it changes; ``absent``, the parameters it leaves as they are (``ps.core.presence``). It
+        also carries the ids pulls admitted since the previous update: their rows are created first."""
         self._check_primary_locked()
         log = self.log
-        entry = Update(log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers, absent)
-        sequenced = Sequenced(entry, grads, on_release=on_release, sparse=sparse)
+        admitted = self.sparse.take_admitted() if self.sparse is not None else None
+        entry = Update(
+            log.next_index, self.epoch, log.last_version + 1, list(chunks), tuple(contributions), buffers, absent,
+            sparse.tables if sparse else None, admitted,
+        )
+        sequenced = Sequenced(entry, grads, on_release=on_release)
         log.append(sequenced)
         return sequenced
 
@@ -231,6 +240,16 @@ class ParameterServer:
         sequenced = Sequenced(make(self.log.next_index, self.epoch))
         self.log.append(sequenced)
         return sequenced
+
+    def _evict(self, table: str, ids: torch.Tensor, clock: int) -> None:
+        """The eviction thread's decision for ``table``, as a log entry (a standby decides nothing:
+        it applies its primary's)."""
+        with self.lock:
+            if self.mirroring or self.deposed:
+                return
+            self.sequence_locked(lambda index, epoch: Evicted(index, epoch, table, ids, clock))
+            applied = self.apply_committed_locked()
+        answer(applied)
 
     def _check_primary_locked(self) -> None:
         if self.mirroring or self.deposed:
@@ -259,7 +278,7 @@ class ParameterServer:
             grads = sequenced.grads
             if grads is None:
                 grads = [to_dense_fp32(c, n) for c, n in zip(entry.chunks, self.layout.chunk_numels)]
-            self.apply_locked(grads, entry, stamp, sequenced.sparse)
+            self.apply_locked(grads, entry, stamp)
         elif isinstance(entry, Mark):
             self.workers.records[entry.slot].tracker.mark(entry.seq)
         elif isinstance(entry, Registered):
@@ -269,10 +288,13 @@ class ParameterServer:
         elif isinstance(entry, Control):
             (self._running.clear if entry.action == "pause" else self._running.set)()
             self.metrics.paused.set(1 if entry.action == "pause" else 0)
+        elif isinstance(entry, Evicted) and self.sparse is not None:
+            # A standby writes no delta (promoted, its first snapshot is a full): no tombstones to keep.
+            self.sparse.evict(entry.table, entry.ids, entry.clock, tombstones=not self.mirroring)
 
-    def apply_locked(self, grads: list[torch.Tensor], update: Update, stamp: float, sparse: CheckedPush | None = None) -> int:
-        """Under the lock: one optimizer step from ``grads`` and the rows of ``sparse``; records every
-        contribution. Returns the version."""
+    def apply_locked(self, grads: list[torch.Tensor], update: Update, stamp: float) -> int:
+        """Under the lock: one optimizer step from ``grads`` and the update's sparse rows; records
+        every contribution. Returns the version."""
         started = time.perf_counter()
         threads.sync()  # the host's budget may have changed since this RPC thread last computed
         for master, grad in zip(self._masters, grads):
@@ -287,7 +309,9 @@ class ParameterServer:
             master.grad = None
         if self.schedule is not None:
             self.schedule.step()
-        sparse_rows = self.sparse.apply(sparse) if sparse and self.sparse is not None else 0
+        sparse_rows = 0
+        if self.sparse is not None and (update.sparse or update.admitted):
+            sparse_rows = self.sparse.apply(CheckedPush.logged(update.sparse) if update.sparse else None, update.admitted)
         self.version += 1
         if self.version != update.version:
             raise AssertionError(f"update {update.index} produces version {update.version}, but this server is at {self.version - 1}")
@@ -318,7 +342,7 @@ class ParameterServer:
 
     def digest_locked(self) -> str:
         """Under the lock: a fingerprint (CRC-32) of the parameters, the optimizer state, the version,
-        and every slot's dedup record.
+        every slot's dedup record, and every sparse row (``ps.sparse.table.SparseTable.digest``).
 
         Replicas compare it at the same version: any flipped bit changes it (it is not a proof
         against tampering, only against divergence).
@@ -331,6 +355,8 @@ class ParameterServer:
             for key in sorted(state.get(master, {})):
                 value = state[master][key]
                 crc = zlib.crc32(_bytes_of(value) if isinstance(value, torch.Tensor) else repr(value).encode(), crc)
+        if self.sparse is not None:
+            crc = self.sparse.digest(crc)
         return f"{crc:08x}"
 
     def params_for_pull_locked(self) -> list[torch.Tensor]:
@@ -389,13 +415,14 @@ class ParameterServer:
             state["buffers"] = self.buffers.named_locked()
         return self.version, state
 
-    def capture_replica_state_locked(self) -> dict[str, Any]:
+    def capture_replica_state_locked(self, include_sparse: bool = True) -> dict[str, Any]:
         """Under the lock: the applied state as a new standby must start from it, exactly.
 
         Beyond a snapshot on disk: every registration (a standby that takes over must know the
         workers' incarnations) and every removed one (it must refuse them as this primary does), the pause state, and the log index the state corresponds to.
+        ``include_sparse=False`` as in ``capture_state_locked`` (the primary closes a sliced copy of them).
         """
-        _, state = self.capture_state_locked()
+        _, state = self.capture_state_locked(include_sparse)
         state["registrations"] = {str(slot): [r.rpc_name, r.incarnation] for slot, r in self.workers.records.items() if not r.left}
         state["removed"] = {str(slot): [r.rpc_name, r.incarnation] for slot, r in self.workers.records.items() if r.left and r.incarnation}
         state["paused"] = self.paused
@@ -444,21 +471,16 @@ class ParameterServer:
         ready to stream (``ps.checkpoints.sparse_export.live_tables``). The tables are copied in slices under each
         table's own lock first; the closing step under the server's lock copies the rows changed
         since the last delta snapshot (docs/SPARSE.md, "Export and serving")."""
-        store = self.sparse
-        captures = {} if store is None else {
-            name: [table.begin_full(lo, hi) for lo, hi in store.ranges] for name, table in store.tables.items()
-        }
+        tables = self.sparse.begin_full() if self.sparse is not None else None
         try:
-            for parts in captures.values():
-                for capture in parts:
-                    capture.copy_slices()
+            if tables is not None:
+                tables.copy_slices()
             with self.lock:
                 version, masters, buffers = self.version, [m.detach().clone() for m in self._masters], self.buffers.named_locked()
-                closed = {name: [capture.close() for capture in parts] for name, parts in captures.items()}
+                closed = tables.close() if tables is not None else {}
         finally:
-            for parts in captures.values():
-                for capture in parts:
-                    capture.abort()  # a no-op for the closed ones
+            if tables is not None:
+                tables.abort()
         return version, named_state(self.layout, masters, buffers), closed
 
     def master_tensors(self) -> dict[str, torch.Tensor]:

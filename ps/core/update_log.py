@@ -64,9 +64,6 @@ class Sequenced:
     """When it was sequenced (or received): replication lag in seconds is measured from here."""
     on_release: Callable[[], None] | None = None
     """Called once nobody needs the entry any more (a sync round's sum buffers go back to the pool)."""
-    sparse: Any = None
-    """An update's checked sparse rows (``ps.sparse.store.CheckedPush``): applied by this process
-    only, never shipped (a server with sparse tables runs without a standby)."""
 
     @property
     def index(self) -> int:
@@ -77,7 +74,9 @@ class Sequenced:
         entry = self.entry
         if not isinstance(entry, Update):
             return 0
-        return sum(t.numel() * t.element_size() for c in entry.chunks for t in (c if isinstance(c, tuple) else (c,)))
+        dense = sum(t.numel() * t.element_size() for c in entry.chunks for t in (c if isinstance(c, tuple) else (c,)))
+        sparse = [t for ids, grads in (entry.sparse or {}).values() for t in (ids, grads)] + list((entry.admitted or {}).values())
+        return dense + sum(t.numel() * t.element_size() for t in sparse)
 
 
 class ReplicationLog:

@@ -1,8 +1,9 @@
 """The primary's side of replication: taking a standby in, shipping it the log, committing, its lease.
 
-- **Attach** (a standby asks to follow): the applied state is copied under the server's lock,
-  serialised, and handed out in pieces of at most 16 MB (``replica_snapshot``); every entry after
-  it is kept for the standby until it acknowledges it.
+- **Attach** (a standby asks to follow): the applied state is copied under the server's lock (the
+  sparse tables in slices before it, closed under it: ``ps.sparse.store.FullTables``), serialised,
+  and handed out in pieces of at most 16 MB (``replica_snapshot``); every entry after it is kept for
+  the standby until it acknowledges it.
 - **Ship**: one sender thread sends ``replica_append`` calls in index order, up to
   ``_MAX_IN_FLIGHT`` at a time (the transfer of entry i+1 overlaps the apply of entry i), and an
   empty one (a heartbeat) after ``replica_heartbeat_s`` of silence. A call that times out makes it
@@ -47,6 +48,7 @@ from ps.core.server import ParameterServer
 from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
 from ps.replication.auth import ReplicaGate, new_attach_id
 from ps.replication.metrics import ReplicationMetrics
+from ps.sparse.store import payloads
 from rpcps import failpoints, replica_endpoints, transport
 from rpcps.errors import AttachRefused, ServerStopping
 from rpcps.jobsecret import JobSecret
@@ -218,14 +220,26 @@ class Primary:
             if current is not None and current.name != name and current.failed is None:
                 raise AttachRefused(f"shard {self.shard} already has a standby ({current.name})")
         server = self.server
-        with server.lock:
-            if server.deposed:
-                raise AttachRefused("this process is no longer the shard's primary")
-            state = server.capture_replica_state_locked()
-            index = self.log.applied_index
-            with self.log.cond:
-                self.log.retain_from = index + 1
-                self.log.unwatched = False  # the sender streams every entry from now on
+        # Sparse tables are copied in slices under their own locks first, training going on; the
+        # closing step under the server's lock makes them the tables of the dense state's instant.
+        tables = server.sparse.begin_full() if server.sparse is not None else None
+        try:
+            if tables is not None:
+                tables.copy_slices()
+            with server.lock:
+                if server.deposed:
+                    raise AttachRefused("this process is no longer the shard's primary")
+                state = server.capture_replica_state_locked(include_sparse=tables is None)
+                closed = tables.close() if tables is not None else None
+                index = self.log.applied_index
+                with self.log.cond:
+                    self.log.retain_from = index + 1
+                    self.log.unwatched = False  # the sender streams every entry from now on
+        finally:
+            if tables is not None:
+                tables.abort()
+        if closed is not None:
+            state["sparse"] = payloads(closed)
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)

@@ -49,6 +49,8 @@ def compatibility(server: ParameterServer, config: ServerRunConfig) -> dict[str,
         "threads": str(torch.get_num_threads()),
         # A promoted standby serves with its own settings: both must promise the same.
         "replication": f"{config.replication.replication} lag {config.replication.allowed_lag}",
+        # Row creation, the row optimizer and eviction decide alike only with the same sparse settings.
+        "sparse": repr(config.core.sparse),
     }
 
 

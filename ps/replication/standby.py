@@ -303,6 +303,16 @@ class Standby:
     def _promote(self, why: str) -> None:
         if not self._leave(promoting=True):
             return
+        # A worker may read the new view and call here before this process serves (the drain below
+        # comes after the compare-and-set): its call waits for the outcome instead of being refused.
+        promotion = threading.Event()
+        self.server.promotion = promotion
+        try:
+            self._take_over(why, promotion)
+        finally:
+            promotion.set()  # gave up: the callers waiting are told to look again
+
+    def _take_over(self, why: str, promotion: threading.Event) -> None:
         noticed = time.monotonic()
         old = self.primary
         logger.warning("primary %s of shard %d failed: %s; promoting this standby", peer_text(old), self.shard, peer_text(why, MESSAGE_LIMIT))
@@ -341,6 +351,7 @@ class Standby:
             server.version, 1000 * took,
         )
         self._on_promoted(new, took)
+        promotion.set()
         # Serving first: removing the old primary from the group takes the group token and a few
         # store writes (etcd transactions when the store is in etcd), which the workers need not wait for.
         _forget(old, self.secret)

@@ -3,8 +3,13 @@
 What the worker API needs of them: check a push's sparse part before the server's lock is taken,
 pull rows for a request, apply a checked part (the server calls it under its lock, in the same
 update as the push's dense part), capture and restore the tables with the server's snapshots, and
-run eviction in the background. The numerics and data structures are ``ps.sparse``'s; this module
-only wires them to the server.
+decide evictions in the background. The numerics and data structures are ``ps.sparse``'s; this
+module only wires them to the server.
+
+Replication: nothing here changes a row except from the server's log, applied in its order on a
+primary and its standby alike. A pull only admits (the ids it admits wait for ``take_admitted``,
+which the next update carries, and ``apply`` creates their rows); the eviction thread only decides
+(``evict_once`` hands each decision to the server, which logs it and calls ``evict``).
 
 Placement: ids go to servers by ``rpcps.sparse.sharding.BucketManifest.even(shard_count)``, the
 manifest the worker routes with; a request holding an id of another server's buckets is refused, so
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +28,7 @@ import torch
 
 from ps.sparse import CountAdmissionConfig, EvictionConfig, RowInitConfig, SparseTable, TableConfig, TableStats
 from ps.sparse.row_optim import ROW_OPTIMIZERS
+from ps.sparse.table import ClosedFull, FullCapture
 from rpcps.settings import setting
 from rpcps.sparse.sharding import BucketManifest, bucket_of, in_ranges
 from rpcps.sparse.spec import SparsePull, TableSpec
@@ -83,12 +90,18 @@ class CheckedPush:
     """A push's sparse part as ``SparseStore.check_push`` validated it: table name -> (unique int64
     ids, finite fp32 grads [n, dim]). Only ``check_push`` makes one, and ``SparseStore.apply`` takes
     nothing else: it skips the per-table checks, so unchecked rows must not reach it by another
-    path (a repeated id's updates would overwrite each other; a NaN would poison its row)."""
+    path (a repeated id's updates would overwrite each other; a NaN would poison its row). The one
+    other maker is ``logged``: a standby applying what its primary checked and shipped in its log."""
 
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
     def __len__(self) -> int:
         return len(self.tables)
+
+    @classmethod
+    def logged(cls, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> CheckedPush:
+        """The part an ``Update`` of the log carries (``Update.sparse``: the primary's ``check_push`` made it)."""
+        return cls(tables)
 
 
 class BadSparse(ValueError):
@@ -112,14 +125,24 @@ def table_config(spec: TableSpec, config: SparseConfig) -> TableConfig:
     )
 
 
+Eviction = Callable[[str, torch.Tensor, int], None]
+"""Takes one table's eviction decision (table name, ids, the table's clock at the decision) into
+the server's log; ``SparseStore.evict`` applies it there."""
+
+
 class SparseStore:
-    def __init__(self, specs: tuple[TableSpec, ...], config: SparseConfig, shard_index: int, shard_count: int) -> None:
+    def __init__(
+        self, specs: tuple[TableSpec, ...], config: SparseConfig, shard_index: int, shard_count: int, evict: Eviction | None = None,
+    ) -> None:
+        """``evict``: where the eviction thread sends its decisions (the server's log); None applies
+        them at once (a store without a server)."""
         self.config = config
         self.tables = {s.name: SparseTable(table_config(s, config)) for s in specs}
         self.manifest = BucketManifest.even(shard_count)
         self.ranges = self.manifest.ranges_of(shard_index)
         self._owns_all = self.ranges == [(0, self.manifest.num_buckets)]
         """One server: every id is ours, and the ownership check can skip hashing."""
+        self._evict: Eviction = evict or self.evict
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._evict_loop, name="sparse-eviction", daemon=True)
 
@@ -138,7 +161,7 @@ class SparseStore:
         """Rows of every requested id, in the wire dtype; raises BadSparse."""
         if not isinstance(request, dict):
             raise BadSparse(f"a sparse pull must be a dict of table name -> ids, got {type(request).__name__}")
-        return {name: self.tables[name].pull(self._owned_ids(name, ids)).to(wire) for name, ids in request.items()}
+        return {name: self.tables[name].pull(self._owned_ids(name, ids), defer=True).to(wire) for name, ids in request.items()}
 
     def check_push(self, part: Any, wire: torch.dtype) -> CheckedPush:
         """The fp32 form of a push's sparse part; raises BadSparse before anything changes."""
@@ -162,12 +185,34 @@ class SparseStore:
             checked[name] = (ids, grads.float())
         return CheckedPush(checked)
 
-    def apply(self, part: CheckedPush) -> int:
-        """Applies a checked part (the server holds its lock); returns the rows updated."""
-        if not isinstance(part, CheckedPush):
+    def take_admitted(self) -> dict[str, torch.Tensor] | None:
+        """Per table, the ids pulls admitted since the last call (None when there are none): the
+        server's next update carries them, and ``apply`` creates their rows."""
+        taken = {name: table.take_admitted() for name, table in self.tables.items()}
+        return {name: ids for name, ids in taken.items() if ids.numel()} or None
+
+    def apply(self, part: CheckedPush | None, admitted: dict[str, torch.Tensor] | None = None) -> int:
+        """Creates the rows of ``admitted`` ids (``take_admitted``), then applies a checked part (the
+        server holds its lock); returns the rows updated."""
+        if part is not None and not isinstance(part, CheckedPush):
             raise TypeError(f"SparseStore.apply takes what check_push returned, got {type(part).__name__}")
+        for name, ids in (admitted or {}).items():
+            self.tables[name].create(ids)
+        if part is None:
+            return 0
         # check_push made apply's checks (unique ids, shape, finite): not again per table.
         return sum(self.tables[name].apply_checked(ids, grads).applied for name, (ids, grads) in part.tables.items())
+
+    def evict(self, name: str, ids: torch.Tensor, clock: int, tombstones: bool = True) -> int:
+        """Applies one eviction decision (``Eviction``); returns the rows evicted. ``tombstones``:
+        as ``SparseTable.evict`` (a standby keeps none: they would pile up until it is promoted)."""
+        return self.tables[name].evict(ids, clock, tombstones).numel()
+
+    def digest(self, crc: int) -> int:
+        """Every table's rows folded into ``crc`` (``SparseTable.digest``), in name order."""
+        for name in sorted(self.tables):
+            crc = self.tables[name].digest(crc)
+        return crc
 
     def _owned_ids(self, name: str, ids: Any) -> torch.Tensor:
         if name not in self.tables:
@@ -188,6 +233,11 @@ class SparseStore:
         so they match the dense state and the workers' progress of the same snapshot)."""
         return {name: [table.capture_full(lo, hi) for lo, hi in self.ranges] for name, table in self.tables.items()}
 
+    def begin_full(self) -> FullTables:
+        """A full capture of every table's buckets on this server, to copy off the server's lock and
+        close under it (``FullTables``)."""
+        return FullTables({name: [table.begin_full(lo, hi) for lo, hi in self.ranges] for name, table in self.tables.items()})
+
     def restore(self, saved: dict[str, list[Any]]) -> None:
         """Loads saved tables into these (empty) ones, keeping the rows of this server's buckets.
 
@@ -207,13 +257,50 @@ class SparseStore:
     def stats(self) -> dict[str, TableStats]:
         return {name: table.stats() for name, table in self.tables.items()}
 
+    def evict_once(self) -> int:
+        """One round of the eviction thread: one slice of every table's sweep, each decision sent
+        to ``evict`` (the server's log); returns the ids decided."""
+        decided = 0
+        for name, table in self.tables.items():
+            try:
+                planned = table.plan_eviction()
+                if planned.evicted.numel():
+                    self._evict(name, planned.evicted, planned.clock)
+            except Exception:
+                logger.exception("eviction on sparse table %s failed; trying again next time", name)
+                continue
+            decided += planned.evicted.numel()
+        return decided
+
     def _evict_loop(self) -> None:
         while not self._stop.wait(self.config.evict_every_s):
-            for name, table in self.tables.items():
-                try:
-                    evicted = table.evict_step().evicted.numel()
-                except Exception:
-                    logger.exception("eviction on sparse table %s failed; trying again next time", name)
-                    continue
-                if evicted:
-                    logger.debug("sparse table %s: evicted %d rows", name, evicted)
+            if decided := self.evict_once():
+                logger.debug("sparse tables: %d rows to evict", decided)
+
+class FullTables:
+    """Full captures of every table (``SparseStore.begin_full``): ``copy_slices`` copies the rows in
+    slices, each under one table's own lock, so training goes on meanwhile (call it without the
+    server's lock); ``close``, under the server's lock, ends them all at that instant, matching the
+    dense state copied under the same hold (``FullCapture.close``); ``abort`` drops whatever is not
+    closed. Driven by one thread."""
+
+    def __init__(self, parts: dict[str, list[FullCapture]]) -> None:
+        self.parts = parts
+
+    def copy_slices(self) -> None:
+        for captures in self.parts.values():
+            for capture in captures:
+                capture.copy_slices()
+
+    def close(self) -> dict[str, list[ClosedFull]]:
+        return {name: [capture.close() for capture in captures] for name, captures in self.parts.items()}
+
+    def abort(self) -> None:
+        for captures in self.parts.values():
+            for capture in captures:
+                capture.abort()  # a no-op for a closed one
+
+
+def payloads(closed: dict[str, list[ClosedFull]]) -> dict[str, list[dict[str, Any]]]:
+    """The full payloads of closed captures, as ``SparseStore.capture`` gives them (built outside every lock)."""
+    return {name: [full.payload() for full in fulls] for name, fulls in closed.items()}

@@ -9,7 +9,9 @@ What each call does, and what it promises:
   filtered. Zeros rather than the deterministic init: a row that will never be trained should add
   nothing to the model's input, not a fixed random vector the dense layers would have to learn around.
   Duplicated ids are allowed. Rows are not marked as accessed by a pull (only by an update), so
-  evaluation traffic does not keep rows alive.
+  evaluation traffic does not keep rows alive. With ``defer=True`` (the server) admitted ids read
+  their initial row without getting one yet: ``take_admitted`` hands them out and ``create`` makes
+  their rows, where the server's log puts it, so that a standby makes the same rows in the same order.
 - ``apply(ids, grads)``: ids unique, grads [n, dim] float32 summed per id. Rows present are updated
   in place by the row optimizer (one gather, one update, one scatter); gradients of ids without a row
   (never admitted, or evicted since their pull) are dropped and counted. Each call advances the
@@ -22,6 +24,9 @@ What each call does, and what it promises:
   sweep's plan selects; returns the evicted ids, which are also kept as tombstones for the next delta.
   Call it from a background thread or between requests: the lock is held for one slice only. It also
   runs the admission filter's upkeep (halving count-min counters), so call it even without eviction.
+  It is ``plan_eviction()`` (the decision: ids and the clock) then ``evict(ids, clock)`` (the removal,
+  sparing rows updated since the decision); the server calls the two apart, the removal as a log entry.
+- ``digest()``: a CRC of every row in id order, which two replicas compare (the audit ledger).
 - ``capture_delta()``: under the lock, copies only the rows changed since the previous delta (found
   through the slab's dirty log, no scan of all rows) and takes the pending tombstones; the training
   pause is that copy. The changes are handed over: if the payload is lost, the next checkpoint must
@@ -50,8 +55,9 @@ import logging
 import math
 import threading
 import time
+import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -83,6 +89,9 @@ ClockMode = Literal["applies", "seconds"]
 BucketRanges = list[tuple[int, int]]
 Chain = tuple[dict[str, Any], list[dict[str, Any]]]
 _SAMPLE_SALT = 0x5A4D
+_NONE = torch.empty(0, dtype=torch.int64)
+_ADMITTED_COMPACT = 1 << 16
+"""Queued admitted ids (repeats included) past which the queue is deduplicated."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -166,6 +175,8 @@ class EvictionSlice:
     """Row numbers this step examined."""
     sweep_done: bool
     """True when this step finished a sweep; the next step starts a new one with a new plan."""
+    clock: int = 0
+    """The table's clock when the slice was decided (``SparseTable.evict`` spares rows updated after it)."""
 
 
 @dataclass(frozen=True)
@@ -236,35 +247,77 @@ class SparseTable:
         self._rng = torch.Generator().manual_seed(derive_key(_SAMPLE_SALT, config.table_id) & (2**63 - 1))
         self._counters = _Counters()
         self._memo = PullMemo()
+        self._admitted: list[torch.Tensor] = []
+        """Ids deferred pulls admitted, waiting for ``take_admitted`` (may repeat)."""
+        self._admitted_n = 0
+        self._admitted_bound = _ADMITTED_COMPACT
 
     def __len__(self) -> int:
         return len(self._index)
 
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings of ids (float32 [n, dim], a copy); creates rows for newly admitted ids."""
+    def pull(self, ids: torch.Tensor, defer: bool = False) -> torch.Tensor:
+        """Embeddings of ids (float32 [n, dim], a copy); creates rows for newly admitted ids.
+
+        ``defer``: newly admitted ids get no row yet; they read their initial row (what creating it
+        would write) and wait for ``take_admitted``, and the caller creates them with ``create``
+        (the server, in its log's order, so that a standby creates the same rows at the same point).
+        """
         check_ids(ids)
         dim = self.config.dim
         with self._lock:
             rows = self._index.lookup(ids)
             missing = rows < 0
-            if bool(missing.any()):
-                new_ids, where = torch.unique(ids[missing], return_inverse=True)
-                admitted = self._admission.admit(new_ids, self._now())
-                new_rows = torch.full((new_ids.numel(),), -1, dtype=torch.int64)
-                if bool(admitted.any()):
-                    new_rows[admitted] = self._create(new_ids[admitted])
-                rows[missing] = new_rows[where]
-                self._counters.admitted += int(admitted.sum())
-                self._counters.filtered += int((~admitted).sum())
             self._counters.pulled += ids.numel()
-            self._memo.remember(ids, rows)
-            embeddings = self._slab.data.narrow(1, 0, dim)
             if not bool(missing.any()):
-                return embeddings.index_select(0, rows)
+                self._memo.remember(ids, rows)
+                return self._slab.data.narrow(1, 0, dim).index_select(0, rows)
+            new_ids, where = torch.unique(ids[missing], return_inverse=True)
+            admitted = self._admission.admit(new_ids, self._now())
+            self._counters.filtered += int((~admitted).sum())
+            new_rows = torch.full((new_ids.numel(),), -1, dtype=torch.int64)
+            if defer:
+                self._wait_for_creation(new_ids[admitted])
+            elif bool(admitted.any()):
+                new_rows[admitted] = self._create(new_ids[admitted])
+            rows[missing] = new_rows[where]
+            self._memo.remember(ids, rows)
             out = torch.zeros(ids.numel(), dim, dtype=torch.float32)
             present = rows >= 0
-            out[present] = embeddings.index_select(0, rows[present])
+            out[present] = self._slab.data.narrow(1, 0, dim).index_select(0, rows[present])  # after _create: it may grow the slab
+            if defer and bool(admitted.any()):
+                cfg = self.config
+                waiting = missing.nonzero().squeeze(1)[admitted[where]]
+                out[waiting] = initial_rows(cfg.init, cfg.table_id, ids[waiting], dim)
             return out
+
+    def take_admitted(self) -> torch.Tensor:
+        """The ids deferred pulls admitted since the last call (unique, ascending), for ``create``."""
+        if not self._admitted:  # read without the lock (every update asks): a pull queueing now is taken next time
+            return _NONE
+        with self._lock:
+            waiting, self._admitted, self._admitted_n = self._admitted, [], 0
+        return torch.unique(torch.cat(waiting)) if waiting else _NONE
+
+    def create(self, ids: torch.Tensor) -> int:
+        """Rows for the admitted ``ids`` (unique, ascending: ``take_admitted``) that have none;
+        returns how many it created. Deterministic: the same calls in the same order make the same rows."""
+        with self._lock:
+            absent = ids[self._index.lookup(ids) < 0]
+            if absent.numel():
+                self._create(absent)
+            return absent.numel()
+
+    def _wait_for_creation(self, ids: torch.Tensor) -> None:
+        """Queues admitted ids for ``take_admitted``; an id pulled again before it has a row is
+        queued again, so the queue is deduplicated once it outgrows what it held unique last time."""
+        if not ids.numel():
+            return
+        self._admitted.append(ids)
+        self._admitted_n += ids.numel()
+        if self._admitted_n > self._admitted_bound:
+            unique = torch.unique(torch.cat(self._admitted))
+            self._admitted, self._admitted_n = [unique], unique.numel()
+            self._admitted_bound = max(_ADMITTED_COMPACT, 2 * unique.numel())
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> ApplyResult:
         """Updates the rows of ids with their summed gradients; see the module docstring.
@@ -317,32 +370,64 @@ class SparseTable:
 
     def evict_step(self) -> EvictionSlice:
         """One slice of the eviction sweep (and the admission filter's upkeep); see the module docstring."""
+        planned = self.plan_eviction()
+        return replace(planned, evicted=self.evict(planned.evicted, planned.clock))
+
+    def plan_eviction(self) -> EvictionSlice:
+        """``evict_step``'s decision without its removal: the ids one slice of the sweep would evict
+        (in ``evicted``), and the clock they were chosen at. Nothing is removed: the server ships the
+        decision in its log and both replicas ``evict`` it there."""
         cfg = self.config.eviction
         with self._lock:
             now = self._now()
             self._admission.age(now)
             if cfg is None:
-                return EvictionSlice(evicted=torch.empty(0, dtype=torch.int64), scanned=0, sweep_done=True)
+                return EvictionSlice(evicted=torch.empty(0, dtype=torch.int64), scanned=0, sweep_done=True, clock=now)
             if self._plan is None:
                 self._plan = EvictionPlan(cfg, now, len(self._slab), self._sample_live())
                 self._cursor, self._sweep_end = 0, self._slab.high_water
             lo, hi = self._cursor, min(self._cursor + cfg.slice_rows, self._sweep_end)
             rows = self._slab.live_rows(lo, hi)
             victims = rows[self._plan.select(now, self._slab.last_seen[rows], self._slab.count[rows])]
-            evicted = self._index.ids_of(victims)
+            self._cursor = hi
+            done = hi >= self._sweep_end
+            if done:
+                self._plan = None
+            return EvictionSlice(evicted=self._index.ids_of(victims), scanned=hi - lo, sweep_done=done, clock=now)
+
+    def evict(self, ids: torch.Tensor, clock: int, tombstones: bool = True) -> torch.Tensor:
+        """Evicts the rows of ``ids`` (a ``plan_eviction`` decision taken at ``clock``) that were not
+        updated since: a row pushed to after the decision stays, as do ids without a row. Returns the
+        ids evicted, also recorded as tombstones for the next delta unless ``tombstones`` is False
+        (a standby, which takes no delta: its first snapshot once promoted is a full)."""
+        with self._lock:
+            rows = self._index.lookup(ids)
+            keep = rows >= 0
+            keep[keep.clone()] = self._slab.last_seen[rows[keep]].to(torch.int64) <= clock
+            victims, evicted = rows[keep], ids[keep]
             self._index.remove(evicted)
             self._slab.release(victims)
             if victims.numel():
                 self._memo.forget(victims)
             for capture in self._fulls:
                 capture.queue(victims, None)
-            self._tombstones.append(evicted)
+            if tombstones:
+                self._tombstones.append(evicted)
             self._counters.evicted += evicted.numel()
-            self._cursor = hi
-            done = hi >= self._sweep_end
-            if done:
-                self._plan = None
-        return EvictionSlice(evicted=evicted, scanned=hi - lo, sweep_done=done)
+        return evicted
+
+    def digest(self, crc: int = 0) -> int:
+        """CRC-32 of every row (id, embedding, optimizer state, last use, count) in id order and the
+        table's clock, continuing ``crc``: equal on two replicas exactly when their rows are, however
+        their slabs lay the rows out. The admission filter's counters are not in it."""
+        with self._lock:
+            records = self._records(self._slab.live_rows(0, self._slab.high_water))
+            applies = self._applies
+        order = torch.argsort(records.ids)
+        crc = zlib.crc32(f"{self.config.name} {applies} {len(records)}".encode(), crc)
+        for tensor in (records.ids, records.rows, records.last_seen, records.count):
+            crc = zlib.crc32(tensor[order].contiguous().numpy().tobytes(), crc)
+        return crc
 
     def capture_delta(self) -> dict[str, Any]:
         """Rows changed since the previous delta, and the ids evicted since; see checkpoint.py."""
@@ -367,7 +452,11 @@ class SparseTable:
         full's slices copy those rows anyway, and its closing step then copies only the rows changed
         while it ran (not, say, every row pulled into a fresh table). Tombstones stay pending."""
         with self._lock:
-            self._slab.take_dirty()
+            rows = self._slab.take_dirty()
+            if self._fulls:  # another open capture's closing step would have copied these rows
+                records = self._records(rows)
+                for capture in self._fulls:
+                    capture.queue(rows, records)
 
     def begin_full(self, bucket_lo: int = 0, bucket_hi: int | None = None) -> FullCapture:
         """Starts a full capture of buckets [bucket_lo, bucket_hi); drive it with step() or finish()."""
@@ -470,6 +559,7 @@ class SparseTable:
         self._slab.last_seen[rows] = self._now()
         self._slab.count[rows] = 1.0
         self._slab.mark_dirty(rows)
+        self._counters.admitted += ids.numel()
         return rows
 
     def _records(self, rows: torch.Tensor) -> RowRecords:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from harness.inprocess import assert_bit_identical, make_server, pack
+from ps.api.worker_service import PROMOTION_WAIT_S
 from ps.core.optim import OptimizerConfig
 from ps.core.server import ParameterServer
 from ps.core.update_log import Sequenced
-from rpcps.errors import PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
+from rpcps.errors import NotPrimary, PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 
 SGD = OptimizerConfig(name="sgd", kwargs={"lr": 0.1})
 
@@ -425,3 +426,33 @@ def test_concurrent_pushes_lose_no_update() -> None:
     expected = -sum(pushes * (t + 1) / 4 for t in range(threads))
     for name, value in server.master_tensors().items():
         assert torch.all(value == expected), f"{name}: {value.flatten()[:3]} != {expected}"
+
+
+class _Promotion:
+    """A standby's promotion in progress (``ParameterServer.promotion``): its wait ends with the
+    standby serving (``serves``) or not."""
+
+    def __init__(self, server: ParameterServer, serves: bool) -> None:
+        self.server, self.serves = server, serves
+        self.waited: list[float] = []
+
+    def wait(self, timeout: float) -> bool:
+        self.waited.append(timeout)
+        if self.serves:
+            self.server.core.mirroring = False
+        return True
+
+
+@pytest.mark.parametrize("serves", [True, False])
+def test_a_push_to_a_standby_taking_over_waits_for_it_to_serve(server: ParameterServer, serves: bool) -> None:
+    """A worker that read the new view may call before the promoted standby serves: it waits for the
+    promotion's outcome instead of being told to look again (and is told so only if it fails)."""
+    incarnation = _register(server)
+    server.core.mirroring = True
+    server.core.promotion = promotion = _Promotion(server, serves)  # type: ignore[assignment]
+    if serves:
+        assert server.push(0, incarnation, 0, 0, _good_chunks(server)).status == "applied"
+    else:
+        with pytest.raises(NotPrimary):
+            server.push(0, incarnation, 0, 0, _good_chunks(server))
+    assert promotion.waited == [PROMOTION_WAIT_S]

@@ -34,8 +34,10 @@ class FakeServer:
         self.deposed = False
         self.epoch = 0
         self.lease = None
+        self.sparse = None
 
-    def capture_replica_state_locked(self) -> dict:
+    def capture_replica_state_locked(self, include_sparse: bool = True) -> dict:
+        del include_sparse  # no sparse tables
         return {"version": 3, "weights": torch.arange(4.0)}
 
 

@@ -288,3 +288,17 @@ def test_an_aborted_full_stops_collecting_and_cannot_finish() -> None:
         capture.finish()
     with pytest.raises(ValueError, match=r"bucket range \[5, 5\) is not within \[0, 4096\)"):
         table.begin_full(5, 5)
+
+
+def test_dropping_changes_while_another_full_is_open_keeps_that_full_exact() -> None:
+    """``drop_changes`` (a checkpointer preparing its own full) hands the rows it forgets to every
+    open capture (an export or a standby's state transfer), whose closing step would have copied them."""
+    table = SparseTable(_config(full_slice_rows=50))
+    work = Workload(seed=7)
+    _train_chain(table, work, deltas=1)
+    capture = table.begin_full()
+    capture.copy_slices()
+    work.step([table])  # rows changed after their slice was copied
+    table.drop_changes()
+    full = capture.close().payload()
+    _assert_same(_live(*_restore(table.config, [(full, [])], 1)), _live(table))

@@ -148,3 +148,18 @@ def test_plan_counts_ttl_victims_toward_the_cap_quota() -> None:
 def test_config_is_validated(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EvictionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_an_eviction_decided_apart_spares_a_row_updated_after_the_decision() -> None:
+    """``plan_eviction`` removes nothing; ``evict`` removes the decided rows not updated since the
+    decision's clock (the server applies the decision later, from its log)."""
+    table = _table(EvictionConfig(ttl=1))
+    table.pull(torch.arange(6))
+    for _ in range(3):
+        table.apply(torch.tensor([5]), torch.ones(1, 4))
+    planned = table.plan_eviction()
+    assert sorted(planned.evicted.tolist()) == [0, 1, 2, 3, 4] and len(table) == 6
+    table.apply(torch.tensor([2]), torch.ones(1, 4))  # pushed to after the decision: it stays
+    assert sorted(table.evict(planned.evicted, planned.clock).tolist()) == [0, 1, 3, 4]
+    assert len(table) == 2 and table.stats().tombstones_pending == 4
+    assert table.evict(torch.tensor([1]), planned.clock, tombstones=False).numel() == 0  # no row: nothing

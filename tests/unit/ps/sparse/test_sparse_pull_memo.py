@@ -191,4 +191,4 @@ def test_the_store_applies_only_what_its_own_check_made() -> None:
     with pytest.raises(TypeError, match="check_push"):
         store.apply({"t": (torch.tensor([5, 5]), torch.ones(2, 4))})  # type: ignore[arg-type]
     assert torch.equal(store.pull({"t": torch.tensor([5, 6])}, torch.float32)["t"], before)  # nothing applied
-    assert store.apply(store.check_push({"t": (torch.tensor([5, 6]), torch.ones(2, 4))}, torch.float32)) == 2
+    assert store.apply(store.check_push({"t": (torch.tensor([5, 6]), torch.ones(2, 4))}, torch.float32), store.take_admitted()) == 2

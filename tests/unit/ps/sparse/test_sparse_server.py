@@ -18,6 +18,7 @@ from ps.sparse.store import SparseConfig
 from rpcps.errors import PushRejected
 from rpcps.messages import PushStatus
 from rpcps.sparse.embedding import NotAttached, SparseEmbeddingBagCollection
+from rpcps.sparse.row_init import initial_rows
 from rpcps.sparse.spec import SparsePull, TableSpec, declared_tables
 from worker.sparse_client import SparseRouter
 
@@ -124,13 +125,16 @@ def test_push_applies_dense_and_sparse_once_and_a_retry_is_a_duplicate() -> None
     model = TinyModel()
     model.embeddings.attach(_Rows(server, incarnation))
     chunks, sparse = _step(server, model, incarnation, 0)
-    before = _rows(server)  # the step's pull created the rows
+    assert _rows(server) == {"user": {}, "item": {}}  # the pull admitted the ids; the update creates their rows
     assert server.push(0, incarnation, 0, 0, chunks, 1.0, sparse).status == PushStatus.APPLIED
     after = _rows(server)
     ids, grads = sparse["user"]
-    for i, g in zip(ids.tolist(), grads):
+    table = server.sparse.tables["user"].config
+    before = initial_rows(table.init, table.table_id, ids, table.dim)  # what the pull read
+    assert sorted(after["user"]) == sorted(ids.tolist())
+    for i, g, pulled in zip(ids.tolist(), grads, before):
         if bool(g.abs().sum() > 0):
-            assert not torch.equal(after["user"][i][:4], before["user"][i][:4])
+            assert not torch.equal(after["user"][i][:4], pulled)
     # A retry of the same (slot, step) is answered duplicate and changes neither part.
     masters = server.master_tensors()
     assert server.push(0, incarnation, 0, 0, chunks, 1.0, sparse).status == PushStatus.DUPLICATE
@@ -180,18 +184,12 @@ def test_router_splits_by_owning_shard_and_reassembles_in_order() -> None:
             self.index = index
             self.seen: list[torch.Tensor] = []
 
-        def pull_rows(self, slot: int, incarnation: str, request: SparsePull) -> object:
+        def pull_rows(self, request: SparsePull) -> SparsePull:
             self.seen.append(request["user"])
-            rows = request["user"].double().unsqueeze(1).expand(-1, 4).clone()
-
-            class Done:
-                def wait(self) -> SparsePull:
-                    return {"user": rows}
-
-            return Done()
+            return {"user": request["user"].double().unsqueeze(1).expand(-1, 4).clone()}
 
     shards = [Shard(0), Shard(1), Shard(2)]
-    router = SparseRouter(TABLES, shards, ["a", "b", "c"], 0, torch.float32, lambda call: call())  # type: ignore[arg-type]
+    router = SparseRouter(TABLES, 3, torch.float32, lambda parts: [s.pull_rows(p) for s, p in zip(shards, parts)])
     ids = torch.arange(200) * 7919
     rows = router.pull({"user": ids})["user"]
     assert torch.equal(rows[:, 0], ids.float())
@@ -250,22 +248,6 @@ def test_metrics_show_each_tables_rows_and_traffic() -> None:
     assert "rpcps_sparse_checkpoint_pause_seconds_count 1.0" in text
 
 
-class _Shard:
-    """What SparseRouter needs of a ServerClient, straight onto an in-process server."""
-
-    def __init__(self, server: InProcessServer, incarnation: str) -> None:
-        self.server, self.incarnation = server, incarnation
-
-    def pull_rows(self, slot: int, incarnation: str, request: SparsePull) -> object:
-        rows = self.server.pull_rows(slot, incarnation, request)
-
-        class Done:
-            def wait(self) -> SparsePull:
-                return rows
-
-        return Done()
-
-
 def _train_sharded(
     shards: int, steps: int, after_step: Callable[[list[InProcessServer], int], object] = lambda servers, seq: None
 ) -> list[InProcessServer]:
@@ -278,8 +260,9 @@ def _train_sharded(
     ]
     incarnations = [s.register(0, "w0", s.model_signature.to_wire()).incarnation for s in servers]
     model = TinyModel()
-    router = SparseRouter(TABLES, [_Shard(s, i) for s, i in zip(servers, incarnations)], incarnations, 0, torch.float32,
-                          lambda call: call())  # type: ignore[arg-type]
+    router = SparseRouter(TABLES, shards, torch.float32, lambda parts: [
+        s.pull_rows(0, i, p) for s, i, p in zip(servers, incarnations, parts)
+    ])
     model.embeddings.attach(router)
     for seq in range(steps):
         params = dict(model.named_parameters())

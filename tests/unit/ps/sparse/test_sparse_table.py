@@ -129,3 +129,18 @@ def test_config_is_validated(overrides: dict[str, Any], message: str) -> None:
     settings: dict[str, Any] = {"name": "t", "table_id": 1, "dim": 4, "optimizer": SGD(lr=0.5), **overrides}
     with pytest.raises(ValueError, match=message):
         TableConfig(spec=TableSpec(name=settings.pop("name"), table_id=settings.pop("table_id"), dim=settings.pop("dim")), **settings)
+
+
+def test_a_deferred_pull_reads_the_initial_row_and_leaves_creation_to_create() -> None:
+    """The server's pull (``defer=True``): admitted ids read the bits creating their row would write,
+    get no row until ``create``, and are handed out once, unique and sorted, however often pulled."""
+    table, eager = _table(init=RowInitConfig(seed=3)), _table(init=RowInitConfig(seed=3))
+    ids = torch.tensor([9, -9, 9, 4])
+    assert torch.equal(table.pull(ids, defer=True), eager.pull(ids))
+    assert len(table) == 0
+    table.pull(torch.tensor([4, 7]), defer=True)
+    admitted = table.take_admitted()
+    assert admitted.tolist() == [-9, 4, 7, 9] and table.take_admitted().numel() == 0
+    assert table.create(admitted) == 4 and table.create(admitted) == 0  # ids that have a row are skipped
+    eager.pull(torch.tensor([7]))
+    assert torch.equal(table.pull(admitted), eager.pull(admitted)) and table.stats().admitted_total == 4
