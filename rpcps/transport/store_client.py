@@ -136,32 +136,27 @@ class ReconnectingStore(dist.Store):
 
 
 
-_FIRST_ATTEMPT_S = 1.0
-"""A handshake's first try; each next one waits twice as long, within the caller's budget."""
-
-
 def open_client(host: str, port: int, within_s: float, call_timeout: datetime.timedelta) -> dist.TCPStore:
     """A torch TCPStore client of ``host:port``, its calls bounded by ``call_timeout``.
 
     torch's client sometimes does not connect to a healthy store: measured with torch 2.13 on the
     2-core machine, about 1 in 38 fresh connections to an in-process store (either backend, at a
     regular period) failed after 5 s whatever its timeout, and a second connection, opened at once,
-    succeeded every time (9 of 9). So each try is short (1 s, then 2, 4, ...: a loaded store that is
-    merely slow gets longer ones), a new connection follows a failed one until ``within_s`` is spent
-    (and at least once), and the last failure is raised.
+    succeeded every time (9 of 9). So a failed connection is followed by a new one, with what is
+    left of ``within_s`` (and once more even when nothing is left); the last failure is raised.
+    Each try gets the whole remaining budget: a shorter one expires on a store that is merely
+    slow (a server restarting under load), and torch logs every expiry with its C++ frames.
     """
     deadline = time.monotonic() + within_s
-    attempt_s = _FIRST_ATTEMPT_S
     tries = 0
     while True:
-        left = deadline - time.monotonic()
         tries += 1
+        left = max(deadline - time.monotonic(), 1.0)
         try:
-            client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=max(min(attempt_s, left), 1.0)))
+            client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=left))
         except dist.DistNetworkError:
             if tries >= 2 and deadline - time.monotonic() <= 0:
                 raise
-            attempt_s *= 2
             continue
         client.set_timeout(call_timeout)
         return client

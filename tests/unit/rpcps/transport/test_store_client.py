@@ -90,12 +90,13 @@ def test_a_long_connect_timeout_leaves_each_call_its_short_one() -> None:
 
 
 
-def test_a_connection_that_does_not_come_is_tried_again_until_the_budget_is_spent() -> None:
-    """torch's client sometimes never connects to a healthy store (store_client.open_client): each
-    try is short (1 s, then 2 s, ...) and a new one follows until the caller's budget is spent."""
-    port = free_port()  # nothing listens: every try times out as a stalled one does
+def test_a_failed_connection_is_tried_again_on_a_new_one_even_past_the_budget() -> None:
+    """torch's client sometimes never connects to a healthy store (store_client.open_client): the
+    first try gets the whole budget, and a failed one is followed by a new connection (at least
+    one, with at least 1 s) before the failure is raised."""
+    port = free_port()  # nothing listens: every try times out, as a stalled one does
     started = time.monotonic()
     with pytest.raises(dist.DistNetworkError):
-        open_client("127.0.0.1", port, 3.5, datetime.timedelta(seconds=1))
+        open_client("127.0.0.1", port, 2.0, datetime.timedelta(seconds=1))
     took = time.monotonic() - started
-    assert 3.0 <= took < 10.0, f"gave up after {took:.1f}s: the tries did not fill the 3.5 s budget"
+    assert 2.8 <= took < 8.0, f"gave up after {took:.1f}s: expected a 2 s try and then a second one of 1 s"
