@@ -112,10 +112,10 @@ class Standby:
         self._heard = time.monotonic()
         self._primary_pid: int | None = None
         self._leaving = threading.Event()
-        self._promoting = False
-        """Set (under ``_leave_lock``) by the one ``_leave`` that promotes: only then is the primary fenced."""
         """Set once this process stops following (promoting, detaching or shutting down): appends are
         refused from then on. Only the first of those moves happens (``_leave``)."""
+        self._promoting = False
+        """Set (under ``_leave_lock``) by the one ``_leave`` that promotes: only then is the primary fenced."""
         self._leave_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._apply_loop, name="standby-applier", daemon=True),

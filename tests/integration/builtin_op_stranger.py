@@ -2,7 +2,7 @@
 with plain torch and sends it every kind of request rpcps never sends, then prints what happened as one
 JSON line on stdout.
 
-    python tests/integration/builtin_op_stranger.py HOST:PORT JOB_SECRET_FILE TARGET_DIR
+    .venv/bin/python tests/integration/builtin_op_stranger.py HOST:PORT JOB_SECRET_FILE TARGET_DIR
 
 Each attempt that would touch the disk aims at the server's job secret (overwritten, the server could
 never start again) or at a new file in TARGET_DIR.

@@ -3,7 +3,7 @@ speaking rpcps's wire format but without its protection, and sends pickle gadget
 objects instead of naming forbidden ones (issue 24's first attack). Prints one JSON line of what
 each attempt got back.
 
-    python tests/integration/gadget_peer.py HOST:PORT SERVER_RPC_NAME WORKER_RPC_NAME
+    .venv/bin/python tests/integration/gadget_peer.py HOST:PORT SERVER_RPC_NAME WORKER_RPC_NAME
 """
 
 from __future__ import annotations

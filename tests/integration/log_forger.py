@@ -1,6 +1,6 @@
 """A peer that tries to forge lines in a server's log, for tests/integration/test_hostile_logs.py.
 
-    python tests/integration/log_forger.py HOST:PORT SECRET_FILE
+    .venv/bin/python tests/integration/log_forger.py HOST:PORT SECRET_FILE
 
 Joins the server's RPC group with plain torch (as ``stranger.py`` does) and sends names, slots and
 epochs with a newline and a fake log line in them wherever the server logs what a peer sends:

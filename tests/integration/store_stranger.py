@@ -6,7 +6,7 @@ worker API that records every call, writes a view naming itself as shard 0's pri
 stdout), attacks once GO_FILE exists, says so, keeps serving its fake API until STOP_FILE exists
 (both polled, with a deadline), and prints the calls its fake API received.
 
-    python tests/integration/store_stranger.py HOST:PORT GO_FILE STOP_FILE ROUNDS WORKER_RPC_NAME...
+    .venv/bin/python tests/integration/store_stranger.py HOST:PORT GO_FILE STOP_FILE ROUNDS WORKER_RPC_NAME...
 """
 
 from __future__ import annotations

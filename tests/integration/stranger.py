@@ -3,7 +3,7 @@ way a worker does, with plain torch speaking rpcps's wire format (``register_wir
 with no rpcps protection of its own, tries what issue 11 showed working, and prints what happened
 as one JSON line on stdout.
 
-    python tests/integration/stranger.py HOST:PORT MARKER_DIR SECRET_FILE_TO_READ VICTIM_RPC_NAME
+    .venv/bin/python tests/integration/stranger.py HOST:PORT MARKER_DIR SECRET_FILE_TO_READ VICTIM_RPC_NAME
 
 Nothing here waits on a refused ``rpc.remote`` (its caller would hang until its timeout).
 """
