@@ -148,13 +148,14 @@ def _unrecognized(unknown: list[str], parser: argparse.ArgumentParser) -> str:
 
 
 CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+CPP_LOG_LEVEL = "ERROR"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports torch (its C++ logging reads this once): torch RPC's C++ layer warns of
     # every pipe a peer closes, at every normal shutdown too. rpcps reports lost peers itself, in one
     # line each; whoever wants torch's own lines back sets TORCH_CPP_LOG_LEVEL=WARNING (or INFO).
-    os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
+    os.environ.setdefault(CPP_LOG_LEVEL_ENV, CPP_LOG_LEVEL)
     args, config = parse(argv)
     run = _load(ROLES[args.role].run)
     if args.role == "ctl":
