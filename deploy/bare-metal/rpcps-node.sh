@@ -6,7 +6,7 @@
 #   rpcps-node.sh store   [options] [-- more 'rpcps store' flags]   (the coordinator, for standbys)
 #
 # Run on each node, by hand, from systemd (rpcps-server.service, rpcps-worker@.service), from
-# Slurm (deploy/slurm/rpcps.sbatch) or inside `ip netns exec` in tests/integration/test_multihost.py.
+# Slurm (deploy/slurm/rpcps.sbatch) or inside `ip netns exec` in tests/integration/deploy/test_multihost.py.
 # `rpcps-node.sh --help` lists every option; docs/DEPLOY.md walks through each target.
 #
 # Settings: flag > environment (an --env-file is read first) > default. rpcps itself reads every

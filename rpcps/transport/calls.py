@@ -42,11 +42,11 @@ class PeerUnknown(CallFailed):
 _DEAD_MARKERS = (
     "eof", "econnreset", "econnrefused", "connection reset", "connection refused", "broken pipe", "epipe",
     "pipe closed", "rpc agent is not running", "shutdown",
-    # No route to the peer (its host or our link is cut): tests/integration/test_multihost.py saw
+    # No route to the peer (its host or our link is cut): tests/integration/deploy/test_multihost.py saw
     # "EHOSTUNREACH: host is unreachable" on the reaper's ping while the server's cable was pulled.
     "ehostunreach", "host is unreachable", "enetunreach", "network is unreachable",
     # The peer is alive but removed us from its group (we were unreachable past the lease, e.g. a
-    # cut link that healed): seen by tests/integration/test_multihost.py as "could not find destination id 2".
+    # cut link that healed): seen by tests/integration/deploy/test_multihost.py as "could not find destination id 2".
     "could not find destination id",
 )
 _TIMEOUT_MARKERS = ("ran for more than set timeout", "rpcerr:1", "timed out")

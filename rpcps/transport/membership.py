@@ -8,7 +8,7 @@ token that joins hold; a replica that promotes itself removes the primary it rep
 from any member (every agent has a client of the store). The store has no authentication, so its
 host also puts back what a stranger changed there (``StoreKeeper``), and the join handshake's
 membership call is handed out guarded (``guarded_update_group_membership``). All of it uses private
-torch APIs and store keys (pinned by tests/integration/test_membership.py and test_hostile_peers.py);
+torch APIs and store keys (pinned by tests/integration/rpcps/test_membership.py and test_hostile_peers.py);
 nothing else in rpcps touches them.
 """
 

@@ -2,7 +2,7 @@
 
 The launcher runs a stub in place of Python here: the stub records each start (arguments, pid,
 LOCAL_RANK and the RPCPS_* it was given) and exits with the next code scripted for its process, so
-these tests check the launcher's own logic in seconds. tests/integration/test_multihost.py runs it
+these tests check the launcher's own logic in seconds. tests/integration/deploy/test_multihost.py runs it
 with real rpcps processes.
 """
 

@@ -1,7 +1,7 @@
 """The worker API's pure logic: settings with the CLI's precedence, a step's rules, the optimizer facade.
 
 What needs servers (joining, replays, durability) is tested with real processes in
-tests/integration/test_own_loop.py.
+tests/integration/worker/test_own_loop.py.
 """
 
 from __future__ import annotations

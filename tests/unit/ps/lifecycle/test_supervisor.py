@@ -1,6 +1,6 @@
 """The supervisor of `rpcps ps`, with stand-in children (plain Python, no torch, no RPC).
 
-The real server under its supervisor, hit by garbage bytes: tests/integration/test_hostile_peers.py.
+The real server under its supervisor, hit by garbage bytes: tests/integration/security/test_hostile_peers.py.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The race it closes: a freed token went to the join waiting on it before the janitor could remove
 the dead members that join would call, so that join failed too and left the token behind again
-(tests/integration/test_hostile_peers.py::test_a_worker_without_the_job_secret_is_refused_with_exit_5
-failed 2 of 6 runs that way). Over real RPC: tests/integration/test_membership.py.
+(tests/integration/security/test_hostile_peers.py::test_a_worker_without_the_job_secret_is_refused_with_exit_5
+failed 2 of 6 runs that way). Over real RPC: tests/integration/rpcps/test_membership.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The request filter's Python half: which types it allows, how it logs, and how it refuses to run
 without a native build that fits. The refusals themselves, over real RPC:
-tests/integration/test_hostile_builtin_ops.py."""
+tests/integration/security/test_hostile_builtin_ops.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The restricted unpickler, driven through torch's own RPC serialize/deserialize (one process, no agent).
 
 What a peer's payload can name is exactly the worker API and its records; everything else is refused
-before any of it runs. The same paths over real RPC: tests/integration/test_hostile_peers.py.
+before any of it runs. The same paths over real RPC: tests/integration/security/test_hostile_peers.py.
 """
 
 from __future__ import annotations

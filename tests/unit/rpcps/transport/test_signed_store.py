@@ -3,7 +3,7 @@ HMAC bound to their kind, shard or member, epoch and writer; readers ignore (and
 does not verify, a primary puts its own view back over it, and a claim neither follows nor replaces it.
 
 All against a real TCPStore in this process: what a stranger writes is what it would write over the
-network (``tests/integration/test_hostile_store.py`` does it to real processes)."""
+network (``tests/integration/security/test_hostile_store.py`` does it to real processes)."""
 
 from __future__ import annotations
 

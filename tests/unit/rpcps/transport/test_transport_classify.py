@@ -15,7 +15,7 @@ from rpcps.transport import PeerTimeout, PeerUnknown, PeerUnreachable, classify
         ("ECONNREFUSED: connection refused", PeerUnreachable),
         ("eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)", PeerUnreachable),
         # The server dropped this worker from its group while a cut link kept it away; the worker's
-        # next call after the link healed got this (tests/integration/test_multihost.py).
+        # next call after the link healed got this (tests/integration/deploy/test_multihost.py).
         ("Error on Node 0: RuntimeError: name:ps,rank:0 could not find destination id 2", PeerUnreachable),
         ("Unknown destination worker ps1", PeerUnknown),
         ("EHOSTUNREACH: host is unreachable (this error originated at tensorpipe/transport/uv/connection_impl.cc:62)", PeerUnreachable),

@@ -4,7 +4,7 @@ A payload of a few hundred bytes used pickle's BUILD to set attributes on an all
 ``_InternalRPCPickler`` receivers, an enum member): every later push's gradients were replaced, or
 training stopped. Here each gadget is refused and counted, and a property test fuzzes opcode
 sequences over every name a server allows and checks that no allowed class, function, enum member
-or module attribute changed. The same over real processes: tests/integration/test_hostile_peers.py.
+or module attribute changed. The same over real processes: tests/integration/security/test_hostile_peers.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""A hostile peer for tests/integration/test_hostile_gadgets.py: joins a running job's RPC group,
+"""A hostile peer for tests/integration/security/test_hostile_gadgets.py: joins a running job's RPC group,
 speaking rpcps's wire format but without its protection, and sends pickle gadgets that change
 objects instead of naming forbidden ones (issue 24's first attack). Prints one JSON line of what
 each attempt got back.
 
-    .venv/bin/python tests/integration/gadget_peer.py HOST:PORT SERVER_RPC_NAME WORKER_RPC_NAME
+    .venv/bin/python tests/integration/security/gadget_peer.py HOST:PORT SERVER_RPC_NAME WORKER_RPC_NAME
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.distributed.rpc import internal
 
 from rpcps import endpoints, replica_endpoints
 from rpcps.address import Address
-from tests.integration.stranger import join_as_stranger
+from tests.integration.security.stranger import join_as_stranger
 
 TIMEOUT_S = 15
 

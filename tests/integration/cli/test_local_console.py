@@ -60,9 +60,9 @@ def test_data_of_the_wrong_type_is_said_on_the_console_at_once_and_nothing_start
     procs: ProcessGroup, tmp_path: Path, target: str, said: str
 ) -> None:
     run_dir = tmp_path / "run"
-    local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", f"tests.integration.bad_plugins:{target}"])
+    local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", f"tests.integration.cli.bad_plugins:{target}"])
     assert local.wait(30) == 2
-    assert local.stderr().strip() == f"rpcps local: error: --data 'tests.integration.bad_plugins:{target}' {said}"
+    assert local.stderr().strip() == f"rpcps local: error: --data 'tests.integration.cli.bad_plugins:{target}' {said}"
     assert not run_dir.exists() or not list(run_dir.glob("*.log")), "no child may start (or be restarted)"
 
 
@@ -71,11 +71,11 @@ def test_a_hand_started_worker_refuses_data_of_the_wrong_type_before_it_looks_fo
     procs: ProcessGroup, tmp_path: Path
 ) -> None:
     worker = procs.start("worker", ["worker", "--ps", f"127.0.0.1:{free_port()}", "--worker-index", "0", "--num-workers", "1",
-                                    "--steps", "5", "--data", "tests.integration.bad_plugins:labels_only"])
+                                    "--steps", "5", "--data", "tests.integration.cli.bad_plugins:labels_only"])
     assert worker.wait(30) == 2
     assert "waiting for the parameter server" not in worker.stderr(), "refused at start, not after looking for a server"
     assert worker.stderr().strip().splitlines()[-1] == (
-        "rpcps worker: error: --data 'tests.integration.bad_plugins:labels_only' returned a list whose first batch is int, "
+        "rpcps worker: error: --data 'tests.integration.cli.bad_plugins:labels_only' returned a list whose first batch is int, "
         "expected an (inputs, targets) pair of tensors (or of objects with a .to(device) method)"
     )
 
@@ -83,11 +83,11 @@ def test_a_hand_started_worker_refuses_data_of_the_wrong_type_before_it_looks_fo
 @pytest.mark.timeout(90)
 def test_a_child_that_exits_2_is_not_restarted_and_its_error_is_on_the_console(procs: ProcessGroup, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", "tests.integration.bad_plugins:too_short"])
+    local = procs.start("local", [*LOCAL, "--steps", "50", "--run-dir", run_dir, "--data", "tests.integration.cli.bad_plugins:too_short"])
     assert local.wait(60) == 2
     err, out = local.stderr(), local.stdout()
     assert re.search(r"rpcps local: worker[01] exited with 2 \(a bad flag or setting.*\); a restart cannot fix that", err), err
-    assert re.search(r"  worker[01]: rpcps worker: error: --data 'tests.integration.bad_plugins:too_short' \(slot [01] of 2\) "
+    assert re.search(r"  worker[01]: rpcps worker: error: --data 'tests.integration.cli.bad_plugins:too_short' \(slot [01] of 2\) "
                      r"ended before step 3 of --steps 50", err), err
     assert "restart 1/" not in out + err, "a child that exited 2 must not be restarted"
     assert all(n == 0 for n in (c["restarts"] for c in json.loads((run_dir / "children.json").read_text()).values()))

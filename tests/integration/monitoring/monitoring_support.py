@@ -27,7 +27,7 @@ from rpcps.ports import free_port
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy" / "prometheus"
 T = TypeVar("T")
 

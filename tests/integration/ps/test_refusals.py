@@ -51,7 +51,7 @@ def test_worker_with_a_different_model_is_refused_and_the_server_carries_on(proc
 @pytest.mark.timeout(120)
 def test_bad_pushes_over_rpc_raise_on_the_worker_and_leave_parameters_unchanged(procs: ProcessGroup) -> None:
     ps, port, ps_metrics = procs.ps("ps", "--optimizer", "sgd", "--lr", "1")
-    client = procs.start("client", [f"127.0.0.1:{port}", "bad_pushes"], script=REPO / "tests/integration/rpc_client.py")
+    client = procs.start("client", [f"127.0.0.1:{port}", "bad_pushes"], script=REPO / "tests/integration/ps/rpc_client.py")
     assert client.wait(90) == 0, client.tail()
     report = json.loads(client.stdout().strip().splitlines()[-1])
     outcomes = report["outcomes"]

@@ -85,7 +85,7 @@ def test_bounded_mode_refuses_stale_pushes_and_workers_recompute_them(tmp_path: 
     and every refused step must come back recomputed and be applied exactly once (each shard's audit
     ledger: every (slot, step) once, one update per worker step). Catches a bound that is not
     enforced, and a refused push that is dropped or applied twice instead of recomputed. (Sync mode's
-    promise, one step on fresh parameters per round, is held by tests/integration/test_equivalence.py:
+    promise, one step on fresh parameters per round, is held by tests/integration/worker/test_equivalence.py:
     its staleness is 0 by construction, so checking that number would prove nothing.)
     """
     # Two pushes in flight (not the default one): a refusal then finds a newer push of the same worker on the wire.

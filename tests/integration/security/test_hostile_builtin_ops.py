@@ -19,9 +19,9 @@ import pytest
 from harness import control as control_plane
 from harness.procs import REPO, ProcessGroup, child_env, free_port, scrape_metrics, wait_until
 from rpcps.secret_files import create_secret_file
-from tests.integration import script_call_sender
 from tests.integration.conftest import model_version, wait_for_updates
 from tests.integration.paced_data import INTERVAL_ENV
+from tests.integration.security import script_call_sender
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_requests_other_than_python_calls_are_refused_counted_logged_and_trainin
     # on a loaded machine, and a worker that finished first would leave nothing to go on. Paused from
     # this process: a ctl client's own start-up would race the worker's remaining steps.
     control_plane.pause(control)
-    stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(job_secret), str(targets)], script=REPO / "tests/integration/builtin_op_stranger.py")
+    stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(job_secret), str(targets)], script=REPO / "tests/integration/security/builtin_op_stranger.py")
     assert stranger.wait(180) == 0, stranger.tail()
     results = json.loads(stranger.stdout().strip().splitlines()[-1])
     attacked_at = model_version(ps_metrics)

@@ -1,6 +1,6 @@
-"""A peer that tries to forge lines in a server's log, for tests/integration/test_hostile_logs.py.
+"""A peer that tries to forge lines in a server's log, for tests/integration/security/test_hostile_logs.py.
 
-    .venv/bin/python tests/integration/log_forger.py HOST:PORT SECRET_FILE
+    .venv/bin/python tests/integration/security/log_forger.py HOST:PORT SECRET_FILE
 
 Joins the server's RPC group with plain torch (as ``stranger.py`` does) and sends names, slots and
 epochs with a newline and a fake log line in them wherever the server logs what a peer sends:
@@ -25,7 +25,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.messages import RegistrationProof
 from rpcps.signature import ModelSignature
 from rpcps.transport import membership
-from tests.integration.stranger import join_as_stranger
+from tests.integration.security.stranger import join_as_stranger
 
 TIMEOUT_S = 15
 SERVER = f"{endpoints.server_name(0)}_r0"

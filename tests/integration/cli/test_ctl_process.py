@@ -1,7 +1,7 @@
 """``rpcps ctl`` (the real command line) against a real ``rpcps ps`` whose control plane requires a
 token and speaks TLS only: the flags, the server's wiring of them and the client's errors end to end.
 
-tests/integration/test_control.py covers the control plane itself in-process; this is what an
+tests/integration/ps/test_control.py covers the control plane itself in-process; this is what an
 operator does with the two processes, including getting it wrong.
 """
 

@@ -1,9 +1,9 @@
-"""A hostile peer for tests/integration/test_hostile_peers.py: joins a running server's RPC group the
+"""A hostile peer for tests/integration/security/test_hostile_peers.py: joins a running server's RPC group the
 way a worker does, with plain torch speaking rpcps's wire format (``register_wire_reducers``) but
 with no rpcps protection of its own, tries what issue 11 showed working, and prints what happened
 as one JSON line on stdout.
 
-    .venv/bin/python tests/integration/stranger.py HOST:PORT MARKER_DIR SECRET_FILE_TO_READ VICTIM_RPC_NAME
+    .venv/bin/python tests/integration/security/stranger.py HOST:PORT MARKER_DIR SECRET_FILE_TO_READ VICTIM_RPC_NAME
 
 Nothing here waits on a refused ``rpc.remote`` (its caller would hang until its timeout).
 """

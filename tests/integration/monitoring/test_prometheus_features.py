@@ -1,6 +1,6 @@
 """The dashboard rows and alerts of the two optional features, on live data: a real Prometheus with
 the shipped config and rules scrapes ``rpcps local --replicas 2`` (coordinator, primary, standby)
-and then a run of the CTR task with sparse settings. tests/integration/test_prometheus.py covers the
+and then a run of the CTR task with sparse settings. tests/integration/monitoring/test_prometheus.py covers the
 rest of the dashboard on a plain run, where these rows are empty by design.
 """
 

@@ -31,7 +31,7 @@ def test_forged_log_lines_stay_escaped_on_one_line_and_training_goes_on(procs: P
     ps, port, ps_metrics = procs.ps("ps", "--job-secret-file", str(job_secret))
     worker, _ = procs.worker("worker", port, 0, 1, "--steps", "1000000", "--job-secret-file", str(job_secret))
     wait_for_updates(ps_metrics, 10, proc=ps)
-    forger = procs.start("forger", [f"127.0.0.1:{port}", str(job_secret)], script=REPO / "tests/integration/log_forger.py")
+    forger = procs.start("forger", [f"127.0.0.1:{port}", str(job_secret)], script=REPO / "tests/integration/security/log_forger.py")
     assert forger.wait(120) == 0, forger.tail()
     results = json.loads(forger.stdout().strip().splitlines()[-1])
     for refused in ("name", "slot"):

@@ -11,7 +11,7 @@ import pytest
 
 from harness.ledger import check_ledger
 from harness.procs import ENTRY, REPO, ProcessGroup, child_env, try_scrape, wait_until
-from tests.integration.test_standby import PACED, _start_pair
+from tests.integration.ps.test_standby import PACED, _start_pair
 
 pytestmark = pytest.mark.integration
 

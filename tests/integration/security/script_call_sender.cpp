@@ -1,4 +1,4 @@
-// Test support for tests/integration/test_hostile_builtin_ops.py: what an attacker with a compiler
+// Test support for tests/integration/security/test_hostile_builtin_ops.py: what an attacker with a compiler
 // sends to an rpcps process, through the caller's own (plain torch) RPC agent.
 //
 // aten::save is a TorchScript operator outside the dispatcher whose schema takes a type variable

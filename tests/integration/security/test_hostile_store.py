@@ -23,7 +23,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.transport.registry import encode_view
 from tests.integration.conftest import model_version, wait_for_updates
-from tests.integration.test_hostile_peers import secret, store_client
+from tests.integration.security.test_hostile_peers import secret, store_client
 
 pytestmark = pytest.mark.integration
 
@@ -102,7 +102,7 @@ def test_a_stranger_serving_a_fake_primary_and_announcing_it_gets_no_gradient(pr
     control_plane.pause(control)
     go, stop = tmp_path / "go", tmp_path / "stop"
     stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(go), str(stop), "50", *names],
-                           script=REPO / "tests/integration/store_stranger.py")
+                           script=REPO / "tests/integration/security/store_stranger.py")
     wait_until(lambda: _event(stranger, "joined"), 120, "the stranger to join the group")
     held_at = model_version(metrics)
     control_plane.resume(control)

@@ -119,7 +119,7 @@ def test_a_worker_the_primary_removed_stays_removed_after_a_failover(
     monkeypatch.setenv(INTERVAL_ENV, "0.02")
     port, [(a, ma), (b, mb)] = _start_pair(procs, tmp_path, "--lease-s", "2", store_lease_s=120.0)
     workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "600", *PACED)[0] for i in range(2)]
-    client = procs.start("removed", [str(REPO / "tests/integration/rpc_client.py"), f"127.0.0.1:{port}", "removed_then_failover"],
+    client = procs.start("removed", [str(REPO / "tests/integration/ps/rpc_client.py"), f"127.0.0.1:{port}", "removed_then_failover"],
                          script=None)
     wait_until(lambda: "registered" in client.stdout() or not client.alive(), 60, "the hand-driven worker to register")
     client.freeze()

@@ -1,4 +1,4 @@
-"""A stranger on the group's store for tests/integration/test_hostile_store.py (issue 24): joins a
+"""A stranger on the group's store for tests/integration/security/test_hostile_store.py (issue 24): joins a
 running server's RPC group with plain torch (no rpcps protection, no job secret), serves a fake
 worker API that records every call, writes a view naming itself as shard 0's primary into the store
 (signed with a wrong key: the attacker cannot know the job's) and tells the workers about it with
@@ -6,7 +6,7 @@ worker API that records every call, writes a view naming itself as shard 0's pri
 stdout), attacks once GO_FILE exists, says so, keeps serving its fake API until STOP_FILE exists
 (both polled, with a deadline), and prints the calls its fake API received.
 
-    .venv/bin/python tests/integration/store_stranger.py HOST:PORT GO_FILE STOP_FILE ROUNDS WORKER_RPC_NAME...
+    .venv/bin/python tests/integration/security/store_stranger.py HOST:PORT GO_FILE STOP_FILE ROUNDS WORKER_RPC_NAME...
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rpcps.address import Address
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.transport.registry import encode_view
-from tests.integration.stranger import join_as_stranger
+from tests.integration.security.stranger import join_as_stranger
 
 TIMEOUT_S = 15
 DEADLINE_S = 240

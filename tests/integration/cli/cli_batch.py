@@ -8,7 +8,7 @@ command line, as ``python trainer_entry.py ARGS...`` would. Its last line of std
 of the exit codes, in order (-SIGKILL for a child that outlived ``CHILD_TIMEOUT_S``).
 
 Each such error costs an interpreter 2-3 s of CPU to import torch before it can say anything; a test
-per bad flag that started its own would spend most of its time there (tests/integration/test_cli_errors.py).
+per bad flag that started its own would spend most of its time there (tests/integration/cli/test_cli_errors.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHILD_TIMEOUT_S = 40.0
 
 

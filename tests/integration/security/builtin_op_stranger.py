@@ -1,8 +1,8 @@
-"""A hostile peer for tests/integration/test_hostile_builtin_ops.py: joins a running server's RPC group
+"""A hostile peer for tests/integration/security/test_hostile_builtin_ops.py: joins a running server's RPC group
 with plain torch and sends it every kind of request rpcps never sends, then prints what happened as one
 JSON line on stdout.
 
-    .venv/bin/python tests/integration/builtin_op_stranger.py HOST:PORT JOB_SECRET_FILE TARGET_DIR
+    .venv/bin/python tests/integration/security/builtin_op_stranger.py HOST:PORT JOB_SECRET_FILE TARGET_DIR
 
 Each attempt that would touch the disk aims at the server's job secret (overwritten, the server could
 never start again) or at a new file in TARGET_DIR.
@@ -22,8 +22,8 @@ from torch.distributed import rpc
 
 from rpcps import endpoints
 from rpcps.address import Address
-from tests.integration import script_call_sender
-from tests.integration.stranger import SERVER, TIMEOUT_S, attempt, join_as_stranger
+from tests.integration.security import script_call_sender
+from tests.integration.security.stranger import SERVER, TIMEOUT_S, attempt, join_as_stranger
 
 UNDEFINED_TYPE = 0x1FF
 """A request type value torch does not define (the request bit 0x100 set)."""

@@ -57,7 +57,7 @@ def test_build_gadgets_are_refused_counted_and_training_ends_as_if_unattacked(pr
     worker_name = wait_until(lambda: re.findall(r"worker slot 0 registered as (worker0_r\d+)", ps.stderr()), 60, "a registration")[-1]
     peer = procs.start(
         "peer", [f"127.0.0.1:{port}", SERVER, worker_name],
-        script=REPO / "tests/integration/gadget_peer.py",
+        script=REPO / "tests/integration/security/gadget_peer.py",
     )
     assert peer.wait(120) == 0, peer.tail()
     results = json.loads(peer.stdout().strip().splitlines()[-1])

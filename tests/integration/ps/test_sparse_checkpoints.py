@@ -19,7 +19,7 @@ from ps.sparse.store import SparseConfig, SparseStore
 from rpcps.examples import ctr
 from rpcps.ports import free_port
 from rpcps.sparse.spec import declared_tables
-from tests.integration.test_sparse_ctr import CTR, _distinct_ids
+from tests.integration.ps.test_sparse_ctr import CTR, _distinct_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # one ~30 s CTR training shared by both: the slow pass
 

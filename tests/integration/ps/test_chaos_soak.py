@@ -3,7 +3,7 @@ slow; CI runs them separately).
 
 Each CI run draws fresh seeds, so the suite keeps looking where bugs hide instead of replaying the
 same plans; the seeds are in the test ids and printed, so a failure can be replayed with
-``RPCPS_CHAOS_SEEDS=<seed>,... pytest -m slow tests/integration/test_chaos_soak.py`` or
+``RPCPS_CHAOS_SEEDS=<seed>,... pytest -m slow tests/integration/ps/test_chaos_soak.py`` or
 ``python tools/chaos.py --seed <seed> ...`` with the same settings.
 """
 

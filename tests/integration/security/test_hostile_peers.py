@@ -63,7 +63,7 @@ def test_a_joined_stranger_can_call_nothing_but_the_worker_api(procs: ProcessGro
     worker, _ = procs.worker("worker", port, 0, 1, "--steps", "1000000", "--job-secret-file", job_secret)
     wait_for_updates(ps_metrics, 10, proc=ps)
     victim = registered_name(ps, 0)
-    stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(markers), str(private), victim], script=REPO / "tests/integration/stranger.py")
+    stranger = procs.start("stranger", [f"127.0.0.1:{port}", str(markers), str(private), victim], script=REPO / "tests/integration/security/stranger.py")
     assert stranger.wait(180) == 0, stranger.tail()
     results = json.loads(stranger.stdout().strip().splitlines()[-1])
 

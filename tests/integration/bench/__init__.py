@@ -1,0 +1,1 @@
+"""A benchmark still measures the product (bench/), run at its smallest size."""
