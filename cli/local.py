@@ -28,6 +28,7 @@ from typing import Any
 from cli import ctl, exits, progress
 from cli.config import LocalConfig, StoreConfig
 from cli.console import Console
+from cli.main import CPP_LOG_LEVEL, CPP_LOG_LEVEL_ENV
 from evaluator.config import EvaluatorRunConfig
 from evaluator.scoring import check_model_spec
 from ps.checkpoints.checkpointer import shard_checkpoint_config
@@ -36,6 +37,7 @@ from rpcps import plugins
 from rpcps.address import Address
 from rpcps.messages import Mode
 from rpcps.ports import free_port
+from rpcps.prefork import ForkedProcess, ForkServer
 from rpcps.process import ProcessOptions
 from rpcps.scrape import try_scrape
 from rpcps.secret_files import create_secret_file
@@ -68,7 +70,7 @@ class Child:
     control_port: int | None = None
     """A server's control-plane port (None for workers)."""
     restarts: int = 0
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | ForkedProcess | None = None
     done: bool = False
     next_start: float = 0.0
     log_file: Any = field(default=None, repr=False)
@@ -81,15 +83,22 @@ class Child:
     serving: bool = False
     """Whether this incarnation's log says it serves (servers): restored, its version the model's."""
 
-    def start(self) -> None:
+    def start(self, forks: ForkServer | None) -> None:
+        """Starts the child: from ``forks`` (``--prefork``) when it can start this one, else as a fresh interpreter."""
         if self.log_file is None:
             self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         self.log_file.flush()
         self.log_offset = self.log_path.stat().st_size
         self.announced = self.serving = False
-        self.process = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
-        )
+        env = self.env if self.env is not None else dict(os.environ)
+        if forks is not None and self.argv[1] == str(_ENTRY) and forks.can_run(env, os.getcwd()):
+            with open(os.devnull, "rb") as devnull:
+                log = self.log_file.fileno()
+                self.process = forks.spawn(_ENTRY, self.argv[2:], env, stdin=devnull.fileno(), stdout=log, stderr=log)
+        else:
+            self.process = subprocess.Popen(
+                self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+            )
         logger.info("started %s (pid %d), log %s", self.name, self.process.pid, self.log_path)
 
     def alive(self) -> bool:
@@ -120,6 +129,8 @@ class Supervisor:
         self._end_deadline: float | None = None
         self.console = Console(config.worker.steps * config.workers)
         self.control_port = free_port()
+        self.forks: ForkServer | None = None
+        """Starts the children (``--prefork``), from ``run`` on."""
         store = Address("127.0.0.1", self.port)
         server = config.server
         # local restarts its children itself (and counts and reports those restarts), so its server
@@ -265,17 +276,23 @@ class Supervisor:
 
     def run(self) -> int:
         started = time.monotonic()
+        # Every child of this run is trainer_entry.py: one process imports torch for all of them, so
+        # a start (and a restart after a crash) skips those seconds of CPU. Its children must share
+        # this process's environment (ForkServer.can_run): the own-loop workers, whose PYTHONPATH
+        # differs, and anything the fork server cannot start, start as fresh interpreters.
+        if self.config.prefork:
+            self.forks = ForkServer(dict(os.environ), os.getcwd(), preload_env={CPP_LOG_LEVEL_ENV: CPP_LOG_LEVEL})
         self.write_scrape_targets()
         self.console.say(
             f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}; "
             f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}"
         )
         if self.coordinator is not None:
-            self.coordinator.start()
+            self.coordinator.start(self.forks)
         for server in self.servers:
-            server.start()
+            server.start(self.forks)
         for w in [*self.workers, *self.evaluators]:
-            w.start()
+            w.start(self.forks)
         self.write_children()
         failed = False
         last_progress = 0.0
@@ -296,6 +313,8 @@ class Supervisor:
                 time.sleep(0.2)
         finally:
             self._stop_all()
+            if self.forks is not None:
+                self.forks.close()
         self._read_server_logs()
         self.console.close()
         summary = self._summary(time.monotonic() - started)
@@ -389,7 +408,7 @@ class Supervisor:
                 self.console.say(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "
                                  f"restart {child.restarts}/{max_restarts} in {delay:.1f}s")
             if now >= child.next_start:
-                child.start()
+                child.start(self.forks)
                 self.write_children()
         return True
 
