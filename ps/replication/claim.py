@@ -107,7 +107,7 @@ def _try_claim(
     if attach_only:
         return Claim(record, attach_to=record.view.primary) if record is not None and record.view.primary in members else None
     if record is None:
-        won = registry.change_view(shard, None, View(bootstrap_epoch, me))
+        won = registry.change_view(shard, reading, View(bootstrap_epoch, me))
         if won is not None:
             logger.info("shard %d has no view yet: serving it as primary, epoch %d", shard, bootstrap_epoch)
             return Claim(won)

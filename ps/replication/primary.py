@@ -431,6 +431,8 @@ class Primary:
         reading = self.registry.read_view(self.shard)
         record, mine = reading.record, self.record
         if record is not None and record.raw == mine.raw:
+            # Its own text, perhaps written again since (a repair): its next change compares this revision.
+            self.record = record
             self._view_read_at = time.monotonic()
             if self._incarnation is None:
                 self._incarnation = self.registry.incarnation()
@@ -452,8 +454,10 @@ class Primary:
             found = f"an earlier view of its own epoch ({reading.record.view})"
         else:
             found = "nothing (the key was deleted)"
-        if not self.registry.restore_view(self.shard, reading.raw, self.record):
+        restored = self.registry.restore_view(self.shard, reading, self.record)
+        if restored is None:
             return  # changed again meanwhile: the next round reads it
+        self.record = restored
         if not reading.raw and self._store_restarted():
             logger.warning("shard %d's view: the group's coordinator restarted empty; wrote this primary's view (%s) back",
                            self.shard, self.record.view)
@@ -527,7 +531,7 @@ class Primary:
             replaced = now.record is not None and (now.record.view.epoch > expected.view.epoch or now.record.view.primary != self.name)
             if not replaced:
                 self._restore(now)
-                record = self.registry.change_view(self.shard, expected, new)
+                record = self.registry.change_view(self.shard, self.record, new)  # as put back (its new revision)
         if record is None:
             now = self.registry.read_view(self.shard)
             self._step_down(f"the view changed under it to {now.record.view if now.record is not None else now.raw or 'nothing'}")

@@ -29,6 +29,8 @@ from harness.procs import (
 )
 from rpcps.address import parse_store_address
 from rpcps.etcd.store import EtcdStore, open_store
+from rpcps.messages import View
+from rpcps.transport.registry import Registry
 
 pytestmark = [
     pytest.mark.integration,
@@ -36,6 +38,7 @@ pytestmark = [
 ]
 
 PACED = ("--data", "tests.integration.paced_data:paced_data")
+VIEW_KEY = "rpcps/view/0"
 
 
 @pytest.fixture
@@ -80,6 +83,38 @@ def test_the_etcd_store_answers_as_tcpstore_does_and_through_a_dead_leader(etcd:
     assert agent_view.add("rank", 1) == 4
     print(f"first write after the etcd leader's kill -9: {time.monotonic() - started:.3f}s")
     assert isinstance(store, EtcdStore) and store.num_keys() == 3  # token, rank, bytes
+
+
+@pytest.mark.timeout(60)
+def test_views_in_etcd_change_by_revision_so_a_view_changed_back_still_fences_a_stale_writer(etcd: EtcdCluster) -> None:
+    """Two registries (two processes' clients) on one etcd: a view is changed by a transaction on its
+    key's mod revision. A view changed and changed back to the same text (a standby added, then
+    dropped) has a new revision, so a writer holding the first reading loses, where a compare of the
+    text would have let it win; a read creates nothing, and a deleted view is put back only over
+    the reading of its absence."""
+    address = parse_store_address(etcd.url("views"))
+    store = open_store(address, timeout_s=5.0)
+    primary, other = Registry(store), Registry(open_store(address, timeout_s=5.0))
+    nothing = primary.read_view(0)
+    assert (nothing.raw, nothing.revision) == ("", 0) and not store.check([VIEW_KEY])
+    first = primary.change_view(0, nothing, View(1, "ps0_r1"))
+    assert first is not None and first.revision is not None and first.revision > 0
+    assert other.change_view(0, nothing, View(1, "ps0_r2")) is None, "a second bootstrap must lose"
+    assert other.change_view(0, None, View(1, "ps0_r2")) is None, "so must one that never read"
+    stale = other.view(0)
+    assert stale == first
+    with_standby = primary.change_view(0, first, View(1, "ps0_r1", "ps0_r2"))
+    assert with_standby is not None
+    back = primary.change_view(0, with_standby, View(1, "ps0_r1"))
+    assert back is not None and back.raw == first.raw and (back.revision or 0) > (with_standby.revision or 0)
+    assert other.change_view(0, stale, View(2, "ps0_r2")) is None, "same text, older revision: the change must lose"
+    assert other.change_view(0, stale.raw, View(2, "ps0_r2")) is not None, "known by its text only: compared at the revision it is at now"
+    promoted = other.view(0)
+    assert promoted is not None and promoted.view == View(2, "ps0_r2")
+    assert store.delete_key(VIEW_KEY)
+    gone = other.read_view(0)
+    assert other.restore_view(0, gone, promoted) is not None
+    assert other.restore_view(0, gone, promoted) is None, "the key exists again: a reading of its absence is stale"
 
 
 def _control_flags() -> tuple[str, tuple[str, ...]]:
