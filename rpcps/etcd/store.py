@@ -23,7 +23,7 @@ What must not live here: anything about rpcps's own records (the registry), or a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -125,12 +125,13 @@ class EtcdStore(dist.Store):
             raise self._failed(e) from e
         return (bytes(record.value), int(record.mod_revision)) if record is not None else (b"", 0)
 
-    def set_at_revision(self, key: str, revision: int, desired: Any) -> int | None:
-        """Writes ``desired`` if the key was last changed at ``revision`` (0: it does not exist), in
-        one transaction. Returns the key's new revision, None when it had changed (nothing written)."""
+    def set_at_revision(self, key: str, revision: int, desired: Any, absent_keys: Sequence[str] = ()) -> int | None:
+        """Writes ``desired`` if the key was last changed at ``revision`` (0: it does not exist) and
+        none of ``absent_keys`` exists, in one transaction. Returns the key's new revision, None when
+        a comparison failed (nothing written)."""
         k = self.key(key)
         try:
-            reply = self.client.txn([modified_at(k, revision)], [put_op(k, _text(desired))])
+            reply = self.client.txn([modified_at(k, revision), *(absent(self.key(a)) for a in absent_keys)], [put_op(k, _text(desired))])
         except EtcdUnavailable as e:
             raise self._failed(e) from e
         return int(reply.header.revision) if reply.succeeded else None

@@ -7,6 +7,9 @@ Keys (all JSON, all rpcps's own):
   of the stored text in a TCPStore, of the key's revision in a store that numbers changes
   (``RevisionStore``: etcd), where a view changed and changed back to the same text still makes a
   writer that read the first one lose;
+- ``rpcps/claim/<K>/<name>`` (etcd only): held by shard K's primary ``name`` under an etcd lease
+  (``rpcps.transport.group.shard_claim``); once it is gone, the lease has ended and that primary
+  applies nothing more alone, so another server may take the shard over (``ps.replication.claim``);
 - ``rpcps/replica/<name>``: what a server process says about itself at start (shard, control and
   metrics addresses, host, pid), for ``ctl``, the standby and the workers;
 - ``rpcps/dead/<name>``: written by the group janitor when it removes a member whose connection was
@@ -32,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -48,6 +51,7 @@ SHARDS_KEY = "rpcps/shards"
 _VIEW_KEY = "rpcps/view/{}"
 _REPLICA_KEY = "rpcps/replica/{}"
 _DEAD_KEY = "rpcps/dead/{}"
+_CLAIM_KEY = "rpcps/claim/{}/{}"
 
 RECORD_KINDS = ("view", "replica", "dead")
 REFUSAL_REASONS = ("unsigned", "bad_signature", "malformed", "stale")
@@ -79,7 +83,7 @@ class RevisionStore(Protocol):
 
     def get_revision(self, key: str) -> tuple[bytes, int]: ...
 
-    def set_at_revision(self, key: str, revision: int, desired: str) -> int | None: ...
+    def set_at_revision(self, key: str, revision: int, desired: str, absent_keys: Sequence[str] = ()) -> int | None: ...
 
 
 class StoreUnavailable(RuntimeError):
@@ -332,10 +336,13 @@ class Registry:
         raw, revision = self._call(lambda: revisions.get_revision(key))
         return raw.decode(), revision
 
-    def _set_view(self, key: str, expected: ViewRecord | ViewReading | str | None, desired: str) -> tuple[bool, int | None]:
+    def _set_view(
+        self, key: str, expected: ViewRecord | ViewReading | str | None, desired: str, absent_keys: Sequence[str] = ()
+    ) -> tuple[bool, int | None]:
         """Replaces ``expected`` with ``desired``: in a ``RevisionStore`` at ``expected``'s revision
-        (one known by its text only is read first), in any other store by the text. Returns whether
-        it was written, and the key's new revision (None outside a ``RevisionStore``)."""
+        (one known by its text only is read first) and only while the keys ``absent_keys`` do not exist,
+        in any other store by the text. Returns whether it was written, and the key's new revision
+        (None outside a ``RevisionStore``)."""
         text = expected.raw if isinstance(expected, (ViewRecord, ViewReading)) else expected or ""
         revisions = self._revisions
         if revisions is None:
@@ -346,7 +353,7 @@ class Registry:
             if raw != text:
                 return False, None
         at = revision
-        now = self._call(lambda: revisions.set_at_revision(key, at, desired))
+        now = self._call(lambda: revisions.set_at_revision(key, at, desired, absent_keys))
         return now is not None, now
 
     def verified_any(self) -> bool:
@@ -357,9 +364,12 @@ class Registry:
         """The shard's verified view; None when it has none or holds one this process refused."""
         return self.read_view(shard).record
 
-    def change_view(self, shard: int, expected: ViewRecord | ViewReading | str | None, new: View) -> ViewRecord | None:
+    def change_view(
+        self, shard: int, expected: ViewRecord | ViewReading | str | None, new: View, unclaimed_by: str | None = None
+    ) -> ViewRecord | None:
         """Compare-and-set: replaces ``expected`` (a view as read; None: no view yet; a str: that exact
-        stored text) with ``new``.
+        stored text) with ``new``; with ``unclaimed_by`` (a ``RevisionStore``), only while that
+        primary holds no claim on the shard (``claim_ended``), in the same transaction.
 
         Returns the new record on success, None when the view was no longer ``expected`` (someone
         else changed it first: read it again to see who).
@@ -367,7 +377,8 @@ class Registry:
         desired = encode_view(new, self._secret, shard, self._writer or new.primary)
         # Every change names its author (a new primary or standby), so no two parties ever ask for
         # the same text: in a TCPStore, reading ``desired`` back means this call made the change.
-        written, revision = self._set_view(_VIEW_KEY.format(shard), expected, desired)
+        claims = (_CLAIM_KEY.format(shard, unclaimed_by),) if unclaimed_by is not None else ()
+        written, revision = self._set_view(_VIEW_KEY.format(shard), expected, desired, claims)
         if not written:
             return None
         self._newest_epoch[shard] = max(self._newest_epoch.get(shard, new.epoch), new.epoch)
@@ -378,6 +389,26 @@ class Registry:
         or of nothing; returns ``own`` as now stored (its new revision), None when the key had changed."""
         written, revision = self._set_view(_VIEW_KEY.format(shard), found, own.raw)
         return ViewRecord(own.view, own.raw, revision) if written else None
+
+    # ---- claims (etcd) ---------------------------------------------------------------------------
+
+    @staticmethod
+    def view_key(shard: int) -> str:
+        return _VIEW_KEY.format(shard)
+
+    @staticmethod
+    def claim_key(shard: int, name: str) -> str:
+        """Where primary ``name`` holds its claim on ``shard`` under an etcd lease."""
+        return _CLAIM_KEY.format(shard, name)
+
+    def claim_ended(self, shard: int, name: str) -> bool:
+        """Whether ``name``'s claim on the shard is gone (its lease ended, or it never took one) in a
+        store that holds claims (a ``RevisionStore``: etcd); False in any other (nothing to tell)."""
+        revisions = self._revisions
+        if revisions is None:
+            return False
+        key = _CLAIM_KEY.format(shard, name)
+        return self._call(lambda: revisions.get_revision(key))[1] == 0
 
     # ---- replica records and dead members ----------------------------------------------------
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry
 
 from harness import control
 from harness.etcd import EtcdCluster, available
@@ -27,10 +28,15 @@ from harness.procs import (
     try_scrape,
     wait_until,
 )
+from ps.config import ReplicationConfig
+from ps.replication.metrics import ReplicationMetrics
+from ps.replication.primary import Primary
 from rpcps.address import parse_store_address
 from rpcps.etcd.store import EtcdStore, open_store
 from rpcps.messages import View
-from rpcps.transport.registry import Registry
+from rpcps.transport import group
+from rpcps.transport.registry import Registry, ViewRecord
+from tests.unit.ps.replication.fakes import FakeServer
 
 pytestmark = [
     pytest.mark.integration,
@@ -115,6 +121,51 @@ def test_views_in_etcd_change_by_revision_so_a_view_changed_back_still_fences_a_
     gone = other.read_view(0)
     assert other.restore_view(0, gone, promoted) is not None
     assert other.restore_view(0, gone, promoted) is None, "the key exists again: a reading of its absence is stale"
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_primary_applies_only_under_its_etcd_claim_and_is_taken_over_once_it_ends(
+    etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A primary without a standby (in this process, over a real etcd) applies only while it holds
+    its claim's etcd lease; a takeover conditioned on that claim loses while it is held. When etcd
+    ends the lease (what it does to a primary frozen or cut off past the TTL; revoked here), the
+    primary stops applying and steps down, and the takeover wins. A primary whose view moved on
+    before it took its claim never holds one."""
+    address = parse_store_address(etcd.url("claim"))
+    store = open_store(address, timeout_s=5.0)
+    monkeypatch.setattr(group, "_etcd", store)  # what joining through etcd sets (shard_claim reads it)
+    registry, claimer = Registry(store), Registry(open_store(address, timeout_s=5.0))
+    record = registry.change_view(0, registry.read_view(0), View(1, "ps0_r1"))
+    assert record is not None
+    stepped: list[str] = []
+    primary = _lone_primary(registry, record, stepped)
+    claim = primary._claim
+    assert claim is not None and claim.ttl_s == 3
+    assert primary.lease() is None, "no apply before its claim is held"
+    claim.start()
+    wait_until(claim.held, 10, "the claim to be held")
+    assert primary.lease() is not None and not claimer.claim_ended(0, "ps0_r1")
+    assert claimer.change_view(0, claimer.read_view(0), View(2, "ps0_r2"), unclaimed_by="ps0_r1") is None
+    store.client.revoke(claim._lease)
+    wait_until(lambda: claim.ended, 10, "the primary to find its lease ended at its next renewal")
+    assert primary.lease() is None
+    primary._keep_once()
+    assert primary.server.deposed and len(stepped) == 1 and "etcd lease ended" in stepped[0]
+    assert claimer.claim_ended(0, "ps0_r1")
+    assert claimer.change_view(0, claimer.read_view(0), View(2, "ps0_r2"), unclaimed_by="ps0_r1") is not None
+    late = _lone_primary(registry, record, stepped)  # serving a view that is no longer the shard's
+    assert late._claim is not None
+    late._claim.start()
+    wait_until(lambda: late._claim is not None and late._claim.ended, 10, "the stale primary's claim to be refused")
+    assert late.lease() is None and claimer.claim_ended(0, "ps0_r1")
+
+
+def _lone_primary(registry: Registry, record: ViewRecord, stepped: list[str]) -> Primary:
+    return Primary(
+        FakeServer(), registry, 0, record.view.primary, record, ReplicationConfig(replicas=2, store_lease_s=3.0),  # type: ignore[arg-type]
+        ReplicationMetrics(CollectorRegistry(), 2), {}, None, on_step_down=stepped.append,
+    )
 
 
 def _control_flags() -> tuple[str, tuple[str, ...]]:
