@@ -60,7 +60,7 @@ ROLES: dict[str, Role] = {
         "cli.local:run_local",
         # local picks these for each child itself: loopback addresses, free ports, slots.
         exclude=(
-            "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--worker-index",
+            "--listen", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--worker-index",
             "--num-workers", "--supervise", "--trust-network",
         ),
     ),
