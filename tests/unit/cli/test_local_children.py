@@ -11,6 +11,7 @@ import pytest
 
 from cli.config import LocalConfig
 from cli.local import Supervisor
+from cli.main import ROLES
 from rpcps.address import Address, EtcdAddress
 from rpcps.jobsecret import JobSecret
 
@@ -61,5 +62,6 @@ def test_with_an_etcd_store_every_child_joins_through_it_and_no_coordinator_star
 
 
 def test_local_refuses_a_store_that_is_not_etcd() -> None:
+    assert [d.path for d in ROLES["local"].settings() if d.flag == "--store"] == [("store",)], "its own, not its server's"
     with pytest.raises(ValueError, match="store must be etcd://"):
         LocalConfig(store=Address("127.0.0.1", 5000))
