@@ -24,8 +24,9 @@
   unchanged view and, with the store in etcd, only while it holds its claim on the shard under an
   etcd lease of ``store_lease_s`` (``rpcps.transport.group.shard_claim``: taken when it starts
   serving, only while the view is its own; another server takes a shard over only once that
-  claim is gone, ``ps.replication.claim``). A claim lost while it serves alone steps it down. A primary that learns of a newer epoch (a ``Fenced`` answer, a failed
-  compare-and-set, a newer view) steps down: it applies nothing more and restarts itself (from a
+  claim is gone, ``ps.replication.claim``). A claim lost while it serves alone steps it down.
+  A primary that learns of a newer epoch (a ``Fenced`` answer, a failed compare-and-set, a
+  newer view) steps down: it applies nothing more and restarts itself (from a
   snapshot of its exact state when no standby was in its view: ``ps.runner``).
 - **A tampered view**: the keeper reads the view every heartbeat. Anything there that does not
   replace this primary's view (deleted, unsigned or wrongly signed, a replay of an older one:

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 MARGIN_S = 0.5
 """A holder stops counting itself the holder this long before its lease can have ended."""
+_FIRST_TAKE_RETRY_S = 0.1
+"""A claim (``retake=False``) etcd did not answer is asked for again this soon: its primary applies
+nothing alone until it holds it. A duty is contended by every server: it waits a renewal period."""
 
 
 class HeldKey:
@@ -84,7 +87,8 @@ class HeldKey:
                 self._step()
             except EtcdUnavailable as e:
                 logger.warning("etcd did not answer for the lease on %s: %s", self._key.decode(errors="replace"), e)
-            if self._ended.is_set() or self._stop.wait(self.ttl_s / 3):
+            pause = self.ttl_s / 3 if self._lease or self._retake else _FIRST_TAKE_RETRY_S
+            if self._ended.is_set() or self._stop.wait(pause):
                 return
 
     def _step(self) -> None:
