@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from evaluator.config import EvaluatorConfig
 from ps.config import ServerRunConfig
-from rpcps.address import Address
+from rpcps.address import Address, EtcdAddress
 from rpcps.model_file import FORMATS
 from rpcps.process import ProcessOptions, listen_setting, trust_network_setting
 from rpcps.settings import setting
@@ -28,6 +28,13 @@ class LocalConfig:
         True,
         help="start the children from one process that has imported torch once: each start, and each restart after "
         "a crash, skips 2-4 s of CPU; off: each child is a fresh interpreter",
+    )
+    store: Address | EtcdAddress | None = setting(
+        None,
+        help="etcd://HOST:PORT[,HOST:PORT...]/PREFIX: keep the job's coordination state in this etcd cluster; local then "
+        "starts no coordinator (not even with --replicas 2) and its servers, workers and evaluator join through etcd "
+        "(docs/FAULT_TOLERANCE.md); unset: local keeps the store in a coordinator or in shard 0's server",
+        metavar="etcd://HOST:PORT[,...]/PREFIX",
     )
     worker_script: str | None = setting(
         None,
@@ -49,6 +56,11 @@ class LocalConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.store is not None and not isinstance(self.store, EtcdAddress):
+            raise ValueError(
+                f"store must be etcd://HOST:PORT[,HOST:PORT...]/PREFIX, got {self.store}: local starts its own store "
+                "otherwise (drop --store, or run rpcps ps and rpcps worker against an existing coordinator)"
+            )
         if self.worker_script is not None:
             words = shlex.split(self.worker_script)
             if not words or not os.path.isfile(words[0]):

@@ -7,7 +7,8 @@ server, and reaps every child before it returns.
 
 With ``--replicas 2`` it also starts the group's coordinator (``rpcps store``) first and two server
 processes per shard with the same command line: the first to claim the shard serves it, the other
-follows it as a hot standby. A restarted replica attaches to whichever one serves by then.
+follows it as a hot standby. A restarted replica attaches to whichever one serves by then. With
+``--store etcd://...`` no process of its own holds the store: every child joins through etcd.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from evaluator.scoring import check_model_spec
 from ps.checkpoints.checkpointer import shard_checkpoint_config
 from ps.config import ServerRunConfig
 from rpcps import plugins
-from rpcps.address import Address
+from rpcps.address import Address, StoreAddress
 from rpcps.messages import Mode
 from rpcps.ports import free_port
 from rpcps.prefork import ForkedProcess, ForkServer
@@ -131,7 +132,9 @@ class Supervisor:
         self.control_port = free_port()
         self.forks: ForkServer | None = None
         """Starts the children (``--prefork``), from ``run`` on."""
-        store = Address("127.0.0.1", self.port)
+        etcd = config.store
+        own = Address("127.0.0.1", self.port)  # without etcd: where the coordinator, or shard 0's server, hosts the store
+        store: StoreAddress = etcd if etcd is not None else own
         server = config.server
         # local restarts its children itself (and counts and reports those restarts), so its server
         # does not supervise itself; every child proves the job's secret (a file: never on a command line).
@@ -149,10 +152,10 @@ class Supervisor:
         server = replace(server, process=server_process)
         replicas = self.replicas = server.replication.replicas
         self.coordinator: Child | None = None
-        if replicas > 1:  # a standby cannot take over from a primary that hosts the store every join needs
+        if replicas > 1 and etcd is None:  # a standby cannot take over from a primary that hosts the store every join needs
             metrics_port = free_port()
             coordinator = StoreConfig(
-                listen=store,
+                listen=own,
                 metrics_port=metrics_port,
                 process=replace(server.process, summary_json=str(self._summary_path("store"))),
                 transport=server.transport,
@@ -166,8 +169,8 @@ class Supervisor:
                 control_port = self.control_port if (k, r) == (0, 0) else free_port()
                 child = replace(
                     server,
-                    listen=store,
-                    store=None if (k, replicas) == (0, 1) else store,  # without replicas shard 0 hosts the group's store
+                    listen=own,
+                    store=None if (k, replicas, etcd) == (0, 1, None) else store,  # without replicas or etcd shard 0 hosts it
                     metrics_port=metrics_port,
                     core=replace(server.core, shard_index=k),
                     control=replace(server.control, addr="127.0.0.1", port=control_port),
@@ -283,8 +286,9 @@ class Supervisor:
         if self.config.prefork:
             self.forks = ForkServer(dict(os.environ), os.getcwd(), preload_env={CPP_LOG_LEVEL_ENV: CPP_LOG_LEVEL})
         self.write_scrape_targets()
+        where = f"store in {self.config.store}" if self.config.store is not None else f"server on 127.0.0.1:{self.port}"
         self.console.say(
-            f"rpcps local: server on 127.0.0.1:{self.port}, {len(self.workers)} workers, logs in {self.run_dir}; "
+            f"rpcps local: {where}, {len(self.workers)} workers, logs in {self.run_dir}; "
             f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}"
         )
         if self.coordinator is not None:

@@ -37,7 +37,8 @@ class Role:
     config: str
     run: str
     exclude: tuple[str, ...] = ()
-    """Flags of the config that this role does not take: it sets them itself, or they mean nothing to it."""
+    """Flags (or one field's dotted path) of the config that this role does not take: it sets them itself, or they
+    mean nothing to it."""
 
     def settings(self) -> list[Declared]:
         return declared(_load(self.config), self.exclude)
@@ -60,7 +61,7 @@ ROLES: dict[str, Role] = {
         "cli.local:run_local",
         # local picks these for each child itself: loopback addresses, free ports, slots.
         exclude=(
-            "--listen", "--store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--worker-index",
+            "--listen", "server.store", "--metrics-port", "--control-addr", "--control-port", "--shard-index", "--worker-index",
             "--num-workers", "--supervise", "--trust-network",
         ),
     ),

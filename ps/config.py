@@ -109,7 +109,8 @@ class ReplicationConfig:
     store_lease_s: float = setting(
         10.0,
         help="a primary without a standby stops applying when it cannot read its view from the store for this long; "
-        "a vanished shard is taken over only after it",
+        "a vanished shard is taken over only after it; with --store etcd://, also the etcd lease of its claim (whole seconds, "
+        "rounded up), whose end lets another server take the shard over at once",
     )
     coordinator_wait_s: float = setting(
         60.0,

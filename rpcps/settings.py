@@ -131,9 +131,10 @@ class Declared:
 
 
 def declared(config_class: type, exclude: Sequence[str] = ()) -> list[Declared]:
-    """Every setting of ``config_class`` and its groups, in declaration order, minus ``exclude`` flags."""
+    """Every setting of ``config_class`` and its groups, in declaration order, minus ``exclude``: flags
+    (``--listen``), or one field's dotted path (``server.store``: another field keeps its flag)."""
     found = list(_walk(config_class, (), ""))
-    return [d for d in found if d.flag not in exclude]
+    return [d for d in found if d.flag not in exclude and ".".join(d.path) not in exclude]
 
 
 def _walk(cls: type, path: tuple[str, ...], group: str) -> Iterator[Declared]:

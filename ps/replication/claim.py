@@ -10,7 +10,9 @@ A starting server has joined the group under a fresh name and reads its shard's 
   newest snapshot. "Gone" is what the group janitor recorded (a refused or reset connection: the
   process exited), or, for a member that simply vanished from the group (hung or cut off, removed
   after its lease), an absence longer than ``absent_grace_s``: such a primary may still be alive
-  behind a cut link, holding its store lease, and must be given time to notice and stop.
+  behind a cut link, holding its store lease, and must be given time to notice and stop. With the
+  store in etcd, a primary whose claim is gone (its etcd lease ended: ``ps.replication.primary``)
+  counts as gone at once, and the takeover's transaction holds only while that claim is still gone.
 
 A view whose standby is still a live member waits: that standby promotes itself. A view this
 process cannot verify (unsigned or wrongly signed where the job has a secret, or a replay of an
@@ -107,7 +109,7 @@ def _try_claim(
     if attach_only:
         return Claim(record, attach_to=record.view.primary) if record is not None and record.view.primary in members else None
     if record is None:
-        won = registry.change_view(shard, None, View(bootstrap_epoch, me))
+        won = registry.change_view(shard, reading, View(bootstrap_epoch, me))
         if won is not None:
             logger.info("shard %d has no view yet: serving it as primary, epoch %d", shard, bootstrap_epoch)
             return Claim(won)
@@ -118,9 +120,10 @@ def _try_claim(
     if view.standby is not None and view.standby in members:
         return None  # the primary is gone and its standby is alive: it promotes itself; wait for that
     declared = [_declared_gone(registry, name, absent_since, absent_grace_s, now) for name in view.names()]  # every timer starts now
-    if not all(declared):
+    unclaimed = not declared[0] and registry.claim_ended(shard, view.primary)
+    if not all(declared[1:]) or not (declared[0] or unclaimed):
         return None
-    won = registry.change_view(shard, record, View(view.epoch + 1, me))
+    won = registry.change_view(shard, record, View(view.epoch + 1, me), unclaimed_by=view.primary if unclaimed else None)
     if won is None:
         return None
     logger.warning(

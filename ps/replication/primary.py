@@ -21,8 +21,12 @@
   it lasts ``replica_lease_s - 0.2 s`` from the *send* time of the newest acknowledged append (the
   standby promotes only after ``replica_lease_s`` without acknowledging one, counted from its
   acknowledgement, which comes later); alone, ``store_lease_s - 1 s`` from the last read of an
-  unchanged view. A primary that learns of a newer epoch (a ``Fenced`` answer, a failed
-  compare-and-set, a newer view) steps down: it applies nothing more and restarts itself (from a
+  unchanged view and, with the store in etcd, only while it holds its claim on the shard under an
+  etcd lease of ``store_lease_s`` (``rpcps.transport.group.shard_claim``: taken when it starts
+  serving, only while the view is its own; another server takes a shard over only once that
+  claim is gone, ``ps.replication.claim``). A claim lost while it serves alone steps it down.
+  A primary that learns of a newer epoch (a ``Fenced`` answer, a failed compare-and-set, a
+  newer view) steps down: it applies nothing more and restarts itself (from a
   snapshot of its exact state when no standby was in its view: ``ps.runner``).
 - **A tampered view**: the keeper reads the view every heartbeat. Anything there that does not
   replace this primary's view (deleted, unsigned or wrongly signed, a replay of an older one:
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -130,6 +135,8 @@ class Primary:
         """The store's incarnation this primary last read its own view in ('' in a store a server hosts)."""
         self._lease_revoked = False
         """A pipe error towards the in-sync standby: no apply until a compare-and-set settles who serves."""
+        self._claim = transport.shard_claim(shard, name, math.ceil(config.store_lease_s), lambda: self.record.revision)
+        """Its claim on the shard under an etcd lease (None: the store is not in etcd)."""
         self._stopped = threading.Event()
         self._watchers: list[Future] = []
         self._threads = [
@@ -145,6 +152,8 @@ class Primary:
         with self.log.cond:
             self.log.unwatched = self._follower is None
         self.server.on_applied(self._at_max_lag)
+        if self._claim is not None:
+            self._claim.start()
         replica_endpoints.publish_replica(self)
         for thread in self._threads:
             thread.start()
@@ -158,6 +167,7 @@ class Primary:
         self._flush()
         self.server.deposed = True
         self._stopped.set()
+        self._end_claim()
         with self.log.cond:
             self.log.cond.notify_all()
         for future in self._watchers:
@@ -204,7 +214,9 @@ class Primary:
         if follower is not None and follower.in_sync:
             if self._lease_revoked or now >= follower.newest_acked_send + self.config.replica_lease_s - _LEASE_MARGIN_S:
                 return None
-        elif now >= self._view_read_at + self.config.store_lease_s - _STORE_LEASE_MARGIN_S:
+        elif now >= self._view_read_at + self.config.store_lease_s - _STORE_LEASE_MARGIN_S or (
+            self._claim is not None and not self._claim.held()
+        ):
             return None
         return time.time()
 
@@ -408,6 +420,10 @@ class Primary:
 
     def _keep_once(self) -> None:
         follower = self._follower
+        if self._claim is not None and self._claim.ended and (follower is None or not follower.in_sync):
+            self._step_down(f"its claim's etcd lease ended (frozen or cut off from etcd for over {self._claim.ttl_s}s), "
+                            "so another server may serve the shard")
+            return
         if follower is not None:
             if follower.failed is not None:
                 self._drop(follower)
@@ -431,6 +447,8 @@ class Primary:
         reading = self.registry.read_view(self.shard)
         record, mine = reading.record, self.record
         if record is not None and record.raw == mine.raw:
+            # Its own text, perhaps written again since (a repair): its next change compares this revision.
+            self.record = record
             self._view_read_at = time.monotonic()
             if self._incarnation is None:
                 self._incarnation = self.registry.incarnation()
@@ -452,8 +470,10 @@ class Primary:
             found = f"an earlier view of its own epoch ({reading.record.view})"
         else:
             found = "nothing (the key was deleted)"
-        if not self.registry.restore_view(self.shard, reading.raw, self.record):
+        restored = self.registry.restore_view(self.shard, reading, self.record)
+        if restored is None:
             return  # changed again meanwhile: the next round reads it
+        self.record = restored
         if not reading.raw and self._store_restarted():
             logger.warning("shard %d's view: the group's coordinator restarted empty; wrote this primary's view (%s) back",
                            self.shard, self.record.view)
@@ -527,7 +547,7 @@ class Primary:
             replaced = now.record is not None and (now.record.view.epoch > expected.view.epoch or now.record.view.primary != self.name)
             if not replaced:
                 self._restore(now)
-                record = self.registry.change_view(self.shard, expected, new)
+                record = self.registry.change_view(self.shard, self.record, new)  # as put back (its new revision)
         if record is None:
             now = self.registry.read_view(self.shard)
             self._step_down(f"the view changed under it to {now.record.view if now.record is not None else now.raw or 'nothing'}")
@@ -550,7 +570,13 @@ class Primary:
         if self.ledger is not None:
             self.ledger.stepped_down(self.record.view.epoch)
         self._stopped.set()
+        self._end_claim()
         self._on_step_down(why)
+
+    def _end_claim(self) -> None:
+        """Revokes the claim's lease: another server need not wait it out to take the shard over."""
+        if self._claim is not None:
+            self._claim.stop()
 
 
 def _first_difference(ours: dict[str, str], theirs: dict[str, str]) -> str | None:

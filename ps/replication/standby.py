@@ -322,7 +322,7 @@ class Standby:
             if record is None and not reading.raw and self.in_view:
                 # The coordinator restarted empty and the primary died before it wrote its view back:
                 # the view this standby followed ({e, P, S}, it was in it) is the shard's last one.
-                new = self.registry.change_view(self.shard, None, View(self.epoch + 1, self.name))
+                new = self.registry.change_view(self.shard, reading, View(self.epoch + 1, self.name))
             elif record is None or record.view.standby != self.name or record.view.primary != old:
                 self._detach(f"it is not the view's standby ({record.view if record else 'no view'}), so it cannot promote", left=True)
                 return

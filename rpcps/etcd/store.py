@@ -11,6 +11,10 @@ etcd request or transaction, with TCPStore's semantics (the code on top was writ
   as holding '' (so ``compare_set(k, "", "")`` reads without waiting, creating k empty as TCPStore
   does), and a missing key compared with anything else answers ``expected`` unchanged;
 - ``add``: read, then a transaction on the key's mod revision, retried on a conflict;
+- ``get_revision``/``set_at_revision`` (not in torch's interface; ``rpcps.transport.registry.RevisionStore``):
+  a key's text with the revision it was last changed at, and a write that holds only if the key is
+  still at that revision: the registry changes views this way, so a view changed and changed back
+  (the same text again) still makes a stale writer lose;
 - ``get``/``wait``: poll until the keys exist or the store's timeout passes (``DistStoreError``).
 
 What must not live here: anything about rpcps's own records (the registry), or about torch's keys.
@@ -19,7 +23,7 @@ What must not live here: anything about rpcps's own records (the registry), or a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -111,6 +115,26 @@ class EtcdStore(dist.Store):
                 # Created between the two transactions: compare again with what it holds now.
         except EtcdUnavailable as e:
             raise self._failed(e) from e
+
+    def get_revision(self, key: str) -> tuple[bytes, int]:
+        """The key's text and the revision it was last changed at (b'' and 0: it does not exist);
+        a linearizable read that neither waits nor creates the key."""
+        try:
+            record = self.client.get(self.key(key))
+        except EtcdUnavailable as e:
+            raise self._failed(e) from e
+        return (bytes(record.value), int(record.mod_revision)) if record is not None else (b"", 0)
+
+    def set_at_revision(self, key: str, revision: int, desired: Any, absent_keys: Sequence[str] = ()) -> int | None:
+        """Writes ``desired`` if the key was last changed at ``revision`` (0: it does not exist) and
+        none of ``absent_keys`` exists, in one transaction. Returns the key's new revision, None when
+        a comparison failed (nothing written)."""
+        k = self.key(key)
+        try:
+            reply = self.client.txn([modified_at(k, revision), *(absent(self.key(a)) for a in absent_keys)], [put_op(k, _text(desired))])
+        except EtcdUnavailable as e:
+            raise self._failed(e) from e
+        return int(reply.header.revision) if reply.succeeded else None
 
     def check(self, keys: list[str]) -> bool:
         try:

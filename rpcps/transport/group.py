@@ -21,11 +21,13 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed import rpc
 
 from rpcps.address import Address, EtcdAddress, StoreAddress
+from rpcps.etcd.client import modified_at
 from rpcps.etcd.lease import HeldKey
 from rpcps.etcd.store import EtcdStore, open_store, register_rendezvous, rendezvous_url
 from rpcps.jobsecret import JobSecret
@@ -342,6 +344,19 @@ def shared_duty(duty: str, holder: str) -> HeldKey | None:
     if _etcd is None:
         return None
     return HeldKey(_etcd.client, _etcd.key(f"rpcps/duty/{duty}"), holder).start()
+
+
+def shard_claim(shard: int, name: str, ttl_s: int, view_revision: Callable[[], int | None]) -> HeldKey | None:
+    """With an etcd store, a (not yet started) claim of primary ``name`` on ``shard``: its key under
+    an etcd lease of ``ttl_s``, taken only while the shard's view is still at ``view_revision()``
+    (this primary's own) and never taken again once lost; None when the store is not in etcd."""
+    if _etcd is None:
+        return None
+    store, view = _etcd, _etcd.key(Registry.view_key(shard))
+    return HeldKey(
+        store.client, store.key(Registry.claim_key(shard, name)), name, ttl_s,
+        conditions=lambda: [modified_at(view, view_revision() or 0)], retake=False,
+    )
 
 
 def shutdown() -> None:

@@ -3,7 +3,13 @@
 Keys (all JSON, all rpcps's own):
 
 - ``rpcps/shards``: how many server shards the job has (the first server writes it, the others must agree);
-- ``rpcps/view/<K>``: shard K's ``View`` (epoch, primary, standby), changed only by compare-and-set;
+- ``rpcps/view/<K>``: shard K's ``View`` (epoch, primary, standby), changed only by compare-and-set:
+  of the stored text in a TCPStore, of the key's revision in a store that numbers changes
+  (``RevisionStore``: etcd), where a view changed and changed back to the same text still makes a
+  writer that read the first one lose;
+- ``rpcps/claim/<K>/<name>`` (etcd only): held by shard K's primary ``name`` under an etcd lease
+  (``rpcps.transport.group.shard_claim``); once it is gone, the lease has ended and that primary
+  applies nothing more alone, so another server may take the shard over (``ps.replication.claim``);
 - ``rpcps/replica/<name>``: what a server process says about itself at start (shard, control and
   metrics addresses, host, pid), for ``ctl``, the standby and the workers;
 - ``rpcps/dead/<name>``: written by the group janitor when it removes a member whose connection was
@@ -29,9 +35,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.messages import View
@@ -39,10 +45,13 @@ from rpcps.transport.store_client import INCARNATION_KEY
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 SHARDS_KEY = "rpcps/shards"
 _VIEW_KEY = "rpcps/view/{}"
 _REPLICA_KEY = "rpcps/replica/{}"
 _DEAD_KEY = "rpcps/dead/{}"
+_CLAIM_KEY = "rpcps/claim/{}/{}"
 
 RECORD_KINDS = ("view", "replica", "dead")
 REFUSAL_REASONS = ("unsigned", "bad_signature", "malformed", "stale")
@@ -66,6 +75,15 @@ class StoreClient(Protocol):
     def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
 
     def set(self, key: str, value: str) -> None: ...
+
+
+@runtime_checkable
+class RevisionStore(Protocol):
+    """A store that numbers every change of a key (etcd's mod revision: ``rpcps.etcd.store``)."""
+
+    def get_revision(self, key: str) -> tuple[bytes, int]: ...
+
+    def set_at_revision(self, key: str, revision: int, desired: str, absent_keys: Sequence[str] = ()) -> int | None: ...
 
 
 class StoreUnavailable(RuntimeError):
@@ -99,6 +117,8 @@ class ViewRecord:
 
     view: View
     raw: str
+    revision: int | None = None
+    """The key's revision when it was read or written (a ``RevisionStore``'s); None where the text is compared."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,8 @@ class ViewReading:
     raw: str
     record: ViewRecord | None
     refused: str | None = None
+    revision: int | None = None
+    """As ``ViewRecord.revision`` (0: the key does not exist)."""
 
 
 def _canonical(data: dict[str, Any]) -> str:
@@ -170,6 +192,7 @@ class Registry:
         on_refused: Callable[[Refusal], None] | None = None,
     ) -> None:
         self._store = store
+        self._revisions = store if isinstance(store, RevisionStore) else None
         self._lock = threading.Lock()
         """One operation at a time on the client's single connection."""
         self._secret = secret
@@ -193,12 +216,15 @@ class Registry:
         """
         self._secret, self._writer, self._trust_unsigned, self._on_refused = secret, writer, trust_unsigned, on_refused
 
-    def _cas(self, key: str, expected: str, desired: str) -> str:
+    def _call(self, call: Callable[[], T]) -> T:
         try:
             with self._lock:
-                return self._store.compare_set(key, expected, desired).decode()
+                return call()
         except (RuntimeError, OSError) as e:  # torch's store errors (DistStoreError, DistNetworkError) are RuntimeErrors
             raise StoreUnavailable(f"the group's store did not answer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+
+    def _cas(self, key: str, expected: str, desired: str) -> str:
+        return self._call(lambda: self._store.compare_set(key, expected, desired).decode())
 
     def _read(self, key: str) -> str:
         """The key's text, '' when it was never written (a compare-and-set of '' with '' reads without waiting)."""
@@ -282,9 +308,9 @@ class Registry:
     def read_view(self, shard: int) -> ViewReading:
         """The shard's view key as it stands, verified (see ``ViewReading``)."""
         key = _VIEW_KEY.format(shard)
-        raw = self._read(key)
+        raw, revision = self._read_revision(key)
         if not raw:
-            return ViewReading(raw, None)
+            return ViewReading(raw, None, revision=revision)
         try:
             data = self._verify("view", _view_subject(shard), raw)
             view = View(int(data["epoch"]), str(data["primary"]), data.get("standby"))
@@ -292,15 +318,43 @@ class Registry:
                 raise _Refused("malformed")
         except _Refused as e:
             self._refuse("view", key, raw, e.reason)
-            return ViewReading(raw, None, e.reason)
+            return ViewReading(raw, None, e.reason, revision)
         except (KeyError, TypeError, ValueError):
             self._refuse("view", key, raw, "malformed")
-            return ViewReading(raw, None, "malformed")
+            return ViewReading(raw, None, "malformed", revision)
         if view.epoch < self._newest_epoch.get(shard, view.epoch):
             self._refuse("view", key, raw, "stale")
-            return ViewReading(raw, None, "stale")
+            return ViewReading(raw, None, "stale", revision)
         self._newest_epoch[shard] = view.epoch
-        return ViewReading(raw, ViewRecord(view, raw))
+        return ViewReading(raw, ViewRecord(view, raw, revision), revision=revision)
+
+    def _read_revision(self, key: str) -> tuple[str, int | None]:
+        """The key's text and, in a ``RevisionStore``, its revision (None in any other store)."""
+        revisions = self._revisions
+        if revisions is None:
+            return self._read(key), None
+        raw, revision = self._call(lambda: revisions.get_revision(key))
+        return raw.decode(), revision
+
+    def _set_view(
+        self, key: str, expected: ViewRecord | ViewReading | str | None, desired: str, absent_keys: Sequence[str] = ()
+    ) -> tuple[bool, int | None]:
+        """Replaces ``expected`` with ``desired``: in a ``RevisionStore`` at ``expected``'s revision
+        (one known by its text only is read first) and only while the keys ``absent_keys`` do not exist,
+        in any other store by the text. Returns whether it was written, and the key's new revision
+        (None outside a ``RevisionStore``)."""
+        text = expected.raw if isinstance(expected, (ViewRecord, ViewReading)) else expected or ""
+        revisions = self._revisions
+        if revisions is None:
+            return self._cas(key, text, desired) == desired, None
+        revision = expected.revision if isinstance(expected, (ViewRecord, ViewReading)) else None
+        if revision is None:
+            raw, revision = self._read_revision(key)
+            if raw != text:
+                return False, None
+        at = revision
+        now = self._call(lambda: revisions.set_at_revision(key, at, desired, absent_keys))
+        return now is not None, now
 
     def verified_any(self) -> bool:
         """Whether this process ever read (or wrote) a view it verified: its secret is the job's."""
@@ -310,24 +364,51 @@ class Registry:
         """The shard's verified view; None when it has none or holds one this process refused."""
         return self.read_view(shard).record
 
-    def change_view(self, shard: int, expected: ViewRecord | str | None, new: View) -> ViewRecord | None:
-        """Compare-and-set: replaces ``expected`` (None: no view yet; a str: that exact stored text) with ``new``.
+    def change_view(
+        self, shard: int, expected: ViewRecord | ViewReading | str | None, new: View, unclaimed_by: str | None = None
+    ) -> ViewRecord | None:
+        """Compare-and-set: replaces ``expected`` (a view as read; None: no view yet; a str: that exact
+        stored text) with ``new``; with ``unclaimed_by`` (a ``RevisionStore``), only while that
+        primary holds no claim on the shard (``claim_ended``), in the same transaction.
 
         Returns the new record on success, None when the view was no longer ``expected`` (someone
         else changed it first: read it again to see who).
         """
         desired = encode_view(new, self._secret, shard, self._writer or new.primary)
-        held = self._cas(_VIEW_KEY.format(shard), expected.raw if isinstance(expected, ViewRecord) else expected or "", desired)
         # Every change names its author (a new primary or standby), so no two parties ever ask for
-        # the same text: reading ``desired`` back means this call made the change.
-        if held != desired:
+        # the same text: in a TCPStore, reading ``desired`` back means this call made the change.
+        claims = (_CLAIM_KEY.format(shard, unclaimed_by),) if unclaimed_by is not None else ()
+        written, revision = self._set_view(_VIEW_KEY.format(shard), expected, desired, claims)
+        if not written:
             return None
         self._newest_epoch[shard] = max(self._newest_epoch.get(shard, new.epoch), new.epoch)
-        return ViewRecord(new, desired)
+        return ViewRecord(new, desired, revision)
 
-    def restore_view(self, shard: int, found: str, own: ViewRecord) -> bool:
-        """Puts ``own`` (this process's current view) back over ``found``, text it refused; True when it did."""
-        return self._cas(_VIEW_KEY.format(shard), found, own.raw) == own.raw
+    def restore_view(self, shard: int, found: ViewReading, own: ViewRecord) -> ViewRecord | None:
+        """Puts ``own`` (this process's current view) back over ``found``, a reading of text it refused
+        or of nothing; returns ``own`` as now stored (its new revision), None when the key had changed."""
+        written, revision = self._set_view(_VIEW_KEY.format(shard), found, own.raw)
+        return ViewRecord(own.view, own.raw, revision) if written else None
+
+    # ---- claims (etcd) ---------------------------------------------------------------------------
+
+    @staticmethod
+    def view_key(shard: int) -> str:
+        return _VIEW_KEY.format(shard)
+
+    @staticmethod
+    def claim_key(shard: int, name: str) -> str:
+        """Where primary ``name`` holds its claim on ``shard`` under an etcd lease."""
+        return _CLAIM_KEY.format(shard, name)
+
+    def claim_ended(self, shard: int, name: str) -> bool:
+        """Whether ``name``'s claim on the shard is gone (its lease ended, or it never took one) in a
+        store that holds claims (a ``RevisionStore``: etcd); False in any other (nothing to tell)."""
+        revisions = self._revisions
+        if revisions is None:
+            return False
+        key = _CLAIM_KEY.format(shard, name)
+        return self._call(lambda: revisions.get_revision(key))[1] == 0
 
     # ---- replica records and dead members ----------------------------------------------------
 

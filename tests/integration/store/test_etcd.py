@@ -6,7 +6,10 @@ The audit ledger (both replicas write one file) is the proof, as in test_standby
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -14,21 +17,32 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry
 
 from harness import control
 from harness.etcd import EtcdCluster, available
 from harness.ledger import check_ledger, recovery_after
 from harness.procs import (
+    ENTRY,
+    REPO,
     Proc,
     ProcessGroup,
+    child_env,
     free_port,
     freeze_past_promotion,
     start_replica_pair,
     try_scrape,
     wait_until,
 )
+from ps.config import ReplicationConfig
+from ps.replication.metrics import ReplicationMetrics
+from ps.replication.primary import Primary
 from rpcps.address import parse_store_address
 from rpcps.etcd.store import EtcdStore, open_store
+from rpcps.messages import View
+from rpcps.transport import group
+from rpcps.transport.registry import Registry, ViewRecord
+from tests.unit.ps.replication.fakes import FakeServer
 
 pytestmark = [
     pytest.mark.integration,
@@ -36,6 +50,7 @@ pytestmark = [
 ]
 
 PACED = ("--data", "tests.integration.paced_data:paced_data")
+VIEW_KEY = "rpcps/view/0"
 
 
 @pytest.fixture
@@ -80,6 +95,83 @@ def test_the_etcd_store_answers_as_tcpstore_does_and_through_a_dead_leader(etcd:
     assert agent_view.add("rank", 1) == 4
     print(f"first write after the etcd leader's kill -9: {time.monotonic() - started:.3f}s")
     assert isinstance(store, EtcdStore) and store.num_keys() == 3  # token, rank, bytes
+
+
+@pytest.mark.timeout(60)
+def test_views_in_etcd_change_by_revision_so_a_view_changed_back_still_fences_a_stale_writer(etcd: EtcdCluster) -> None:
+    """Two registries (two processes' clients) on one etcd: a view is changed by a transaction on its
+    key's mod revision. A view changed and changed back to the same text (a standby added, then
+    dropped) has a new revision, so a writer holding the first reading loses, where a compare of the
+    text would have let it win; a read creates nothing, and a deleted view is put back only over
+    the reading of its absence."""
+    address = parse_store_address(etcd.url("views"))
+    store = open_store(address, timeout_s=5.0)
+    primary, other = Registry(store), Registry(open_store(address, timeout_s=5.0))
+    nothing = primary.read_view(0)
+    assert (nothing.raw, nothing.revision) == ("", 0) and not store.check([VIEW_KEY])
+    first = primary.change_view(0, nothing, View(1, "ps0_r1"))
+    assert first is not None and first.revision is not None and first.revision > 0
+    assert other.change_view(0, nothing, View(1, "ps0_r2")) is None, "a second bootstrap must lose"
+    assert other.change_view(0, None, View(1, "ps0_r2")) is None, "so must one that never read"
+    stale = other.view(0)
+    assert stale == first
+    with_standby = primary.change_view(0, first, View(1, "ps0_r1", "ps0_r2"))
+    assert with_standby is not None
+    back = primary.change_view(0, with_standby, View(1, "ps0_r1"))
+    assert back is not None and back.raw == first.raw and (back.revision or 0) > (with_standby.revision or 0)
+    assert other.change_view(0, stale, View(2, "ps0_r2")) is None, "same text, older revision: the change must lose"
+    assert other.change_view(0, stale.raw, View(2, "ps0_r2")) is not None, "known by its text only: compared at the revision it is at now"
+    promoted = other.view(0)
+    assert promoted is not None and promoted.view == View(2, "ps0_r2")
+    assert store.delete_key(VIEW_KEY)
+    gone = other.read_view(0)
+    assert other.restore_view(0, gone, promoted) is not None
+    assert other.restore_view(0, gone, promoted) is None, "the key exists again: a reading of its absence is stale"
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_primary_applies_only_under_its_etcd_claim_and_is_taken_over_once_it_ends(
+    etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A primary without a standby (in this process, over a real etcd) applies only while it holds
+    its claim's etcd lease; a takeover conditioned on that claim loses while it is held. When etcd
+    ends the lease (what it does to a primary frozen or cut off past the TTL; revoked here), the
+    primary stops applying and steps down, and the takeover wins. A primary whose view moved on
+    before it took its claim never holds one."""
+    address = parse_store_address(etcd.url("claim"))
+    store = open_store(address, timeout_s=5.0)
+    monkeypatch.setattr(group, "_etcd", store)  # what joining through etcd sets (shard_claim reads it)
+    registry, claimer = Registry(store), Registry(open_store(address, timeout_s=5.0))
+    record = registry.change_view(0, registry.read_view(0), View(1, "ps0_r1"))
+    assert record is not None
+    stepped: list[str] = []
+    primary = _lone_primary(registry, record, stepped)
+    claim = primary._claim
+    assert claim is not None and claim.ttl_s == 3
+    assert primary.lease() is None, "no apply before its claim is held"
+    claim.start()
+    wait_until(claim.held, 10, "the claim to be held")
+    assert primary.lease() is not None and not claimer.claim_ended(0, "ps0_r1")
+    assert claimer.change_view(0, claimer.read_view(0), View(2, "ps0_r2"), unclaimed_by="ps0_r1") is None
+    store.client.revoke(claim._lease)
+    wait_until(lambda: claim.ended, 10, "the primary to find its lease ended at its next renewal")
+    assert primary.lease() is None
+    primary._keep_once()
+    assert primary.server.deposed and len(stepped) == 1 and "etcd lease ended" in stepped[0]
+    assert claimer.claim_ended(0, "ps0_r1")
+    assert claimer.change_view(0, claimer.read_view(0), View(2, "ps0_r2"), unclaimed_by="ps0_r1") is not None
+    late = _lone_primary(registry, record, stepped)  # serving a view that is no longer the shard's
+    assert late._claim is not None
+    late._claim.start()
+    wait_until(lambda: late._claim is not None and late._claim.ended, 10, "the stale primary's claim to be refused")
+    assert late.lease() is None and claimer.claim_ended(0, "ps0_r1")
+
+
+def _lone_primary(registry: Registry, record: ViewRecord, stepped: list[str]) -> Primary:
+    return Primary(
+        FakeServer(), registry, 0, record.view.primary, record, ReplicationConfig(replicas=2, store_lease_s=3.0),  # type: ignore[arg-type]
+        ReplicationMetrics(CollectorRegistry(), 2), {}, None, on_step_down=stepped.append,
+    )
 
 
 def _control_flags() -> tuple[str, tuple[str, ...]]:
@@ -188,6 +280,30 @@ def test_a_kill_of_the_etcd_leader_during_training_pauses_nothing_and_loses_no_f
     recovery = recovery_after(report, killed_at, a.pid)
     print(f"etcd leader killed: longest pause between two applied updates {longest:.3f}s; primary failover {recovery}")
     assert longest <= 2.0
+
+
+@pytest.mark.timeout(240)
+def test_local_with_an_etcd_store_starts_no_coordinator(tmp_path: Path, etcd: EtcdCluster) -> None:
+    """``rpcps local --store etcd://... --replicas 2``: two server processes and the workers, all
+    joined through etcd, no ``rpcps store``; every step applied once, nothing restarted, and the
+    job's keys are under its prefix in etcd."""
+    url = etcd.url("local")
+    summary = tmp_path / "summary.json"
+    done = subprocess.run(
+        [sys.executable, str(ENTRY), "local", "--store", url, "--replicas", "2", "--workers", "2", "--steps", "100",
+         "--run-dir", str(tmp_path / "run"), "--summary-json", str(summary), "--audit-log", str(tmp_path / "audit.log")],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=200, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"store in {url}" in done.stdout + done.stderr
+    result = json.loads(summary.read_text())
+    assert result["updates_applied"] == 200
+    assert result["restarts"] == {"ps": 0, "ps_b": 0, "worker0": 0, "worker1": 0}
+    assert result.get("store") is None and not (tmp_path / "run" / "store.summary.json").exists()
+    report = check_ledger(tmp_path / "audit.log")
+    assert report.problems == [] and report.final_version == 200, report.problems[:5]
+    store = open_store(parse_store_address(url), timeout_s=5.0)
+    assert Registry(store).shard_count() == 1 and store.num_keys() > 0
 
 
 @pytest.mark.slow  # a 5 s freeze inside a 20-30 s run on 2 cores: CI's slow pass

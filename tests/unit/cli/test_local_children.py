@@ -7,8 +7,12 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from cli.config import LocalConfig
 from cli.local import Supervisor
+from cli.main import ROLES
+from rpcps.address import Address, EtcdAddress
 from rpcps.jobsecret import JobSecret
 
 
@@ -46,3 +50,18 @@ def test_without_a_checkpoint_dir_local_tells_its_children_it_said_so(tmp_path: 
     base = LocalConfig(run_dir=str(tmp_path))
     kept = Supervisor(replace(base, server=replace(base.server, checkpoint=replace(base.server.checkpoint, directory=str(tmp_path / "c")))))
     assert all("--checkpoints-off-ok" not in c.argv for c in kept.children), "with checkpoints there is nothing to say"
+
+
+def test_with_an_etcd_store_every_child_joins_through_it_and_no_coordinator_starts(tmp_path: Path) -> None:
+    url = "etcd://127.0.0.1:2379,127.0.0.1:2380/jobs/run-1"
+    base = LocalConfig(run_dir=str(tmp_path), workers=2, store=EtcdAddress.parse(url))
+    local = Supervisor(replace(base, server=replace(base.server, replication=replace(base.server.replication, replicas=2))))
+    assert local.coordinator is None and [c.name for c in local.servers] == ["ps", "ps_b"]
+    assert all(flag(c.argv, "--store") == url for c in local.servers)
+    assert all(flag(c.argv, "--ps") == url for c in local.workers)
+
+
+def test_local_refuses_a_store_that_is_not_etcd() -> None:
+    assert [d.path for d in ROLES["local"].settings() if d.flag == "--store"] == [("store",)], "its own, not its server's"
+    with pytest.raises(ValueError, match="store must be etcd://"):
+        LocalConfig(store=Address("127.0.0.1", 5000))

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from rpcps.etcd import rpc_pb2
+from rpcps.etcd.client import modified_at
 from rpcps.etcd.lease import MARGIN_S, HeldKey
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
@@ -22,6 +23,8 @@ class FakeEtcd:
         self.holder: tuple[bytes, int] | None = None
         self.live: set[int] = set()
         self.revoked: list[int] = []
+        self.conditions_hold = True
+        """What the comparisons beyond the key's absence (a claim's: the view is still the primary's) find."""
         self._next = 1
 
     def grant(self, ttl_s: int) -> int:
@@ -42,9 +45,9 @@ class FakeEtcd:
             self.holder = None
 
     def txn(self, compare: Sequence[rpc_pb2.Compare], success: Sequence[rpc_pb2.RequestOp]) -> rpc_pb2.TxnResponse:
-        (guard,), (op,) = compare, success
+        (guard, *others), (op,) = compare, success
         assert guard.target == rpc_pb2.Compare.CREATE and guard.create_revision == 0
-        if self.holder is not None:
+        if self.holder is not None or (others and not self.conditions_hold):
             return rpc_pb2.TxnResponse(succeeded=False)
         self.holder = (op.request_put.value, op.request_put.lease)
         return rpc_pb2.TxnResponse(succeeded=True)
@@ -90,6 +93,32 @@ def test_stop_gives_the_key_back_at_once() -> None:
     finally:
         a.stop()
     assert not a.held() and etcd.holder is None
+
+
+def test_a_claim_is_taken_only_under_its_conditions_and_never_again_once_lost() -> None:
+    """A primary's claim (``retake=False``): refused when its condition fails (the view moved on),
+    and once its lease ended not taken again though the key is free: ``ended`` steps the primary down."""
+    etcd = FakeEtcd()
+
+    def claim(holder: str) -> HeldKey:
+        return HeldKey(
+            etcd, f"/job/rpcps/claim/0/{holder}".encode(), holder,  # type: ignore[arg-type]
+            conditions=lambda: [modified_at(b"/job/rpcps/view/0", 7)], retake=False,
+        )
+
+    etcd.conditions_hold = False
+    refused = claim("ps0_r1")
+    refused._step()
+    assert refused.ended and not refused.held() and etcd.holder is None
+    etcd.conditions_hold = True
+    held = claim("ps0_r2")
+    held._step()
+    assert held.held() and not held.ended and etcd.holder is not None
+    etcd.expire(etcd.holder[1])  # frozen or cut off past its lease
+    held._step()
+    assert held.ended and not held.held()
+    held._step()
+    assert etcd.holder is None, "a lost claim is never taken again"
 
 
 def test_a_lease_shorter_than_two_seconds_is_refused() -> None:
