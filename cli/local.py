@@ -371,9 +371,13 @@ class Supervisor:
         return _WAIT
 
     def _slot_progress(self) -> dict[int, int] | None:
-        """Per worker slot, the fewest of its steps any server shard holds; None while a server does not answer."""
+        """Per worker slot, the fewest of its steps any server shard holds; None while a server does not answer,
+        or answers before it serves (a restarted server's control plane is up before it has restored its
+        snapshot: its slots would read empty, and local would run finished workers again)."""
         held = {slot: self.config.worker.steps for slot in range(len(self.workers))}
         for server in self.servers:
+            if not server.serving:
+                return None
             assert server.control_port is not None
             try:
                 status = ctl.status("127.0.0.1", server.control_port)

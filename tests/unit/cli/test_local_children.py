@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import cli.local
 from cli.config import LocalConfig
 from cli.local import Supervisor
 from cli.main import ROLES
@@ -65,3 +66,16 @@ def test_local_refuses_a_store_that_is_not_etcd() -> None:
     assert [d.path for d in ROLES["local"].settings() if d.flag == "--store"] == [("store",)], "its own, not its server's"
     with pytest.raises(ValueError, match="store must be etcd://"):
         LocalConfig(store=Address("127.0.0.1", 5000))
+
+
+
+def test_a_server_that_does_not_serve_yet_is_not_asked_what_its_slots_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A restarted server's control plane answers before it has restored its snapshot, with no slots:
+    # local's end check would take every finished slot for short and run its worker again.
+    local = Supervisor(LocalConfig(run_dir=str(tmp_path), workers=2))
+    asked: list[tuple] = []
+    monkeypatch.setattr(cli.local.ctl, "status", lambda *args: asked.append(args) or {"slots": [{"slot": 0, "next_step": 7}]})
+    local.servers[0].serving = False
+    assert local._slot_progress() is None and asked == []
+    local.servers[0].serving = True
+    assert local._slot_progress() == {0: 7, 1: 0} and len(asked) == 1
