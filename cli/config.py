@@ -24,11 +24,6 @@ class LocalConfig:
     run_dir: str | None = setting(None, help="directory for the children's logs and summaries", metavar="DIR")
     max_restarts: int = setting(3, help="restarts of a crashed child before giving up")
     port: int = setting(0, help="the server's port; 0 picks a free one")
-    prefork: bool = setting(
-        True,
-        help="start the children from one process that has imported torch once: each start, and each restart after "
-        "a crash, skips 2-4 s of CPU; off: each child is a fresh interpreter",
-    )
     store: Address | EtcdAddress | None = setting(
         None,
         help="etcd://HOST:PORT[,HOST:PORT...]/PREFIX: keep the job's coordination state in this etcd cluster; local then "

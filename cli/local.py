@@ -29,7 +29,6 @@ from typing import Any
 from cli import ctl, exits, progress
 from cli.config import LocalConfig, StoreConfig
 from cli.console import Console
-from cli.main import CPP_LOG_LEVEL, CPP_LOG_LEVEL_ENV
 from evaluator.config import EvaluatorRunConfig
 from evaluator.scoring import check_model_spec
 from ps.checkpoints.checkpointer import shard_checkpoint_config
@@ -38,7 +37,6 @@ from rpcps import plugins
 from rpcps.address import Address, StoreAddress
 from rpcps.messages import Mode
 from rpcps.ports import free_port
-from rpcps.prefork import ForkedProcess, ForkServer
 from rpcps.process import ProcessOptions
 from rpcps.scrape import try_scrape
 from rpcps.secret_files import create_secret_file
@@ -71,7 +69,7 @@ class Child:
     control_port: int | None = None
     """A server's control-plane port (None for workers)."""
     restarts: int = 0
-    process: subprocess.Popen | ForkedProcess | None = None
+    process: subprocess.Popen | None = None
     done: bool = False
     next_start: float = 0.0
     log_file: Any = field(default=None, repr=False)
@@ -84,22 +82,15 @@ class Child:
     serving: bool = False
     """Whether this incarnation's log says it serves (servers): restored, its version the model's."""
 
-    def start(self, forks: ForkServer | None) -> None:
-        """Starts the child: from ``forks`` (``--prefork``) when it can start this one, else as a fresh interpreter."""
+    def start(self) -> None:
         if self.log_file is None:
             self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         self.log_file.flush()
         self.log_offset = self.log_path.stat().st_size
         self.announced = self.serving = False
-        env = self.env if self.env is not None else dict(os.environ)
-        if forks is not None and self.argv[1] == str(_ENTRY) and forks.can_run(env, os.getcwd()):
-            with open(os.devnull, "rb") as devnull:
-                log = self.log_file.fileno()
-                self.process = forks.spawn(_ENTRY, self.argv[2:], env, stdin=devnull.fileno(), stdout=log, stderr=log)
-        else:
-            self.process = subprocess.Popen(
-                self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
-            )
+        self.process = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+        )
         logger.info("started %s (pid %d), log %s", self.name, self.process.pid, self.log_path)
 
     def alive(self) -> bool:
@@ -130,8 +121,6 @@ class Supervisor:
         self._end_deadline: float | None = None
         self.console = Console(config.worker.steps * config.workers)
         self.control_port = free_port()
-        self.forks: ForkServer | None = None
-        """Starts the children (``--prefork``), from ``run`` on."""
         etcd = config.store
         own = Address("127.0.0.1", self.port)  # without etcd: where the coordinator, or shard 0's server, hosts the store
         store: StoreAddress = etcd if etcd is not None else own
@@ -279,12 +268,6 @@ class Supervisor:
 
     def run(self) -> int:
         started = time.monotonic()
-        # Every child of this run is trainer_entry.py: one process imports torch for all of them, so
-        # a start (and a restart after a crash) skips those seconds of CPU. Its children must share
-        # this process's environment (ForkServer.can_run): the own-loop workers, whose PYTHONPATH
-        # differs, and anything the fork server cannot start, start as fresh interpreters.
-        if self.config.prefork:
-            self.forks = ForkServer(dict(os.environ), os.getcwd(), preload_env={CPP_LOG_LEVEL_ENV: CPP_LOG_LEVEL})
         self.write_scrape_targets()
         where = f"store in {self.config.store}" if self.config.store is not None else f"server on 127.0.0.1:{self.port}"
         self.console.say(
@@ -292,11 +275,11 @@ class Supervisor:
             f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}"
         )
         if self.coordinator is not None:
-            self.coordinator.start(self.forks)
+            self.coordinator.start()
         for server in self.servers:
-            server.start(self.forks)
+            server.start()
         for w in [*self.workers, *self.evaluators]:
-            w.start(self.forks)
+            w.start()
         self.write_children()
         failed = False
         last_progress = 0.0
@@ -317,8 +300,6 @@ class Supervisor:
                 time.sleep(0.2)
         finally:
             self._stop_all()
-            if self.forks is not None:
-                self.forks.close()
         self._read_server_logs()
         self.console.close()
         summary = self._summary(time.monotonic() - started)
@@ -416,7 +397,7 @@ class Supervisor:
                 self.console.say(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "
                                  f"restart {child.restarts}/{max_restarts} in {delay:.1f}s")
             if now >= child.next_start:
-                child.start(self.forks)
+                child.start()
                 self.write_children()
         return True
 

@@ -23,14 +23,15 @@ def test_local_stops_cleanly_on_sigint(procs: ProcessGroup, tmp_path: Path) -> N
     wait_for_updates(int(ps_port), 20, timeout=90, proc=local)
     wait_until(lambda: try_scrape(int(ps_port)).get("rpcps_server_live_workers") == 2, timeout=60,
                what="both workers to be live on the server")
-    below = descendants(local.pid)  # the server and two workers, and the fork server they were started from
-    recorded = {c["pid"] for c in json.loads((run_dir / "children.json").read_text()).values()}
-    assert len(recorded) == 3 and recorded <= set(below), f"local's children.json must name its live children: {recorded}, below local: {below}"
+    children = descendants(local.pid)
+    assert len(children) == 3, f"expected a server and two workers below local, found {children}"
+    recorded = json.loads((run_dir / "children.json").read_text())
+    assert {c["pid"] for c in recorded.values()} == set(children), "local's children.json must name its live children"
 
     local.send(signal.SIGINT)
     assert local.wait(60) == 130
     assert "interrupted; all children stopped" in local.stdout()
-    assert [pid for pid in below if pid_alive(pid)] == []
+    assert [pid for pid in children if pid_alive(pid)] == []
     # The children were stopped, not killed: each logged its own orderly end.
     assert "ps.runner: stopping" in (run_dir / "ps.log").read_text()
     for i in range(2):
