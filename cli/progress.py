@@ -16,8 +16,9 @@ from typing import Any
 
 RESUMED_LINE = re.compile(r"resumed from (\S+) at version (\d+)")
 """The server's log line when it resumes from a snapshot (ps/runner.py ``_restore``): it names the snapshot."""
-SERVING_LINE = re.compile(r"\bserving on \S+ as ")
-"""The server's log line once it serves (ps/runner.py): restored if it resumed, its version no longer a default 0."""
+SERVING_LINE = re.compile(r"\bserving on (?:the group of )?\S+ as ")
+"""The server's log line once it serves (ps/runner.py): restored if it resumed, its version no longer a default 0.
+Shard 0 without a coordinator says where it listens; every other server, the group it joined."""
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ def test_resume_is_read_from_the_servers_newest_resume_line() -> None:
     assert progress.resumed_from(tail) == (2984, "step-2984")
     assert progress.resumed_from("... ps.runner: serving on 127.0.0.1:1 as ps0_r0\n") is None
     assert progress.serving("INFO [ps0 pid 7] ps.runner: serving on 127.0.0.1:29500 as ps0_r0 (send SIGTERM or Ctrl-C to stop)")
+    # Every server but a shard 0 that hosts the store names the group it joined (local waits for each to serve).
+    assert progress.serving("INFO [ps1 pid 8] ps.runner: serving on the group of 127.0.0.1:29500 as ps1_r0 (send SIGTERM or Ctrl-C to stop)")
     assert not progress.serving(tail)
     assert progress.resume_notice("ps", 2984, "step-2984") == "rpcps local: ps resumed from version 2984 (snapshot step-2984)"
 
