@@ -1,10 +1,20 @@
-"""Free TCP ports on this machine, for launchers and tests that bind several servers at once."""
+"""Free TCP ports on this machine, for launchers and tests that bind several servers at once.
+
+A port is chosen at random below the kernel's ephemeral range (``ip_local_port_range``), where it
+can be taken between the choice and the child's bind only by another explicit bind, never as the
+source port of an outgoing connection: with torch RPC, gRPC and scrapes opening connections all the
+time, a port the kernel handed to ``bind(('', 0))`` was once taken that way before the worker that
+was given it for its /metrics could bind it (CI, four test workers). Where the ephemeral range
+leaves no room below it, the kernel chooses (port 0).
+"""
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 from collections import deque
+from pathlib import Path
 
 _RECENT = 4096
 """How many handed-out ports this process remembers. The kernel may give a port that was just
@@ -14,6 +24,29 @@ have not bound theirs yet."""
 
 _handed_out: deque[int] = deque(maxlen=_RECENT)
 _lock = threading.Lock()
+_LOWEST = 10000
+"""The band's floor: below it live well-known and registered services' ports."""
+_TRIES = 200
+
+
+def _band() -> range | None:
+    """Ports below the ephemeral range and above ``_LOWEST``, or None when there are too few."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(_LOWEST, low) if low - _LOWEST >= 1000 else None
+
+
+def _bind_candidate(host: str, band: range | None, failures: int) -> socket.socket:
+    """A socket bound to a random port of ``band`` (the kernel's choice after ``_TRIES`` failures)."""
+    s = socket.socket()
+    try:
+        s.bind((host, random.choice(band) if band is not None and failures < _TRIES else 0))
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -26,9 +59,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     try:
         with _lock:
             chosen: list[int] = []
+            band, failures = _band(), 0
             while len(chosen) < n:
-                s = socket.socket()
-                s.bind((host, 0))
+                try:
+                    s = _bind_candidate(host, band, failures)
+                except OSError:  # taken: try another
+                    failures += 1
+                    continue
                 sockets.append(s)  # held bound: the kernel cannot offer it again in this loop
                 port = s.getsockname()[1]
                 if port not in _handed_out:

@@ -43,3 +43,18 @@ def test_real_ports_are_distinct_and_bindable() -> None:
     assert len(set(chosen)) == 100
     with socket.socket() as s:
         s.bind(("127.0.0.1", chosen[-1]))
+
+
+@pytest.mark.timeout(30)
+def test_ports_come_from_below_the_ephemeral_range_and_a_taken_one_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    band = ports._band()
+    if band is None:
+        pytest.skip("this kernel's ephemeral range leaves no band below it")  # not on Linux with the default range
+    chosen = ports.free_ports(20)
+    assert all(p in band for p in chosen), chosen
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", chosen[0]))
+        picks = iter([chosen[0], chosen[1]])
+        monkeypatch.setattr(ports, "_handed_out", type(ports._handed_out)(maxlen=8))
+        monkeypatch.setattr(ports.random, "choice", lambda _band: next(picks))
+        assert ports.free_port() == chosen[1]
