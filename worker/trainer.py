@@ -74,6 +74,8 @@ _PRIMARY_LOST = (transport.PeerUnreachable, NotPrimary)
 """What a call to a shard's primary raises when that process is gone or no longer serves the shard."""
 _MOVED_POLL_S = 0.05
 """How often a worker waiting for a reply checks whether the shard's primary was replaced meanwhile."""
+_LEASE_RETRY_S = 0.1
+"""How often a worker calls again a primary that answered it holds no lease yet."""
 
 
 class TooManyRejects(RuntimeError):
@@ -660,8 +662,7 @@ class Trainer:
                     raise pending
                 replies.append(self._result(link, pending))
             except _PRIMARY_LOST as e:
-                self._fail_over(link, e)
-                replies.append(result(start(link)))
+                replies.append(self._call_after_loss(link, lambda link=link: result(start(link)), e))
         return replies
 
     def _result(self, link: ShardLink, pending: transport.Pending) -> Any:
@@ -711,6 +712,8 @@ class Trainer:
             # The coordinator is down too: the view in use says whether a standby will promote once
             # it is back (the new client below waits for that, up to failover_timeout_s).
             now = old
+        if isinstance(error, NotPrimary) and now is not None and now.epoch == old.epoch and now.primary == old.primary:
+            return  # the store still names it: it serves without a lease for now (_call_after_loss calls it again)
         if now is None or (now.epoch == old.epoch and now.standby is None):
             raise error  # nobody to take over: the shard comes back from its snapshot
         logger.warning(  # the view's names come from the store, which has no authentication
@@ -771,8 +774,23 @@ class Trainer:
         try:
             return call()
         except _PRIMARY_LOST as e:
-            self._fail_over(link, e)
-        return call()
+            return self._call_after_loss(link, call, e)
+
+    def _call_after_loss(self, link: ShardLink, call: Callable[[], Any], error: Exception) -> Any:
+        """After ``call`` lost its shard's primary with ``error``: fails over, then calls again. While the
+        primary the view names answers that it holds no lease yet (a promoted standby whose claim etcd
+        has not granted, during an etcd election), calls it again every ``_LEASE_RETRY_S`` up to
+        ``failover_timeout_s``; then raises as before (the worker restarts to rejoin)."""
+        deadline = time.monotonic() + self.config.failover_timeout_s
+        while True:
+            self._fail_over(link, error)
+            try:
+                return call()
+            except NotPrimary as e:
+                if time.monotonic() >= deadline:
+                    raise
+                error = e
+                time.sleep(_LEASE_RETRY_S)
 
     def _with_retries(self, call: Callable[[], Any]) -> Any:
         for attempt in range(self.config.max_retries + 1):

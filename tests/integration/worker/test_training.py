@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import control as control_plane
 from harness.procs import ENTRY, ProcessGroup, free_port, scrape_metrics, wait_until
 from tests.integration.conftest import assert_learned, imported_modules, read_json, wait_for_updates
 
@@ -91,7 +92,10 @@ def test_worker_started_before_its_server_waits_and_trains(procs: ProcessGroup, 
 def test_hand_started_workers_share_a_host_and_load_no_server_module(procs: ProcessGroup) -> None:
     """Two workers started by hand on one host without --metrics-port or LOCAL_RANK both run (the
     second serves /metrics on a free port and says where), and a worker process never imports ``ps``."""
-    _, port, ps_metrics = procs.ps("ps")
+    control = f"127.0.0.1:{free_port()}"
+    _, port, ps_metrics = procs.ps("ps", "--control-port", control.rsplit(":", 1)[1])
+    # Training held until both serve /metrics: the first must still hold its port when the second binds.
+    control_plane.pause(control, wait_for_ready=True)
     workers = [
         procs.start(
             f"worker{i}",
@@ -101,6 +105,8 @@ def test_hand_started_workers_share_a_host_and_load_no_server_module(procs: Proc
         )
         for i in range(2)
     ]
+    wait_until(lambda: all("metrics on http" in w.stderr() or not w.alive() for w in workers), 120, "both workers to serve /metrics")
+    control_plane.resume(control)
     for w in workers:
         assert w.wait(120) == 0, w.tail()
     assert scrape_metrics(ps_metrics)["rpcps_server_updates_applied_total"] == 60
