@@ -99,4 +99,6 @@ def test_a_failed_connection_is_tried_again_on_a_new_one_even_past_the_budget() 
     with pytest.raises(dist.DistNetworkError):
         open_client("127.0.0.1", port, 2.0, datetime.timedelta(seconds=1))
     took = time.monotonic() - started
-    assert 2.8 <= took < 8.0, f"gave up after {took:.1f}s: expected a 2 s try and then a second one of 1 s"
+    # torch waits a random backoff of up to about 3 s inside each try after its first connect fails
+    # (CI: 8.2 s in all): the upper bound says it gives up, not how fast.
+    assert 2.8 <= took < 15.0, f"gave up after {took:.1f}s: expected a 2 s try and then a second one of 1 s"
