@@ -2,7 +2,7 @@
 worker never would, then prints what happened as one JSON line on stdout.
 
 Runs in its own process (torch RPC allows one agent per process):
-    python tests/integration/ps/rpc_client.py HOST:PORT bad_pushes|removed_then_failover
+    .venv/bin/python tests/integration/ps/rpc_client.py HOST:PORT bad_pushes|removed_then_failover
 The server must run plain SGD with lr=1 and the built-in model, so a zero gradient leaves the
 parameters bit-identical while still producing a new version (and a fresh snapshot to pull).
 """
