@@ -8,8 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -23,11 +21,8 @@ from harness import control
 from harness.etcd import EtcdCluster, available
 from harness.ledger import check_ledger, recovery_after
 from harness.procs import (
-    ENTRY,
-    REPO,
     Proc,
     ProcessGroup,
-    child_env,
     free_port,
     freeze_past_promotion,
     start_replica_pair,
@@ -283,19 +278,16 @@ def test_a_kill_of_the_etcd_leader_during_training_pauses_nothing_and_loses_no_f
 
 
 @pytest.mark.timeout(240)
-def test_local_with_an_etcd_store_starts_no_coordinator(tmp_path: Path, etcd: EtcdCluster) -> None:
+def test_local_with_an_etcd_store_starts_no_coordinator(procs: ProcessGroup, tmp_path: Path, etcd: EtcdCluster) -> None:
     """``rpcps local --store etcd://... --replicas 2``: two server processes and the workers, all
     joined through etcd, no ``rpcps store``; every step applied once, nothing restarted, and the
     job's keys are under its prefix in etcd."""
     url = etcd.url("local")
     summary = tmp_path / "summary.json"
-    done = subprocess.run(
-        [sys.executable, str(ENTRY), "local", "--store", url, "--replicas", "2", "--workers", "2", "--steps", "100",
-         "--run-dir", str(tmp_path / "run"), "--summary-json", str(summary), "--audit-log", str(tmp_path / "audit.log")],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=200, check=False,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert f"store in {url}" in done.stdout + done.stderr
+    local = procs.start("local", ["local", "--store", url, "--replicas", "2", "--workers", "2", "--steps", "100",
+                                  "--run-dir", tmp_path / "run", "--summary-json", summary, "--audit-log", tmp_path / "audit.log"])
+    assert local.wait(200) == 0, local.tail()
+    assert f"store in {url}" in local.stdout() + local.stderr()
     result = json.loads(summary.read_text())
     assert result["updates_applied"] == 200
     assert result["restarts"] == {"ps": 0, "ps_b": 0, "worker0": 0, "worker1": 0}
