@@ -1,4 +1,5 @@
-"""A real etcd cluster on loopback for tests: N members (Debian's ``etcd-server``), free ports, data
+"""A real etcd cluster for tests: N members (Debian's ``etcd-server``) on loopback with free ports,
+or one member per test host (a network namespace, its address and etcd's own ports 2379/2380); data
 directories under the test's tmp folder, started and reaped as processes of the test's ``ProcessGroup``.
 
 Elections are tuned for loopback (50 ms heartbeats, 500 ms election timeout) so a killed leader is
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.procs import Proc, ProcessGroup, wait_until
@@ -18,6 +20,8 @@ from rpcps.ports import free_ports
 
 HEARTBEAT_MS = 50
 ELECTION_MS = 500
+CLIENT_PORT, PEER_PORT = 2379, 2380
+"""etcd's own ports, for members on hosts of their own."""
 
 
 def available() -> str | None:
@@ -32,31 +36,41 @@ class Member:
     client_port: int
     peer_port: int
     proc: Proc | None = None
+    address: str = "127.0.0.1"
+    prefix: list[str] = field(default_factory=list)
+    """The command line its programs run under (e.g. ``ip netns exec NS``: its host)."""
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.address}:{self.client_port}"
 
 
 class EtcdCluster:
-    """Starts ``size`` members and waits until the cluster has a leader that answers."""
+    """Starts the members and waits until the cluster has a leader that answers.
 
-    def __init__(self, procs: ProcessGroup, data: Path, size: int = 3) -> None:
-        ports = free_ports(2 * size)
-        self.members = [Member(f"etcd{i}", ports[2 * i], ports[2 * i + 1]) for i in range(size)]
+    ``hosts``: one member per (address, command prefix) pair, e.g. a test network's host and its
+    ``ip netns exec NS``; without it, ``size`` members on loopback.
+    """
+
+    def __init__(self, procs: ProcessGroup, data: Path, size: int = 3, hosts: Sequence[tuple[str, list[str]]] = ()) -> None:
+        if hosts:
+            self.members = [Member(f"etcd{i}", CLIENT_PORT, PEER_PORT, address=a, prefix=p) for i, (a, p) in enumerate(hosts)]
+        else:
+            ports = free_ports(2 * size)
+            self.members = [Member(f"etcd{i}", ports[2 * i], ports[2 * i + 1]) for i in range(size)]
         self._procs = procs
         self._data = data
-        initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        initial = ",".join(f"{m.name}=http://{m.address}:{m.peer_port}" for m in self.members)
         for member in self.members:
-            member.proc = procs.start(member.name, self._argv(member, initial), script=None, program=["etcd"])
+            member.proc = procs.start(member.name, self._argv(member, initial), script=None, program=[*member.prefix, "etcd"])
         wait_until(self.leader, 30, "the etcd cluster to elect a leader", interval=0.1)
 
     def _argv(self, member: Member, initial: str) -> list[str]:
         return [
             "--name", member.name, "--data-dir", str(self._data / member.name),
             "--listen-client-urls", f"http://{member.endpoint}", "--advertise-client-urls", f"http://{member.endpoint}",
-            "--listen-peer-urls", f"http://127.0.0.1:{member.peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{member.peer_port}",
+            "--listen-peer-urls", f"http://{member.address}:{member.peer_port}",
+            "--initial-advertise-peer-urls", f"http://{member.address}:{member.peer_port}",
             "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", self._data.name,
             "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS), "--log-level", "warn",
         ]
@@ -74,8 +88,8 @@ class EtcdCluster:
         if not live:
             return None
         result = subprocess.run(
-            ["etcdctl", "--endpoints", ",".join(m.endpoint for m in live), "endpoint", "status", "-w", "json"],
-            env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin:/usr/local/bin"},
+            [*live[0].prefix, "etcdctl", "--endpoints", ",".join(m.endpoint for m in live), "endpoint", "status", "-w", "json"],
+            env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin:/usr/local/bin:/usr/sbin:/sbin"},
             capture_output=True, text=True, timeout=10, check=False,
         )
         try:

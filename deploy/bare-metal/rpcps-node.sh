@@ -61,7 +61,9 @@ server:
   --metrics-port P       RPCPS_METRICS_PORT          9400
   --control-port P       RPCPS_CONTROL_PORT          9500
   --store HOST:PORT      RPCPS_STORE                 unset (this server hosts the group's store at --listen);
-                                                     the coordinator's address: join its group instead
+                                                     the coordinator's address: join its group instead; or
+                                                     etcd://HOST:PORT[,HOST:PORT...]/PREFIX: the group's
+                                                     store in an etcd cluster (no coordinator)
   --replicas N           RPCPS_REPLICAS              1; 2 keeps a hot standby per shard: run the same server
                                                      command on a second node (needs --store). On one node,
                                                      give the second other --metrics-port/--control-port
@@ -73,7 +75,9 @@ store (the coordinator; servers pass its address as --store, workers as --ps):
                                                      the server sets that for the server)
 
 workers (worker i of this node, i = 0..count-1):
-  --ps HOST:PORT         RPCPS_PS                    required: the server's --listen address
+  --ps HOST:PORT         RPCPS_PS                    required: the server's --listen address (the
+                                                     coordinator's with replicas; the servers' etcd:// URL
+                                                     when the store is in etcd)
   --count N              RPCPS_NODE_WORKERS          1 workers on this node
   --first-index K        RPCPS_FIRST_INDEX           0 slot of this node's local worker 0
   --local-index L        RPCPS_LOCAL_INDEX           0 local index of the first worker started here
@@ -171,6 +175,22 @@ need_host_port() {
     [[ $2 =~ ^(\[[0-9a-fA-F:.]+\]|[^:]+):([0-9]+)$ ]] || die "$1 must be HOST:PORT, got '$2'"
     need_port "$1's port" "${BASH_REMATCH[2]}"
 }
+# need_store FLAG VALUE: HOST:PORT (a server or the coordinator) or etcd://HOST:PORT[,HOST:PORT...]/PREFIX.
+need_store() {
+    if [[ $2 == etcd://* ]]; then
+        [[ $2 =~ ^etcd://([^/]+)/(.+)$ ]] || die "$1 must be etcd://HOST:PORT[,HOST:PORT...]/PREFIX (a prefix of the job's own), got '$2'"
+        local endpoint
+        local -a endpoints
+        IFS=, read -ra endpoints <<<"${BASH_REMATCH[1]}"
+        for endpoint in "${endpoints[@]}"; do
+            [[ $endpoint =~ ^(\[[0-9a-fA-F:.]+\]|[^:]+):([0-9]+)$ ]] ||
+                die "$1: each etcd endpoint must be HOST:PORT, got '$endpoint' in '$2'"
+            need_port "$1's etcd port" "${BASH_REMATCH[2]}"
+        done
+    else
+        need_host_port "$@"
+    fi
+}
 
 log_dir=$(setting log-dir RPCPS_LOG_DIR /var/log/rpcps)
 python=$(setting python RPCPS_PYTHON python3)
@@ -234,10 +254,10 @@ if [ "$role" = server ]; then
     ((replicas >= 1)) || die "--replicas must be >= 1, got $replicas"
     replication=()
     if [ -n "$store" ]; then
-        need_host_port --store "$store"
+        need_store --store "$store"
         replication=(--store "$store")
     elif ((replicas > 1)); then
-        die "--replicas $replicas needs --store HOST:PORT: a standby cannot take over from a primary that hosts the group's store; start '$prog store' and pass its address"
+        die "--replicas $replicas needs --store HOST:PORT or etcd://...: a standby cannot take over from a primary that hosts the group's store; start '$prog store' and pass its address, or keep the store in etcd"
     fi
     ((replicas > 1)) && replication+=(--replicas "$replicas")
     # --supervise off: this launcher (or, with --no-supervise, systemd) restarts the server; its own
@@ -257,7 +277,7 @@ else
     local_index=$(setting local-index RPCPS_LOCAL_INDEX 0)
     metrics_base=$(setting metrics-port-base RPCPS_METRICS_PORT_BASE 9410)
     [ -n "$ps" ] || die "--ps HOST:PORT is required: the server's --listen address (torchrun's MASTER_ADDR/MASTER_PORT is not it)"
-    need_host_port --ps "$ps"
+    need_store --ps "$ps"
     need_uint --count "$count"
     ((count >= 1)) || die "--count must be >= 1, got $count"
     if [ -n "${opt[torchrun]:-}" ]; then

@@ -9,6 +9,12 @@ through any member as soon as it has elected another.
 Only calls that can be repeated without changing their outcome are retried after an unclear
 failure (the request may have been applied): reads always, writes only when the endpoint refused
 the connection (the request never left). Everything else raises ``EtcdUnavailable``.
+
+A member whose host is cut off refuses nothing: the connection to it stays open and calls into it
+time out. So a repeatable call gives each endpoint at most half its deadline before it tries the
+next, and any call that timed out on an endpoint sends the calls after it to the next one. Measured
+across hosts (tests/integration/deploy/test_multihost.py): without that, a standby whose first
+endpoint was the cut-off primary's own member never reached the majority and never promoted.
 """
 
 from __future__ import annotations
@@ -67,6 +73,9 @@ class EtcdClient:
 
     def _call(self, what: str, call: Callable[[int, float], T], *, idempotent: bool) -> T:
         deadline = time.monotonic() + self.timeout_s
+        # A repeatable call leaves time for another endpoint; a write keeps the whole deadline (a slow
+        # leader's fsync must not fail it), and only the calls after it go elsewhere.
+        per_try_s = self.timeout_s / 2 if idempotent and len(self.endpoints) > 1 else self.timeout_s
         with self._lock:
             start = self._current
         last: grpc.RpcError | None = None
@@ -77,10 +86,12 @@ class EtcdClient:
             if left <= 0:
                 break
             try:
-                result = call(index, left)
+                result = call(index, min(left, per_try_s))
             except grpc.RpcError as e:
                 last = e
                 code = e.code()  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._move_past(index)
                 retry = code == grpc.StatusCode.UNAVAILABLE or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not retry:
                     break
@@ -100,6 +111,14 @@ class EtcdClient:
         raise EtcdUnavailable(
             f"etcd ({','.join(map(str, self.endpoints))}) did not answer {what} within {self.timeout_s:g}s ({detail})"
         )
+
+    def _move_past(self, index: int) -> None:
+        """Calls start at the endpoint after ``index`` from now on (it did not answer in time)."""
+        with self._lock:
+            if self._current == index:
+                self._current = (index + 1) % len(self.endpoints)
+                logger.warning("etcd member %s did not answer in time; calls go to %s from now on",
+                               self.endpoints[index], self.endpoints[self._current])
 
     # ---- keys ----------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -148,6 +149,17 @@ def test_a_server_with_a_standby_joins_the_coordinator() -> None:
     assert "--store" not in alone.stdout and "--replicas" not in alone.stdout
 
 
+def test_the_store_may_be_an_etcd_cluster_for_servers_and_workers() -> None:
+    url = "etcd://10.0.0.5:2379,10.0.0.6:2379,[fd00::7]:2379/jobs/run-17"
+    server = dry("server", "--store", url, "--replicas", "2")
+    assert server.returncode == 0, server.stderr
+    assert shlex.split(server.stdout.split(" > ")[0])[-6:] == ["--store", url, "--replicas", "2", "--supervise", "off"]
+    workers = dry("workers", "--ps", url, "--count", "2")
+    assert workers.returncode == 0, workers.stderr
+    commands = [shlex.split(line.split(" > ")[0]) for line in workers.stdout.splitlines() if " worker " in line]
+    assert len(commands) == 2 and all(c[c.index("--ps") + 1] == url for c in commands), workers.stdout
+
+
 def test_torchrun_mode_builds_a_torchrun_command_with_a_rendezvous() -> None:
     result = dry("workers", "--torchrun", "--ps", "ps-0:29500", "--count", "4", "--nnodes", "2",
                  "--rdzv-endpoint", "node-0:29400", "--log-dir", "/l", "--", "--steps", "5")
@@ -176,6 +188,9 @@ def test_torchrun_mode_builds_a_torchrun_command_with_a_rendezvous() -> None:
         (["server", "--replicas", "2"], "--replicas 2 needs --store HOST:PORT"),
         (["server", "--store", "nohost", "--replicas", "2"], "--store must be HOST:PORT, got 'nohost'"),
         (["server", "--replicas", "0"], "--replicas must be >= 1"),
+        (["server", "--store", "etcd://10.0.0.5:2379"], "--store must be etcd://HOST:PORT[,HOST:PORT...]/PREFIX (a prefix of the job's own), got 'etcd://10.0.0.5:2379'"),
+        (["workers", "--ps", "etcd://a:2379,b/job"], "--ps: each etcd endpoint must be HOST:PORT, got 'b' in 'etcd://a:2379,b/job'"),
+        (["workers", "--ps", "etcd://a:2379,b:99999/job"], "--ps's etcd port must be a port in [0, 65535], got '99999'"),
         (["store", "--ps", "a:1"], "unknown option --ps for 'store'"),
         (["store", "--listen", "a:99999"], "--listen's port must be a port in [0, 65535], got '99999'"),
         (["nonsense"], "unknown role 'nonsense'"),
