@@ -28,7 +28,8 @@ class LocalConfig:
         None,
         help="etcd://HOST:PORT[,HOST:PORT...]/PREFIX: keep the job's coordination state in this etcd cluster; local then "
         "starts no coordinator (not even with --replicas 2) and its servers, workers and evaluator join through etcd "
-        "(docs/FAULT_TOLERANCE.md); unset: local keeps the store in a coordinator or in shard 0's server",
+        "(docs/FAULT_TOLERANCE.md); ?cacert=FILE[&cert=FILE&key=FILE] for TLS (docs/SECURITY.md); unset: local keeps "
+        "the store in a coordinator or in shard 0's server",
         metavar="etcd://HOST:PORT[,...]/PREFIX",
     )
     worker_script: str | None = setting(

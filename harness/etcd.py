@@ -52,7 +52,14 @@ class EtcdCluster:
     ``ip netns exec NS``; without it, ``size`` members on loopback.
     """
 
-    def __init__(self, procs: ProcessGroup, data: Path, size: int = 3, hosts: Sequence[tuple[str, list[str]]] = ()) -> None:
+    def __init__(
+        self, procs: ProcessGroup, data: Path, size: int = 3, hosts: Sequence[tuple[str, list[str]]] = (),
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
+        """``tls``: (certificate, key) for every member's client port, the certificate its own CA (a
+        self-signed one for 127.0.0.1); members then also require clients to present a certificate
+        that CA signed (``--client-cert-auth``)."""
+        self.tls = tls
         if hosts:
             self.members = [Member(f"etcd{i}", CLIENT_PORT, PEER_PORT, address=a, prefix=p) for i, (a, p) in enumerate(hosts)]
         else:
@@ -66,18 +73,30 @@ class EtcdCluster:
         wait_until(self.leader, 30, "the etcd cluster to elect a leader", interval=0.1)
 
     def _argv(self, member: Member, initial: str) -> list[str]:
+        scheme = "https" if self.tls else "http"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls[0]), "--key-file", str(self.tls[1]), "--trusted-ca-file", str(self.tls[0]), "--client-cert-auth",
+        ]
         return [
-            "--name", member.name, "--data-dir", str(self._data / member.name),
-            "--listen-client-urls", f"http://{member.endpoint}", "--advertise-client-urls", f"http://{member.endpoint}",
+            *tls, "--name", member.name, "--data-dir", str(self._data / member.name),
+            "--listen-client-urls", f"{scheme}://{member.endpoint}", "--advertise-client-urls", f"{scheme}://{member.endpoint}",
             "--listen-peer-urls", f"http://{member.address}:{member.peer_port}",
             "--initial-advertise-peer-urls", f"http://{member.address}:{member.peer_port}",
             "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", self._data.name,
             "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS), "--log-level", "warn",
         ]
 
-    def url(self, prefix: str) -> str:
-        """``etcd://`` with every member's endpoint and ``prefix``: what ``--store``/``--ps`` take."""
-        return f"etcd://{','.join(m.endpoint for m in self.members)}/{prefix}"
+    def url(self, prefix: str, client_certificate: bool = True) -> str:
+        """``etcd://`` with every member's endpoint and ``prefix``: what ``--store``/``--ps`` take; on a
+        TLS cluster with its CA (and, unless told otherwise, the client certificate it requires)."""
+        url = f"etcd://{','.join(m.endpoint for m in self.members)}/{prefix}"
+        if self.tls is None:
+            return url
+        cert, key = self.tls
+        return f"{url}?cacert={cert}" + (f"&cert={cert}&key={key}" if client_certificate else "")
+
+    def _ctl_tls(self) -> list[str]:
+        return [] if self.tls is None else ["--cacert", str(self.tls[0]), "--cert", str(self.tls[0]), "--key", str(self.tls[1])]
 
     def alive(self) -> list[Member]:
         return [m for m in self.members if m.proc is not None and m.proc.alive()]
@@ -88,7 +107,7 @@ class EtcdCluster:
         if not live:
             return None
         result = subprocess.run(
-            [*live[0].prefix, "etcdctl", "--endpoints", ",".join(m.endpoint for m in live), "endpoint", "status", "-w", "json"],
+            [*live[0].prefix, "etcdctl", "--endpoints", ",".join(m.endpoint for m in live), *self._ctl_tls(), "endpoint", "status", "-w", "json"],
             env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin:/usr/local/bin:/usr/sbin:/sbin"},
             capture_output=True, text=True, timeout=10, check=False,
         )

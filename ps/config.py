@@ -183,7 +183,8 @@ class ServerRunConfig:
         None,
         help="HOST:PORT of the group's store to join: a `rpcps store` coordinator, or shard 0's --listen; or "
         "etcd://HOST:PORT[,HOST:PORT...]/PREFIX: the job's coordination state in an etcd cluster under a prefix of its "
-        "own (docs/FAULT_TOLERANCE.md); unset: this server hosts the store itself at --listen",
+        "own (docs/FAULT_TOLERANCE.md), over TLS with ?cacert=FILE[&cert=FILE&key=FILE] (docs/SECURITY.md); unset: this "
+        "server hosts the store itself at --listen",
         metavar="HOST:PORT",
     )
     model: str = model_setting()

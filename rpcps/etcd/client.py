@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import grpc
 
-from rpcps.address import Address
+from rpcps.address import Address, EtcdTls
 from rpcps.etcd import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,18 @@ def prefix_end(prefix: bytes) -> bytes:
 class EtcdClient:
     """Thread-safe; every call bounded by ``timeout_s``."""
 
-    def __init__(self, endpoints: Sequence[Address], timeout_s: float = 2.0) -> None:
+    def __init__(self, endpoints: Sequence[Address], timeout_s: float = 2.0, tls: EtcdTls | None = None) -> None:
         if not endpoints:
             raise ValueError("an etcd client needs at least one endpoint")
         self.endpoints = tuple(endpoints)
         self.timeout_s = timeout_s
-        self._channels = [grpc.insecure_channel(str(e)) for e in self.endpoints]
+        self._tls = tls
+        if tls is None:
+            self._channels = [grpc.insecure_channel(str(e)) for e in self.endpoints]
+        else:
+            ca, key, chain = tls.credentials()
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
+            self._channels = [grpc.secure_channel(str(e), credentials) for e in self.endpoints]
         self._kv = [rpc_pb2_grpc.KVStub(c) for c in self._channels]
         self._lease = [rpc_pb2_grpc.LeaseStub(c) for c in self._channels]
         self._lock = threading.Lock()
@@ -110,6 +116,7 @@ class EtcdClient:
         detail = f"{last.code().name}: {last.details()}" if last is not None else "deadline passed"  # type: ignore[attr-defined]
         raise EtcdUnavailable(
             f"etcd ({','.join(map(str, self.endpoints))}) did not answer {what} within {self.timeout_s:g}s ({detail})"
+            + _tls_hint(detail, self._tls is not None)
         )
 
     def _move_past(self, index: int) -> None:
@@ -178,6 +185,17 @@ class EtcdClient:
             self._call("a lease revoke", lambda i, t: self._lease[i].LeaseRevoke(request, timeout=t), idempotent=True)
         except EtcdUnavailable as e:
             logger.debug("could not revoke etcd lease %x (it ends by itself): %s", lease, e)
+
+
+def _tls_hint(detail: str, tls: bool) -> str:
+    """What to check when the connection itself failed the way a TLS mismatch makes it fail."""
+    if not tls and "Socket closed" in detail:
+        return ("; if etcd serves TLS on that port, give the URL its CA: ?cacert=CA.pem (and &cert=...&key=... where etcd "
+                "checks clients' certificates)")
+    if tls and any(sign in detail for sign in ("TSI_", "SSL", "ssl", "handshake", "certificate")):
+        return ("; the TLS handshake failed: cacert= must be the CA of the members' certificates (issued for the HOST "
+                "in the URL), and where etcd checks clients' certificates, cert= and key= one that CA signed")
+    return ""
 
 
 # ---- transaction parts ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from rpcps.address import EtcdAddress
+from rpcps.address import ETCD_SCHEME, EtcdAddress
 from rpcps.etcd.client import EtcdClient, EtcdUnavailable, absent, get_op, modified_at, prefix_end, put_op, value_is
 
 RENDEZVOUS_SCHEME = "rpcps-etcd"
@@ -175,21 +175,23 @@ class EtcdStore(dist.Store):
 
 def rendezvous_url(address: EtcdAddress) -> str:
     """The ``init_method`` that makes torch RPC rendezvous through ``address`` (``register_rendezvous``)."""
-    return f"{RENDEZVOUS_SCHEME}://{','.join(map(str, address.endpoints))}/{address.prefix}"
+    return str(address).replace(ETCD_SCHEME, f"{RENDEZVOUS_SCHEME}://", 1)
 
 
 def open_store(address: EtcdAddress, timeout_s: float) -> EtcdStore:
     """A store client of the job's keys in etcd; each call bounded by ``timeout_s``."""
-    return EtcdStore(EtcdClient(address.endpoints, timeout_s), address.prefix, timedelta(seconds=timeout_s))
+    return EtcdStore(EtcdClient(address.endpoints, timeout_s, address.tls), address.prefix, timedelta(seconds=timeout_s))
 
 
 _agent_stores: list[EtcdStore] = []
 
 
 def _rendezvous(url: str, **_kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
-    # torch appends ?rank=..&world_size=-1; the group is dynamic and rpcps chose the rank already.
+    # torch appends rank=..&world_size=-1 to the query; the group is dynamic and rpcps chose the rank
+    # already. The rest of the query is the URL's own (TLS).
     parsed = urlparse(url)
-    address = EtcdAddress.parse(f"etcd://{parsed.netloc}{parsed.path}")
+    own = "&".join(p for p in parsed.query.split("&") if p and p.split("=", 1)[0] not in ("rank", "world_size"))
+    address = EtcdAddress.parse(f"{ETCD_SCHEME}{parsed.netloc}{parsed.path}" + (f"?{own}" if own else ""))
     # Each agent's own client; init_rpc sets its timeout to the RPC timeout.
     store = open_store(address, timeout_s=AGENT_CALL_TIMEOUT_S)
     # init_rpc keeps only the C++ side (wrapped in a PrefixStore); once the Python object is

@@ -37,6 +37,7 @@ from rpcps.etcd.store import EtcdStore, open_store
 from rpcps.messages import View
 from rpcps.transport import group
 from rpcps.transport.registry import Registry, ViewRecord
+from tests.integration.certs import self_signed
 from tests.unit.ps.replication.fakes import FakeServer
 
 pytestmark = [
@@ -52,6 +53,13 @@ VIEW_KEY = "rpcps/view/0"
 def etcd(procs: ProcessGroup, tmp_path: Path) -> Iterator[EtcdCluster]:
     """Three etcd members on free loopback ports, data under tmp_path; reaped with the test's processes."""
     yield EtcdCluster(procs, tmp_path / "etcd")
+
+
+@pytest.fixture
+def etcd_tls(procs: ProcessGroup, tmp_path: Path) -> Iterator[EtcdCluster]:
+    """The same over TLS, requiring a client certificate (a self-signed one for 127.0.0.1 is the CA)."""
+    (tmp_path / "tls").mkdir()
+    yield EtcdCluster(procs, tmp_path / "etcd", tls=self_signed(tmp_path / "tls"))
 
 
 def _scrape(port: int, key: str) -> float:
@@ -320,3 +328,24 @@ def test_a_frozen_primary_is_fenced_through_etcd(procs: ProcessGroup, tmp_path: 
     assert report.problems == [] and report.final_version == 1000, report.problems[:5]
     assert [epoch for _, epoch, _, _ in report.promotions][:1] == [2]
     assert [epoch for _, epoch, _ in report.stepdowns] == [1], report.stepdowns
+
+
+@pytest.mark.timeout(240)
+def test_over_tls_with_client_certificates_a_job_trains_and_a_client_without_them_is_refused(
+    procs: ProcessGroup, tmp_path: Path, etcd_tls: EtcdCluster
+) -> None:
+    """``--store etcd://...?cacert=FILE&cert=FILE&key=FILE``: every child of ``local`` (the server, the
+    workers, torch's rendezvous) reaches etcd over TLS with its client certificate; a client in
+    plaintext, or over TLS without a certificate, gets nothing from the cluster."""
+    url = etcd_tls.url("tls")
+    summary = tmp_path / "summary.json"
+    local = procs.start("local", ["local", "--store", url, "--workers", "2", "--steps", "50", "--run-dir", tmp_path / "run",
+                                  "--summary-json", summary])
+    assert local.wait(200) == 0, local.tail()
+    assert json.loads(summary.read_text())["updates_applied"] == 100
+    assert open_store(parse_store_address(url), timeout_s=5.0).num_keys() > 0
+    plaintext, without_certificate = url.partition("?")[0], etcd_tls.url("tls", client_certificate=False)
+    with pytest.raises(dist.DistStoreError, match=r"did not answer .*if etcd serves TLS on that port, give the URL its CA"):
+        open_store(parse_store_address(plaintext), timeout_s=1.0).num_keys()
+    with pytest.raises(dist.DistStoreError, match=r"did not answer .*the TLS handshake failed: .* cert= and key="):
+        open_store(parse_store_address(without_certificate), timeout_s=1.0).num_keys()

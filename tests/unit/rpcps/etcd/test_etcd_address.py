@@ -3,11 +3,13 @@ printed back as given (``local``'s child command lines round-trip), and HOST:POR
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cli.main import parse
 from ps.config import ServerRunConfig
-from rpcps.address import Address, EtcdAddress, parse_store_address
+from rpcps.address import Address, EtcdAddress, EtcdTls, parse_store_address
 from rpcps.etcd.client import prefix_end
 from rpcps.settings import declared, to_argv
 from worker.config import WorkerRunConfig
@@ -46,6 +48,37 @@ def test_every_role_that_takes_a_store_takes_an_etcd_url_and_gives_it_back_on_it
     argv = to_argv(worker, declared(WorkerRunConfig))
     assert url in argv and parse(["worker", *argv])[1] == worker
     assert parse(["ps", *to_argv(server, declared(ServerRunConfig))])[1] == server
+
+
+def test_an_etcd_url_with_a_ca_file_is_tls_with_or_without_a_client_certificate(tmp_path: Path) -> None:
+    for name in ("ca.pem", "cert.pem", "key.pem"):
+        (tmp_path / name).write_text("PEM")
+    ca, cert, key = (str(tmp_path / n) for n in ("ca.pem", "cert.pem", "key.pem"))
+    server_only = parse_store_address(f"etcd://127.0.0.1:2379/job?cacert={ca}")
+    assert server_only.tls == EtcdTls(ca) and server_only.prefix == "job"
+    both = parse_store_address(f"etcd://127.0.0.1:2379/job?cacert={ca}&cert={cert}&key={key}")
+    assert both.tls == EtcdTls(ca, cert, key)
+    assert parse_store_address(str(both)) == both, "printed back as parsed: local hands it to its children"
+    assert both.tls.credentials() == (b"PEM", b"PEM", b"PEM")
+    _, worker = parse(["worker", "--ps", str(both)])
+    assert worker.ps == both and str(both) in to_argv(worker, declared(WorkerRunConfig))
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("cacert={ca}&cert={ca}", "cert= and key= go together"),
+        ("cert={ca}&key={ca}", "TLS needs cacert=FILE"),
+        ("cacert={ca}&sslmode=on", "unknown or repeated parameter sslmode"),
+        ("cacert={ca}&cacert={ca}", "unknown or repeated parameter"),
+        ("cacert", "is not NAME=VALUE"),
+        ("cacert=/no/such/ca.pem", "cacert=/no/such/ca.pem is not a readable file"),
+    ],
+)
+def test_a_bad_tls_query_says_what_is_wrong(tmp_path: Path, query: str, says: str) -> None:
+    (tmp_path / "ca.pem").write_text("PEM")
+    with pytest.raises(ValueError, match=says):
+        parse_store_address("etcd://127.0.0.1:2379/job?" + query.format(ca=tmp_path / "ca.pem"))
 
 
 def test_a_bad_url_on_the_command_line_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
