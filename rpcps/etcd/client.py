@@ -192,7 +192,7 @@ def _tls_hint(detail: str, tls: bool) -> str:
     if not tls and "Socket closed" in detail:
         return ("; if etcd serves TLS on that port, give the URL its CA: ?cacert=CA.pem (and &cert=...&key=... where etcd "
                 "checks clients' certificates)")
-    if tls and any(sign in detail for sign in ("TSI_", "SSL", "ssl", "handshake", "certificate")):
+    if tls and any(sign in detail.lower() for sign in ("tsi_", "ssl", "handshake", "certificate")):
         return ("; the TLS handshake failed: cacert= must be the CA of the members' certificates (issued for the HOST "
                 "in the URL), and where etcd checks clients' certificates, cert= and key= one that CA signed")
     return ""

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from harness.etcd import EtcdCluster, available
-from harness.ledger import check_ledger, first_apply_after
+from harness.ledger import LedgerReport, check_ledger, first_apply_after
 from harness.procs import REPO, ProcessGroup, child_env, descendants, try_scrape, wait_until
 from rpcps.secret_files import create_secret_file
 from tests.netns import TestNetwork, unavailable_reason
@@ -288,19 +288,8 @@ def test_a_standby_on_another_host_takes_over_when_the_primarys_host_is_cut_off(
 
     # psa's cable is pulled. psb promotes itself once psa has been silent for its lease; psa, cut off
     # from its standby and the coordinator, has no lease and applies nothing.
-    cut_at, cut_clock = time.time(), time.monotonic()
-    c.net.cut("psa")
-    try:
-        wait_until(lambda: c.server_value(ROLE, "psb") == PRIMARY, 30, "psb to promote itself")
-        promoted_in = time.monotonic() - cut_clock
-        assert c.server_value(EPOCH, "psb") == 2
-        at_promotion = c.server_value(VERSION, "psb")
-        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 200, 30, "training to go on at psb")
-        stuck_at = c.server_value(VERSION, "psa")
-        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 400, 30, "more training at psb")
-        assert c.server_value(VERSION, "psa") == stuck_at, "the cut-off primary applied an update"
-    finally:
-        c.net.restore("psa")
+    cut_at, promoted_in, epoch = _cut_off_the_primary(c, "psb to promote itself")
+    assert epoch == 2
 
     # Back on the network: psa steps down, restarts itself in place, and follows psb.
     wait_until(lambda: c.server_value(ROLE, "psa") == STANDBY and c.server_value(IN_SYNC, "psb") == 1, 120,
@@ -312,23 +301,9 @@ def test_a_standby_on_another_host_takes_over_when_the_primarys_host_is_cut_off(
         c.procs[host].send(signal.SIGTERM)
         assert c.procs[host].wait(60) == 0, c.log(f"{host}/{'store' if host == 'store' else 'ps'}.log")[-3000:]
 
-    report = check_ledger(c.ledger)
-    assert report.problems == [], report.problems[:10]
-    assert report.final_version == 2 * STEPS, "one update per worker step: nothing lost, nothing applied twice"
-    assert [epoch for _, epoch, _, _ in report.promotions][:1] == [2], report.promotions
-    assert [epoch for _, epoch, _ in report.stepdowns] == [1], report.stepdowns
+    report = _check_one_history(c, cut_at, promoted_in, "")
     assert report.restarts == 3, "psa and psb started, and psa restarted itself (in place) once after stepping down"
-    assert report.digests_compared > 0
     assert "stepping down as shard 0's primary (epoch 1)" in c.log("psa/ps.log")
-    # psa restarted in place (same pid, a fresh RPC name): its name at the cut wrote the last apply before it.
-    old_name = [w for (t, _), w in zip(report.applies, report.apply_writers) if t <= cut_at][-1]
-    late = [t - cut_at for (t, _), w in zip(report.applies, report.apply_writers) if w == old_name and t > cut_at]
-    assert all(t < 1.5 for t in late), f"the cut-off primary applied updates {late} s after the cut, past its lease"
-    resumed = first_apply_after(report, cut_at, other_than=old_name)
-    assert resumed is not None
-    print(f"cut of the primary's host -> psb promoted (seen) {promoted_in:.2f}s, first update applied by psb "
-          f"{resumed - cut_at:.2f}s; psa applied {len(late)} in flight after the cut, the last {max(late, default=0):.3f}s after")
-    assert promoted_in <= FAILOVER_BOUND_S and resumed - cut_at <= FAILOVER_BOUND_S
 
 
 @pytest.mark.slow
@@ -355,18 +330,7 @@ def test_with_the_store_in_etcd_a_member_per_host_the_standby_takes_over_from_a_
     c.worker(0, launcher_args=("--count", "2"))
     wait_until(lambda: c.server_value(LIVE, "psa") == 2 and c.server_value(VERSION, "psa") >= 100, 90, "2 live workers and 100 updates")
 
-    cut_at, cut_clock = time.time(), time.monotonic()
-    c.net.cut("psa")
-    try:
-        wait_until(lambda: c.server_value(ROLE, "psb") == PRIMARY, 30, "psb to promote itself through etcd")
-        promoted_in = time.monotonic() - cut_clock
-        at_promotion = c.server_value(VERSION, "psb")
-        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 200, 30, "training to go on at psb")
-        stuck_at = c.server_value(VERSION, "psa")
-        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 400, 30, "more training at psb")
-        assert c.server_value(VERSION, "psa") == stuck_at, "the cut-off primary applied an update"
-    finally:
-        c.net.restore("psa")
+    cut_at, promoted_in, _ = _cut_off_the_primary(c, "psb to promote itself through etcd")
 
     wait_until(lambda: c.server_value(ROLE, "psa") == STANDBY and c.server_value(IN_SYNC, "psb") == 1, 120,
                "psa to come back as psb's in-sync standby")
@@ -376,20 +340,49 @@ def test_with_the_store_in_etcd_a_member_per_host_the_standby_takes_over_from_a_
         c.procs[host].send(signal.SIGTERM)
         assert c.procs[host].wait(60) == 0, c.log(f"{host}/ps.log")[-3000:]
 
+    _check_one_history(c, cut_at, promoted_in, "etcd across hosts: ")
+
+
+def _cut_off_the_primary(c: Cluster, promotion: str) -> tuple[float, float, float]:
+    """Pulls psa's cable until psb has promoted itself (``promotion``: what the wait says) and applied
+    400 updates while psa applied none; then plugs it back. Returns (wall time of the cut, seconds to
+    the promotion seen, psb's epoch when it was seen)."""
+    cut_at, cut_clock = time.time(), time.monotonic()
+    c.net.cut("psa")
+    try:
+        wait_until(lambda: c.server_value(ROLE, "psb") == PRIMARY, 30, promotion)
+        promoted_in = time.monotonic() - cut_clock
+        epoch = c.server_value(EPOCH, "psb")
+        at_promotion = c.server_value(VERSION, "psb")
+        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 200, 30, "training to go on at psb")
+        stuck_at = c.server_value(VERSION, "psa")
+        wait_until(lambda: c.server_value(VERSION, "psb") >= at_promotion + 400, 30, "more training at psb")
+        assert c.server_value(VERSION, "psa") == stuck_at, "the cut-off primary applied an update"
+    finally:
+        c.net.restore("psa")
+    return cut_at, promoted_in, epoch
+
+
+def _check_one_history(c: Cluster, cut_at: float, promoted_in: float, label: str) -> LedgerReport:
+    """The ledger after a cut of psa: one history, every step applied once, psb promoted to epoch 2
+    and psa stepped down from 1, digests compared, psa's last applies in flight within its lease,
+    and the failover within ``FAILOVER_BOUND_S`` (printed, ``label`` first)."""
     report = check_ledger(c.ledger)
     assert report.problems == [], report.problems[:10]
     assert report.final_version == 2 * STEPS, "one update per worker step: nothing lost, nothing applied twice"
     assert [epoch for _, epoch, _, _ in report.promotions][:1] == [2], report.promotions
     assert [epoch for _, epoch, _ in report.stepdowns] == [1], report.stepdowns
     assert report.digests_compared > 0
+    # psa restarted in place (same pid, a fresh RPC name): its name at the cut wrote the last apply before it.
     old_name = [w for (t, _), w in zip(report.applies, report.apply_writers) if t <= cut_at][-1]
     late = [t - cut_at for (t, _), w in zip(report.applies, report.apply_writers) if w == old_name and t > cut_at]
     assert all(t < 1.5 for t in late), f"the cut-off primary applied updates {late} s after the cut, past its lease"
     resumed = first_apply_after(report, cut_at, other_than=old_name)
     assert resumed is not None
-    print(f"etcd across hosts: cut of the primary's host -> psb promoted (seen) {promoted_in:.2f}s, first update applied "
-          f"by psb {resumed - cut_at:.2f}s; psa applied {len(late)} in flight after the cut, the last {max(late, default=0):.3f}s after")
+    print(f"{label}cut of the primary's host -> psb promoted (seen) {promoted_in:.2f}s, first update applied by psb "
+          f"{resumed - cut_at:.2f}s; psa applied {len(late)} in flight after the cut, the last {max(late, default=0):.3f}s after")
     assert promoted_in <= FAILOVER_BOUND_S and resumed - cut_at <= FAILOVER_BOUND_S
+    return report
 
 
 @pytest.mark.timeout(120)

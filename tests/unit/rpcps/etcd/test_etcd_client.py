@@ -49,30 +49,26 @@ def cut_off() -> Iterator[Address]:
         yield Address("127.0.0.1", listener.getsockname()[1])
 
 
-@pytest.mark.timeout(30)
-def test_a_read_reaches_the_next_member_within_its_deadline_and_later_calls_start_there(
-    cut_off: Address, member: Address
-) -> None:
+@pytest.fixture
+def client(cut_off: Address, member: Address) -> Iterator[EtcdClient]:
+    """A client whose first endpoint is the cut-off member."""
     client = EtcdClient([cut_off, member], timeout_s=TIMEOUT_S)
-    try:
-        started = time.monotonic()
-        assert client.range(b"k").count == 0
-        assert time.monotonic() - started < TIMEOUT_S + 0.5
-        started = time.monotonic()
-        assert client.range(b"k").count == 0
-        assert time.monotonic() - started < TIMEOUT_S / 2, "the cut-off member is not asked first again"
-    finally:
-        client.close()
+    yield client
+    client.close()
 
 
 @pytest.mark.timeout(30)
-def test_a_write_that_timed_out_is_not_repeated_but_the_next_call_goes_to_another_member(
-    cut_off: Address, member: Address
-) -> None:
-    client = EtcdClient([cut_off, member], timeout_s=TIMEOUT_S)
-    try:
-        with pytest.raises(EtcdUnavailable, match="did not answer a transaction"):
-            client.txn([], [])  # it may have been applied: not sent again
-        assert client.txn([], []).succeeded
-    finally:
-        client.close()
+def test_a_read_reaches_the_next_member_within_its_deadline_and_later_calls_start_there(client: EtcdClient) -> None:
+    started = time.monotonic()
+    assert client.range(b"k").count == 0
+    assert time.monotonic() - started < TIMEOUT_S + 0.5
+    started = time.monotonic()
+    assert client.range(b"k").count == 0
+    assert time.monotonic() - started < TIMEOUT_S / 2, "the cut-off member is not asked first again"
+
+
+@pytest.mark.timeout(30)
+def test_a_write_that_timed_out_is_not_repeated_but_the_next_call_goes_to_another_member(client: EtcdClient) -> None:
+    with pytest.raises(EtcdUnavailable, match="did not answer a transaction"):
+        client.txn([], [])  # it may have been applied: not sent again
+    assert client.txn([], []).succeeded
