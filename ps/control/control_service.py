@@ -31,6 +31,7 @@ from ps.config import ControlConfig
 from ps.control import control_pb2, control_pb2_grpc
 from ps.control.auth import TokenInterceptor, read_token, warn_if_readable_by_others
 from ps.control.hooks import CheckpointHook, ReplicaState
+from ps.core.server import CONTROL_APPLY_TIMEOUT_S
 from rpcps.errors import NotPrimary
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.model_file import to_bytes
@@ -48,6 +49,10 @@ logger = logging.getLogger(__name__)
 CONTROL_SERVICE: str = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 METHODS = tuple(m.name for m in control_pb2.DESCRIPTOR.services_by_name["Control"].methods)
 EXPORT_PIECE_BYTES = 1 << 20
+_NOT_APPLIED = (
+    "the {action} is in the server's log but was not applied within {took:g}s: its standby has not acknowledged it "
+    "(it applies once the standby does, or once the standby is dropped); ask for the status, and retry if it did not change"
+)
 """Under gRPC's default 4 MiB message limit, so no client needs to raise it."""
 
 
@@ -59,9 +64,9 @@ class Steerable(Protocol):
     @property
     def paused(self) -> bool: ...
 
-    def pause(self) -> None: ...
+    def pause(self) -> bool: ...
 
-    def resume(self) -> None: ...
+    def resume(self) -> bool: ...
 
     def status(self) -> ServerStatus: ...
 
@@ -282,7 +287,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             if self.shutdown_requested:
                 raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "the server is shutting down; pausing would stall it")
             changed = not self.server.paused
-            self.server.pause()
+            if not self.server.pause():
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, _NOT_APPLIED.format(action="pause", took=CONTROL_APPLY_TIMEOUT_S))
         if changed:
             logger.info("paused on request at version %d: pushes are held until resume", self.server.version)
         return control_pb2.PauseResponse(changed=changed, model_version=self.server.version)
@@ -291,7 +297,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     def Resume(self, request: control_pb2.ResumeRequest, context: grpc.ServicerContext) -> control_pb2.ResumeResponse:
         with self._lock:
             changed = self.server.paused
-            self.server.resume()
+            if not self.server.resume():
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, _NOT_APPLIED.format(action="resume", took=CONTROL_APPLY_TIMEOUT_S))
         if changed:
             logger.info("resumed on request at version %d", self.server.version)
         return control_pb2.ResumeResponse(changed=changed, model_version=self.server.version)

@@ -57,6 +57,10 @@ from rpcps.wire import to_dense_fp32, wire_dtype
 
 logger = logging.getLogger(__name__)
 
+CONTROL_APPLY_TIMEOUT_S = 30.0
+"""How long a pause or resume waits to be applied: with a standby, until it acknowledged the entry
+(a standby that stopped answering is dropped within its lease, and then the entry applies)."""
+
 
 @dataclass(frozen=True)
 class Contribution:
@@ -490,19 +494,26 @@ class ParameterServer:
 
     # ---- control ---------------------------------------------------------------------------------
 
-    def pause(self) -> None:
+    def pause(self, timeout_s: float = CONTROL_APPLY_TIMEOUT_S) -> bool:
         """Holds updates: pushes sequenced after this are answered 'paused' (a log entry, so a standby
-        that takes over is paused too)."""
-        self._control("pause")
+        that takes over is paused too). Returns once the entry is applied, so ``version`` is then the
+        version it holds at; False when it was not applied within ``timeout_s`` (it still will be)."""
+        return self._control("pause", timeout_s)
 
-    def resume(self) -> None:
-        self._control("resume")
+    def resume(self, timeout_s: float = CONTROL_APPLY_TIMEOUT_S) -> bool:
+        return self._control("resume", timeout_s)
 
-    def _control(self, action: str) -> None:
+    def _control(self, action: str, timeout_s: float) -> bool:
+        # With a standby an entry applies once the standby holds it, after the pushes sequenced before
+        # it: returning before that would report a version that one more push can still move.
+        applied_here = threading.Event()
+        reply: Future = Future()
+        reply.add_done_callback(lambda _: applied_here.set())
         with self.lock:
-            self.sequence_locked(lambda index, epoch: Control(index, epoch, action))
+            self.sequence_locked(lambda index, epoch: Control(index, epoch, action)).replies.append((reply, None))
             applied = self.apply_committed_locked()
         answer(applied)
+        return applied_here.wait(timeout_s)
 
     @property
     def paused(self) -> bool:

@@ -12,7 +12,7 @@ import torch
 from harness.inprocess import assert_bit_identical, make_server, pack
 from ps.api.worker_service import PROMOTION_WAIT_S
 from ps.core.optim import OptimizerConfig
-from ps.core.server import ParameterServer
+from ps.core.server import ParameterServer, answer
 from ps.core.update_log import Sequenced
 from rpcps.errors import NotPrimary, PushRejected, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
 
@@ -391,6 +391,27 @@ def test_paused_server_answers_paused_without_applying(server: ParameterServer) 
     assert server.version == 0
     server.resume()
     assert server.push(0, incarnation, 0, 0, _good_chunks(server)).status == "applied"
+
+
+@pytest.mark.timeout(30)
+def test_a_pause_behind_an_unacknowledged_push_returns_once_both_applied_at_the_version_it_holds(server: ParameterServer) -> None:
+    """With a standby every entry waits for its acknowledgement: a pause sequenced behind a push
+    returns only once both are applied, so the version it reports is the one it holds at (returning at
+    once reported the version before that push, which then still applied)."""
+    incarnation = _register(server)
+    server.log.acked_index = server.log.last_index  # a standby attached: commits wait for its acknowledgement
+    reply = server.submit(0, incarnation, 0, 0, _good_chunks(server), have_version=-1)
+    assert server.pause(timeout_s=0.05) is False and server.version == 0  # in the log, not applied
+    returned: list[bool] = []
+    pausing = threading.Thread(target=lambda: returned.append(server.pause(timeout_s=10)))
+    pausing.start()
+    server.log.acknowledged(server.log.last_index, retain=True)
+    with server.lock:
+        applied = server.apply_committed_locked()
+    answer(applied)
+    pausing.join(10)
+    assert returned == [True] and server.paused and server.version == 1
+    assert reply.wait().status == "applied"
 
 
 @pytest.mark.timeout(60)
