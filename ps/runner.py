@@ -172,7 +172,7 @@ def run_server(config: ServerRunConfig) -> int:
         http.shutdown()  # type: ignore[attr-defined]
         raise
     if restart:
-        _leave_and_restart(control, janitor, store_guard, http, _snapshot_if_stepped_down(server, replica, checkpointer, config))
+        _leave_and_restart(control, janitor, store_guard, http, _snapshot_if_stepped_down(server, replica, checkpointer, config, ledger))
     store_host = transport.store_host()
     reaper = MembershipReaper(
         service, config.lease_s, store_host=store_host, secret=secret, failures=metrics.reaper_ping_failures
@@ -204,7 +204,7 @@ def run_server(config: ServerRunConfig) -> int:
             why = recovery.restart_due(time.monotonic())
             if why is not None:
                 logger.warning("restarting this server to listen again: %s", why)
-                restart_from = _snapshot_for_restart(server, checkpointer, config)
+                restart_from = _snapshot_for_restart(server, checkpointer, config, ledger)
                 break
             if reaper.store_host_lost and not store_lost:
                 store_lost = True
@@ -213,7 +213,7 @@ def run_server(config: ServerRunConfig) -> int:
                     logger.warning("the group's coordinator %s is gone; serving on (joins and failovers wait for it to come back)",
                                    store_host)
                     continue
-                restart_from = _on_store_lost(server, replica, checkpointer, config)
+                restart_from = _on_store_lost(server, replica, checkpointer, config, ledger)
                 if restart_from is not None:
                     break
         if asked_to_stop.is_set():
@@ -221,7 +221,7 @@ def run_server(config: ServerRunConfig) -> int:
             restart.clear()
         if restart:
             logger.warning("restarting this server process: %s", restart[0])
-            restart_from = _snapshot_if_stepped_down(server, replica, checkpointer, config) or restart_from
+            restart_from = _snapshot_if_stepped_down(server, replica, checkpointer, config, ledger) or restart_from
         else:
             logger.info("stopping")
             control.set_serving(False)
@@ -272,7 +272,8 @@ def _leave_and_restart(
 
 
 def _on_store_lost(
-    server: ParameterServer, replica: ShardReplica, checkpointer: Checkpointer | None, config: ServerRunConfig
+    server: ParameterServer, replica: ShardReplica, checkpointer: Checkpointer | None, config: ServerRunConfig,
+    ledger: AuditLog | None,
 ) -> str | None:
     """The group's store host is gone: no join or view change can happen in this group any more.
 
@@ -286,7 +287,7 @@ def _on_store_lost(
         os.environ[ATTACH_ONLY_ENV] = "1"
         return None
     logger.error("the group's store host is gone; snapshotting and rejoining its successor")
-    path = _snapshot_for_restart(server, checkpointer, config)
+    path = _snapshot_for_restart(server, checkpointer, config, ledger)
     replica.stop()
     return path
 
@@ -341,7 +342,8 @@ def _on_listener_lost(server: ParameterServer, listener: ListenerWatch, recovery
 
 
 def _snapshot_if_stepped_down(
-    server: ParameterServer, replica: ShardReplica, checkpointer: Checkpointer | None, config: ServerRunConfig
+    server: ParameterServer, replica: ShardReplica, checkpointer: Checkpointer | None, config: ServerRunConfig,
+    ledger: AuditLog | None,
 ) -> str | None:
     """A primary that stepped down with no standby in its view (whatever deposed it: a newer view, a
     failed compare-and-set) holds updates no other process has: it writes its exact state and
@@ -352,13 +354,14 @@ def _snapshot_if_stepped_down(
     primary = replica.primary
     if primary is None or not server.deposed or primary.record.view.standby is not None:
         return None
-    path = _snapshot_for_restart(server, checkpointer, config, stepping_down=True)
+    path = _snapshot_for_restart(server, checkpointer, config, ledger, stepping_down=True)
     logger.warning("stepped down with no standby: wrote the exact state (version %d) to %s to restart from", server.version, path)
     return path
 
 
 def _snapshot_for_restart(
-    server: ParameterServer, checkpointer: Checkpointer | None, config: ServerRunConfig, stepping_down: bool = False
+    server: ParameterServer, checkpointer: Checkpointer | None, config: ServerRunConfig, ledger: AuditLog | None,
+    stepping_down: bool = False,
 ) -> str:
     """Stops updates and writes the exact current state for this process to restart from.
 
@@ -371,7 +374,7 @@ def _snapshot_for_restart(
         scratch = supervisor.scratch_dir()
         directory = tempfile.mkdtemp(prefix=f"{_RESTART_DIR_PREFIX}shard{config.core.shard_index}-", dir=scratch)
         checkpointer = Checkpointer(
-            server, CheckpointConfig(directory=directory, every_seconds=None), _meta(server, config), server.metrics
+            server, CheckpointConfig(directory=directory, every_seconds=None), _meta(server, config), server.metrics, ledger
         )
     else:
         checkpointer.stop(final=False)
