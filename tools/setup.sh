@@ -44,4 +44,9 @@ if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null || [ "$headers" 
   apt_install g++ ninja-build python3-dev
 fi
 .venv/bin/python -m rpcps.transport.native
+if [ "${1:-}" = "--test" ]; then
+  # The hostile-peer test's native sender (test support, cached per torch under the temporary folder):
+  # built here so the test run does not spend its first half-minute compiling.
+  .venv/bin/python -c 'from tests.integration.security import script_call_sender; script_call_sender.load()'
+fi
 echo "rpcps is set up in $(pwd)/.venv"
