@@ -57,6 +57,7 @@ class HeldKey:
         self._conditions = conditions
         self._retake = retake
         self._ended = threading.Event()
+        self._taken = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"etcd-lease-{key.decode(errors='replace')}", daemon=True)
 
@@ -67,6 +68,10 @@ class HeldKey:
     def held(self) -> bool:
         """Whether this process holds the key now (and will until at least the next renewal is due)."""
         return time.monotonic() < self._valid_until
+
+    def wait_taken(self, timeout_s: float) -> bool:
+        """Whether the key was taken (at least once) within ``timeout_s``."""
+        return self._taken.wait(timeout_s)
 
     @property
     def ended(self) -> bool:
@@ -108,6 +113,7 @@ class HeldKey:
         lease = self._client.grant(self.ttl_s)
         if self._client.txn([absent(self._key), *self._conditions()], [put_op(self._key, self._holder, lease)]).succeeded:
             self._lease, self._valid_until = lease, asked + self.ttl_s - MARGIN_S
+            self._taken.set()
             logger.info("holding %s in etcd", self._key.decode(errors="replace"))
         else:
             self._client.revoke(lease)

@@ -29,8 +29,9 @@ from torch.distributed import rpc
 from rpcps.address import Address, EtcdAddress, StoreAddress
 from rpcps.etcd.client import modified_at
 from rpcps.etcd.lease import HeldKey
-from rpcps.etcd.store import EtcdStore, open_store, register_rendezvous, rendezvous_url
+from rpcps.etcd.store import EtcdStore, never_wait_for, open_store, register_rendezvous, rendezvous_url
 from rpcps.jobsecret import JobSecret
+from rpcps.logsafe import peer_text
 from rpcps.transport import membership, protection, request_filter
 from rpcps.transport.config import TransportOptions
 from rpcps.transport.membership import RANK_COUNTER_KEY
@@ -56,6 +57,19 @@ _tcp_store: ReconnectingStore | None = None
 """The registry's store when a process (a coordinator, or a server with ``--listen``) hosts it."""
 _rebuild: StoreRebuild | None = None
 """Writes this member's part back into a restarted coordinator's store (joined members of a TCPStore group)."""
+_alive: HeldKey | None = None
+"""This member's liveness key, with an etcd store."""
+_agent_view: dist.Store | None = None
+"""With an etcd store, the group's keys as this process's agent sees them (torch's prefix)."""
+
+ALIVE_KEY = "rpcps/alive/{}"
+"""``rpcps/alive/<name>``: held by RPC member ``name`` under its own etcd lease from just before it
+joins until it exits; a listed member without one is gone (``membership.prune_departed``)."""
+ALIVE_TTL_S = 5
+"""The liveness lease: a dead member counts as gone this long after its last renewal (renewed every
+third of it). Long beside an etcd election (0.5-1 s measured), so a live member cut off from etcd
+for a moment is not taken for dead and dropped from the member list new joiners call; short, since
+a join right after a member's death fails on it until then."""
 
 
 class TransportError(RuntimeError):
@@ -176,11 +190,15 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
         raise TransportError(f"the server at {address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
     name = f"{base_name}_r{rank}"
+    if isinstance(address, EtcdAddress):
+        _announce_alive(address, name, deadline)
     try:
         _init_filtered_rpc(name, rank, address, options)
     except request_filter.FilterUnavailable:
         raise
     except (RuntimeError, dist.DistError) as e:
+        if isinstance(address, EtcdAddress):
+            _withdraw(name)
         raise JoinFailed(f"could not join the server at {address}: {str(e).splitlines()[0]}") from e
     _open_registry(address, max(deadline - time.monotonic(), REGISTRY_TIMEOUT_S))
     global _rebuild
@@ -223,10 +241,51 @@ def _etcd_rank(address: EtcdAddress, deadline: float) -> int:
         store.client.close()
 
 
+def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> None:
+    """With an etcd store, before joining: takes this member's liveness key (held until it exits),
+    then drops from the member list every member whose key ended, and frees the group token if one
+    of them died holding it. With no process hosting the store, nothing else does that when no other
+    member is joined (a lone server restarting, a whole job started again on its old prefix)."""
+    global _etcd, _alive, _agent_view
+    store = _etcd = open_store(address, REGISTRY_TIMEOUT_S)
+    _agent_view = membership.agent_store(store)
+    # torch's failed join leaves the group through a wait for its own join token, which only this
+    # process could release: that wait would last the store's whole timeout (30 s and more).
+    never_wait_for(
+        membership.join_token(name),
+        f"a member listed in the group did not answer this join (one that died stays listed until its liveness key in etcd ends, "
+        f"{ALIVE_TTL_S} s after its last renewal)",
+    )
+    _alive = HeldKey(store.client, store.key(ALIVE_KEY.format(name)), name, ALIVE_TTL_S).start()
+    if not _alive.wait_taken(max(deadline - time.monotonic(), REGISTRY_TIMEOUT_S)):
+        raise TransportError(f"could not take this process's liveness key in the etcd cluster {address}; is every member reachable?")
+    try:
+        gone = membership.prune_departed(_agent_view, name, lambda n: store.check([ALIVE_KEY.format(n)]))
+    except (RuntimeError, dist.DistError) as e:
+        logger.warning("could not check the group's member list in etcd before joining (%s); joining as it is", e)
+        return
+    if gone:
+        logger.warning("dropped %d members whose processes are gone from the group's member list: %s", len(gone), [peer_text(n) for n in gone])
+
+
+def _withdraw(name: str) -> None:
+    """After a failed join with an etcd store: ends this member's liveness key and frees what its
+    join still holds (``membership.withdraw_failed_join``), so the next join need not wait for either."""
+    global _alive
+    if _alive is not None:
+        _alive.stop()
+        _alive = None
+    try:
+        if _agent_view is not None:
+            membership.withdraw_failed_join(_agent_view, name)
+    except (RuntimeError, dist.DistError) as e:
+        logger.warning("could not free what the failed join held in etcd (%s): the next join frees it once this process's liveness key ended", e)
+
+
 def _open_registry(address: StoreAddress, connect_timeout_s: float) -> None:
     global _registry, _etcd, _tcp_store
     if isinstance(address, EtcdAddress):
-        _etcd = open_store(address, REGISTRY_TIMEOUT_S)
+        _etcd = _etcd or open_store(address, REGISTRY_TIMEOUT_S)  # opened before the join (_announce_alive)
         _registry = Registry(_etcd)
         return
     # Its own client, one that reconnects: torch's never does, and a coordinator may restart (store_client).
@@ -361,10 +420,13 @@ def shard_claim(shard: int, name: str, ttl_s: int, view_revision: Callable[[], i
 
 def shutdown() -> None:
     """Local, non-graceful shutdown: a graceful one waits forever on any dead peer."""
-    global _rebuild
+    global _rebuild, _alive
     if _rebuild is not None:
         _rebuild.stop()
         _rebuild = None
+    if _alive is not None:
+        _alive.stop()  # revoked: a restart in place is taken for gone at once, not after the TTL
+        _alive = None
     try:
         rpc.shutdown(graceful=False)
     except Exception as e:  # noqa: BLE001 - shutting down must not raise over the real error

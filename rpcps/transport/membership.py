@@ -17,11 +17,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+import torch.distributed.rpc as torch_rpc
 from torch.distributed.rpc import WorkerInfo, _utils, api
 
 from rpcps.jobsecret import JobSecret, matches
@@ -70,8 +73,13 @@ def _holding_token(dead_holder: str = "") -> Iterator[None]:
     secret kept the next one from ever being told so, issue 12's CI runs). The token is released
     with the ``"Done"`` marker torch's waiters poll for, the dead holder's included.
     """
-    store = api._get_current_rpc_agent().store
-    mine = f"Token_for_rpcps-{os.getpid()}-{next(_token_names)}_join"
+    with _token_of(api._get_current_rpc_agent().store, f"Token_for_rpcps-{os.getpid()}-{next(_token_names)}_join", dead_holder):
+        yield
+
+
+@contextmanager
+def _token_of(store: dist.Store, mine: str, dead_holder: str = "") -> Iterator[None]:
+    """``_holding_token`` on ``store`` (torch's RPC keys) under the token name ``mine``."""
     holder = store.compare_set(_TOKEN_KEY, dead_holder, mine).decode()
     if holder != mine:
         raise TokenBusy(f"group token held by {holder}")
@@ -82,6 +90,74 @@ def _holding_token(dead_holder: str = "") -> Iterator[None]:
         store.set(mine, "Done")
         if dead_holder:
             store.set(dead_holder, "Done")  # wakes the joins that waited on the dead holder
+
+
+_HOLDER = re.compile(r"Token_for_(?P<name>\w+_r\d+)_(?:join|leave|prune)")
+"""A token held by an RPC member (torch's joins and leaves, ``prune_departed``); rpcps's own holds
+(``_holding_token``) name a pid instead and never match."""
+
+
+def agent_store(store: dist.Store) -> dist.Store:
+    """``store`` as the agent that ``init_rpc`` is about to start sees it (under torch's prefix of this
+    process's next ``init_rpc``): for changing the group's keys before joining."""
+    return dist.PrefixStore(f"rpc_prefix_{torch_rpc._init_counter}", store)  # torch/distributed/rpc/__init__.py
+
+
+def prune_departed(store: dist.Store, me: str, alive: Callable[[str], bool]) -> list[str]:
+    """Before member ``me`` joins: removes the listed members that are not ``alive``, and frees the
+    group token if one of them died holding it. Returns the names removed.
+
+    In a group whose store no process hosts (etcd), a member that died listed, or died holding the
+    token in a join torch does not clean up after (its failed-join path releases nothing), would
+    make every later join fail or wait for good unless a joined member's janitor removed it; in a job
+    with no other member joined, nobody would. ``store`` is the agent's view (``agent_store``);
+    ``alive(name)`` answers for each member (an etcd key under the member's own lease). A token held
+    by a live member, or taken meanwhile, is left alone: that join finishes, and this one waits for it
+    as torch's joins do.
+    """
+    holder = store.compare_set(_TOKEN_KEY, "", "").decode()  # a read that does not wait
+    dead_holder = ""
+    if holder:
+        match = _HOLDER.fullmatch(holder)
+        if match is None or match["name"] == me or alive(match["name"]):
+            return []
+        dead_holder = holder
+    try:
+        with _token_of(store, f"Token_for_{me}_prune", dead_holder):
+            departed = _unlist(store, lambda name: not alive(name))
+    except TokenBusy:
+        return []
+    if dead_holder:
+        logger.warning("took the group token over from %s, whose process is gone", peer_text(dead_holder))
+    return departed
+
+
+def join_token(name: str) -> str:
+    """The group token's value while member ``name`` joins (torch's ``_group_membership_management``)."""
+    return f"Token_for_{name}_join"
+
+
+def withdraw_failed_join(store: dist.Store, me: str) -> None:
+    """After member ``me``'s join failed: frees the group token if its join or leave still holds it
+    (torch's failed-join path releases neither) and takes ``me`` off the member list, so the next
+    join neither waits for it nor calls it. ``store`` is the agent's view (``agent_store``)."""
+    holder = store.compare_set(_TOKEN_KEY, "", "").decode()
+    own = holder if holder in (join_token(me), f"Token_for_{me}_leave") else ""
+    if holder and not own:
+        return  # another member's join or leave: that one changes the list after ours failed, or never saw us
+    with _token_of(store, f"Token_for_{me}_prune", own):
+        _unlist(store, lambda name: name == me)
+
+
+def _unlist(store: dist.Store, drop: Callable[[str], bool]) -> list[str]:
+    """Takes every member ``drop`` picks off the store's member list; returns their names. Call
+    holding the group token."""
+    listed = store.get(_MEMBERS_KEY).decode() if store.check([_MEMBERS_KEY]) else ""
+    entries = [e for e in listed.split(",") if e]
+    dropped = [e.rpartition("-")[0] for e in entries if drop(e.rpartition("-")[0])]
+    if dropped:
+        store.set(_MEMBERS_KEY, "".join(f"{e}," for e in entries if e.rpartition("-")[0] not in dropped))
+    return dropped
 
 
 def store_members() -> dict[str, int]:
@@ -185,11 +261,7 @@ def _forget_locked(name: str) -> bool:
     if info is not None:
         agent._update_group_membership(info, [], {}, False)
         forgotten = True
-    store = agent.store
-    entries = [e for e in store.get(_MEMBERS_KEY).decode().split(",") if e]
-    kept = [e for e in entries if e.rpartition("-")[0] != name]
-    if len(kept) != len(entries):
-        store.set(_MEMBERS_KEY, "".join(f"{e}," for e in kept))
+    if _unlist(agent.store, lambda listed: listed == name):
         forgotten = True
     if forgotten:
         logger.info("removed %s from the RPC group", peer_text(name))  # a name in the store, or one a peer asked to drop

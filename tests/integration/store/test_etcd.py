@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -184,12 +185,12 @@ def _control_flags() -> tuple[str, tuple[str, ...]]:
 
 
 def _start_pair(
-    procs: ProcessGroup, tmp_path: Path, url: str
+    procs: ProcessGroup, tmp_path: Path, url: str, *extra: str
 ) -> tuple[tuple[str, ...], list[tuple[Proc, int]], dict[int, str]]:
-    """Two replicas of shard 0 joined through etcd, the second in sync. Returns (their flags, [(process,
-    metrics port)] primary first, {metrics port: control address})."""
+    """Two replicas of shard 0 joined through etcd, the second in sync, both with flags ``extra`` too.
+    Returns (their flags, [(process, metrics port)] primary first, {metrics port: control address})."""
     common = ("--store", url, "--replicas", "2", "--audit-log", str(tmp_path / "audit.log"), "--digest-every", "10",
-              "--lease-s", "3")
+              "--lease-s", "3", *extra)
     (control_a, flags_a), (control_b, flags_b) = _control_flags(), _control_flags()
     pair = start_replica_pair(procs, common, flags_a, flags_b)
     return common, pair, {pair[0][1]: control_a, pair[1][1]: control_b}
@@ -349,3 +350,59 @@ def test_over_tls_with_client_certificates_a_job_trains_and_a_client_without_the
         open_store(parse_store_address(plaintext), timeout_s=1.0).num_keys()
     with pytest.raises(dist.DistStoreError, match=r"did not answer .*the TLS handshake failed: .* cert= and key="):
         open_store(parse_store_address(without_certificate), timeout_s=1.0).num_keys()
+
+
+@pytest.mark.timeout(240)
+def test_after_a_kill_of_every_process_the_job_restarts_from_its_checkpoint_through_the_same_etcd_keys(
+    procs: ProcessGroup, tmp_path: Path, etcd: EtcdCluster
+) -> None:
+    """kill -9 of the server and both workers at once leaves them all listed in the group's member list
+    in etcd, and no process is left to remove them. Started again on the same prefix, the server and
+    the workers join (each join prunes the members whose etcd liveness key ended) and the job finishes
+    from the server's checkpoint."""
+    url = etcd.url("restart")
+    server_args = ("--store", url, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every-updates", "20")
+    server, _, metrics = procs.ps("ps", *server_args)
+    workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "150", *PACED)[0] for i in range(2)]
+    wait_until(lambda: _version(metrics) >= 60 or not server.alive(), 90, "60 updates")
+    for proc in (server, *workers):
+        proc.kill()
+    restarted_at = time.monotonic()
+    again, _, metrics = procs.ps("ps_again", *server_args)
+    workers = [procs.worker(f"w{i}_again", url, i, 2, "--steps", "150", *PACED)[0] for i in range(2)]
+    assert [w.wait(150) for w in workers] == [0, 0], procs.tails()
+    print(f"a job started again on its etcd prefix after kill -9 of every process finished in {time.monotonic() - restarted_at:.1f}s")
+    assert _version(metrics) == 300, again.tail()
+    logs = "".join(p.stderr() for p in (again, *workers))
+    assert re.search(r"dropped 3 members whose processes are gone from the group's member list", logs), procs.tails()
+    again.send(15)
+    assert again.wait(60) == 0, again.tail()
+
+
+@pytest.mark.timeout(300)
+def test_a_lone_primary_fenced_by_its_etcd_claim_restarts_and_its_workers_rejoin_and_finish_exactly(
+    procs: ProcessGroup, tmp_path: Path, etcd: EtcdCluster
+) -> None:
+    """kill -9 of the standby, then SIGSTOP of the primary, now alone, past its claim's lease: thawed,
+    it applies nothing more, steps down, writes its exact state and restarts from it, while its workers,
+    having lost it, rejoin. No other server is joined to clean up after the joins that fail meanwhile
+    (a listed member that just died, a token held by a failed join): each join does it. The job
+    finishes at workers x steps with one history."""
+    url = etcd.url("lone")
+    _, [(a, ma), (b, _)], _ = _start_pair(procs, tmp_path, url, "--store-lease-s", "3")  # its claim's etcd lease
+    workers = [procs.worker(f"w{i}", url, i, 2, "--steps", "400", *PACED)[0] for i in range(2)]
+    wait_until(lambda: _version(ma) >= 100, 90, "100 updates")
+    b.kill()
+    wait_until(lambda: _scrape(ma, "rpcps_replica_standby_in_sync") == 0, 30, "the primary to drop its dead standby")
+    alone_at = _version(ma)
+    wait_until(lambda: _version(ma) >= alone_at + 20, 30, "20 updates alone (under its etcd claim)")
+    a.freeze()
+    thaw_at = time.monotonic() + 6  # the claim's lease is 3 s
+    wait_until(lambda: time.monotonic() >= thaw_at, 10, "6 s of freeze")  # the fault's duration, not a sync
+    a.thaw()
+    assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
+    assert re.search(r"stepped down with no standby: wrote the exact state", a.stderr()), a.tail()
+    a.send(15)
+    assert a.wait(60) == 0, a.tail()
+    report = check_ledger(tmp_path / "audit.log")
+    assert report.problems == [] and report.final_version == 800, report.problems[:5]

@@ -95,6 +95,18 @@ def test_stop_gives_the_key_back_at_once() -> None:
     assert not a.held() and etcd.holder is None
 
 
+def test_wait_taken_says_whether_the_key_was_taken_in_time() -> None:
+    etcd = FakeEtcd()
+    etcd.holder = (b"ps0_r1", 99)  # another process holds it
+    b = _held(etcd, "ps0_r2").start()
+    try:
+        assert not b.wait_taken(0.2)
+        etcd.expire(99)
+        assert b.wait_taken(10) and etcd.holder is not None and etcd.holder[0] == b"ps0_r2"
+    finally:
+        b.stop()
+
+
 def test_a_claim_is_taken_only_under_its_conditions_and_never_again_once_lost() -> None:
     """A primary's claim (``retake=False``): refused when its condition fails (the view moved on),
     and once its lease ended not taken again though the key is free: ``ended`` steps the primary down."""

@@ -88,3 +88,45 @@ def test_tidy_removes_failed_joins_while_holding_the_dead_holders_token(store: d
     assert (removed, failed) == ([], ["worker0_r1", "worker0_r2"])
     assert store.get("names/_ALL_WORKER_INFOS") == b""
     assert _holder(store) == "" and store.get(_DEAD) == b"Done"
+
+
+_MEMBERS_KEY = "names/_ALL_WORKER_INFOS"  # torch's key (agent_utils.cpp)
+
+
+def _members(store: dist.Store) -> str:
+    return store.get(_MEMBERS_KEY).decode()
+
+
+def test_before_a_join_departed_members_are_unlisted_and_a_dead_joins_token_taken_over(store: dist.Store) -> None:
+    """A lone process about to join a group whose store nobody hosts (etcd): the members whose
+    liveness ended are taken off the list, the token a dead join held is freed, and whoever waited
+    on that dead join is woken."""
+    store.set(_MEMBERS_KEY, "ps0_r1-1,worker0_r2-2,worker1_r3-3,")
+    store.set(_TOKEN_KEY, _DEAD)
+    alive = {"worker1_r3"}.__contains__
+    assert membership.prune_departed(store, "ps0_r4", alive) == ["ps0_r1", "worker0_r2"]
+    assert _members(store) == "worker1_r3-3," and _holder(store) == ""
+    assert store.get(_DEAD) == b"Done" and store.get("Token_for_ps0_r4_prune") == b"Done"
+
+
+@pytest.mark.parametrize("holder", ["Token_for_worker1_r3_join", "Token_for_rpcps-812-0_join", "Token_for_ps0_r4_join"])
+def test_a_token_held_by_a_live_member_or_by_no_member_or_by_the_joiner_is_left_alone(store: dist.Store, holder: str) -> None:
+    store.set(_MEMBERS_KEY, "worker0_r2-2,worker1_r3-3,")
+    store.set(_TOKEN_KEY, holder)
+    assert membership.prune_departed(store, "ps0_r4", {"worker1_r3"}.__contains__) == []
+    assert _holder(store) == holder and _members(store) == "worker0_r2-2,worker1_r3-3,"
+
+
+def test_a_failed_join_frees_its_own_token_and_takes_itself_off_the_list(store: dist.Store) -> None:
+    store.set(_MEMBERS_KEY, "ps0_r1-1,worker0_r2-2,")
+    store.set(_TOKEN_KEY, membership.join_token("worker0_r2"))
+    membership.withdraw_failed_join(store, "worker0_r2")
+    assert _holder(store) == "" and _members(store) == "ps0_r1-1,"
+    assert store.get(membership.join_token("worker0_r2")) == b"Done"  # what waiters on the failed join wait for
+
+
+def test_a_failed_join_leaves_another_members_token_alone(store: dist.Store) -> None:
+    store.set(_MEMBERS_KEY, "ps0_r1-1,worker0_r2-2,")
+    store.set(_TOKEN_KEY, "Token_for_worker1_r3_join")
+    membership.withdraw_failed_join(store, "worker0_r2")
+    assert _holder(store) == "Token_for_worker1_r3_join" and _members(store) == "ps0_r1-1,worker0_r2-2,"
