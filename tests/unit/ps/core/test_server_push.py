@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness.inprocess import assert_bit_identical, make_server, pack
+from harness.procs import wait_until
 from ps.api.worker_service import PROMOTION_WAIT_S
 from ps.core.optim import OptimizerConfig
 from ps.core.server import ParameterServer, answer
@@ -403,8 +404,11 @@ def test_a_pause_behind_an_unacknowledged_push_returns_once_both_applied_at_the_
     reply = server.submit(0, incarnation, 0, 0, _good_chunks(server), have_version=-1)
     assert server.pause(timeout_s=0.05) is False and server.version == 0  # in the log, not applied
     returned: list[bool] = []
+    sequenced_before = server.log.last_index
     pausing = threading.Thread(target=lambda: returned.append(server.pause(timeout_s=10)))
     pausing.start()
+    wait_until(lambda: server.log.last_index == sequenced_before + 1, 5, "the pause to be sequenced")
+    assert returned == []  # waiting for the standby's acknowledgement
     server.log.acknowledged(server.log.last_index, retain=True)
     with server.lock:
         applied = server.apply_committed_locked()
