@@ -39,12 +39,15 @@ class HeldKey:
         ttl_s: int = 3,
         conditions: Callable[[], Sequence[rpc_pb2.Compare]] = tuple,
         retake: bool = True,
+        on_retaken: Callable[[], None] | None = None,
     ) -> None:
         """
         Args:
             conditions: more comparisons the transaction that takes the key must pass (asked each time).
             retake: False: once lost (its lease ended) or refused (a comparison failed), the key is
                 never taken again and ``ended`` says so.
+            on_retaken: called (on the renewal thread) each time the key is taken again after it was
+                lost: what others did while it was absent may need undoing.
         """
         if ttl_s < 2:
             raise ValueError(f"ttl_s must be >= 2 (etcd's leases count whole seconds), got {ttl_s}")
@@ -56,6 +59,7 @@ class HeldKey:
         self._valid_until = 0.0
         self._conditions = conditions
         self._retake = retake
+        self._on_retaken = on_retaken
         self._ended = threading.Event()
         self._taken = threading.Event()
         self._stop = threading.Event()
@@ -113,8 +117,13 @@ class HeldKey:
         lease = self._client.grant(self.ttl_s)
         if self._client.txn([absent(self._key), *self._conditions()], [put_op(self._key, self._holder, lease)]).succeeded:
             self._lease, self._valid_until = lease, asked + self.ttl_s - MARGIN_S
-            self._taken.set()
             logger.info("holding %s in etcd", self._key.decode(errors="replace"))
+            if self._taken.is_set() and self._on_retaken is not None:
+                try:
+                    self._on_retaken()
+                except Exception:  # the renewals must outlive it
+                    logger.exception("after taking %s in etcd again", self._key.decode(errors="replace"))
+            self._taken.set()
         else:
             self._client.revoke(lease)
             if not self._retake:

@@ -256,7 +256,7 @@ def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> None:
         f"a member listed in the group did not answer this join (one that died stays listed until its liveness key in etcd ends, "
         f"{ALIVE_TTL_S} s after its last renewal)",
     )
-    _alive = HeldKey(store.client, store.key(ALIVE_KEY.format(name)), name, ALIVE_TTL_S).start()
+    _alive = HeldKey(store.client, store.key(ALIVE_KEY.format(name)), name, ALIVE_TTL_S, on_retaken=_relist).start()
     if not _alive.wait_taken(max(deadline - time.monotonic(), REGISTRY_TIMEOUT_S)):
         raise TransportError(f"could not take this process's liveness key in the etcd cluster {address}; is every member reachable?")
     try:
@@ -266,6 +266,24 @@ def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> None:
         return
     if gone:
         logger.warning("dropped %d members whose processes are gone from the group's member list: %s", len(gone), [peer_text(n) for n in gone])
+
+
+def _relist() -> None:
+    """This member's liveness key lapsed (it was frozen, or cut off from etcd, past the TTL) and is
+    back: a join meanwhile may have dropped it from the member list as gone, so it puts itself back
+    (``membership.relist_self``) and later joiners call it again. Runs on the key's renewal thread."""
+    if not membership.joined():
+        return
+    deadline = time.monotonic() + REGISTRY_TIMEOUT_S
+    while True:
+        try:
+            membership.relist_self(membership.own_address())
+            return
+        except membership.TokenBusy:
+            if time.monotonic() > deadline:
+                logger.warning("could not put this member back in the group's member list: a join held the token for %gs", REGISTRY_TIMEOUT_S)
+                return
+            time.sleep(0.05)  # a join holds the token for milliseconds
 
 
 def _withdraw(name: str) -> None:

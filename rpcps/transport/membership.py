@@ -238,6 +238,11 @@ def relist_self(address: bytes) -> None:
             store.set(_MEMBERS_KEY, f"{raw}{me.name}-{me.id},")
 
 
+def joined() -> bool:
+    """Whether this process's agent is up (it joined a group and has not shut down)."""
+    return bool(api._is_current_rpc_agent_set())
+
+
 def unknown_listed() -> list[str]:
     """Members the store lists that this agent does not know: joins in progress, or joins that failed."""
     known = set(member_names())

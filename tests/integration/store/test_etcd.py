@@ -24,6 +24,7 @@ from harness.ledger import check_ledger, recovery_after
 from harness.procs import (
     Proc,
     ProcessGroup,
+    child_env,
     free_port,
     freeze_past_promotion,
     start_replica_pair,
@@ -39,6 +40,7 @@ from rpcps.messages import View
 from rpcps.transport import group
 from rpcps.transport.registry import Registry, ViewRecord
 from tests.integration.certs import self_signed
+from tests.integration.paced_data import INTERVAL_ENV
 from tests.unit.ps.replication.fakes import FakeServer
 
 pytestmark = [
@@ -406,3 +408,30 @@ def test_a_lone_primary_fenced_by_its_etcd_claim_restarts_and_its_workers_rejoin
     assert a.wait(60) == 0, a.tail()
     report = check_ledger(tmp_path / "audit.log")
     assert report.problems == [] and report.final_version == 800, report.problems[:5]
+
+
+@pytest.mark.timeout(240)
+def test_a_member_dropped_as_gone_while_frozen_puts_itself_back_in_the_member_list(
+    procs: ProcessGroup, tmp_path: Path, etcd: EtcdCluster
+) -> None:
+    """A worker frozen past its liveness key's TTL looks gone: the next join drops it from the member
+    list (joins then would not call it). Thawed, it takes its key again and puts itself back in the
+    list; both workers finish, every step applied once."""
+    url = etcd.url("relist")
+    server, _, metrics = procs.ps("ps", "--store", url)
+    w0, _ = procs.worker("w0", url, 0, 2, "--steps", "400", *PACED, env=child_env(**{INTERVAL_ENV: "0.05"}))
+    registered = wait_until(lambda: re.search(r"worker slot 0 registered as (worker0_r\d+)", server.stderr()), 60, "w0 to register")
+    name = registered[1]
+    store = open_store(parse_store_address(url), timeout_s=5.0)
+    members = "rpc_prefix_0/names/_ALL_WORKER_INFOS"  # torch's member list (rpcps.transport.membership)
+    wait_until(lambda: _version(metrics) >= 20, 60, "20 updates")
+    w0.freeze()
+    wait_until(lambda: not store.check([f"rpcps/alive/{name}"]), 20, "the frozen worker's liveness key to end")
+    w1, _ = procs.worker("w1", url, 1, 2, "--steps", "50", *PACED)
+    wait_until(lambda: f"dropped 1 members whose processes are gone from the group's member list: ['{name}']" in w1.stderr()
+               or not w1.alive(), 60, "the next join to drop the frozen worker")
+    assert name not in store.get(members).decode(), store.get(members)
+    w0.thaw()
+    wait_until(lambda: f"{name}-" in store.get(members).decode(), 20, "the thawed worker back in the member list")
+    assert [w.wait(120) for w in (w0, w1)] == [0, 0], procs.tails()
+    assert _version(metrics) == 450

@@ -107,6 +107,19 @@ def test_wait_taken_says_whether_the_key_was_taken_in_time() -> None:
         b.stop()
 
 
+def test_a_key_taken_again_after_its_lease_ended_says_so_once_per_retake() -> None:
+    etcd, retaken = FakeEtcd(), []
+    a = HeldKey(etcd, b"/job/rpcps/alive/ps0_r1", "ps0_r1", on_retaken=lambda: retaken.append(1))  # type: ignore[arg-type]
+    a._step()
+    a._step()  # a renewal
+    assert retaken == []
+    assert etcd.holder is not None
+    etcd.expire(etcd.holder[1])  # cut off from etcd past its TTL
+    a._step()  # finds it lost and takes it again
+    a._step()  # a renewal
+    assert a.held() and retaken == [1]
+
+
 def test_a_claim_is_taken_only_under_its_conditions_and_never_again_once_lost() -> None:
     """A primary's claim (``retake=False``): refused when its condition fails (the view moved on),
     and once its lease ended not taken again though the key is free: ``ended`` steps the primary down."""
