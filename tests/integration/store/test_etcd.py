@@ -381,6 +381,7 @@ def test_after_a_kill_of_every_process_the_job_restarts_from_its_checkpoint_thro
     assert again.wait(60) == 0, again.tail()
 
 
+@pytest.mark.slow  # a 6-7 s freeze inside a 30-40 s run: CI's slow pass
 @pytest.mark.timeout(300)
 def test_a_lone_primary_fenced_by_its_etcd_claim_restarts_and_its_workers_rejoin_and_finish_exactly(
     procs: ProcessGroup, tmp_path: Path, etcd: EtcdCluster
@@ -410,6 +411,7 @@ def test_a_lone_primary_fenced_by_its_etcd_claim_restarts_and_its_workers_rejoin
     assert report.problems == [] and report.final_version == 800, report.problems[:5]
 
 
+@pytest.mark.slow  # a 6-7 s freeze inside a 30-40 s run: CI's slow pass
 @pytest.mark.timeout(240)
 def test_a_member_dropped_as_gone_while_frozen_puts_itself_back_in_the_member_list(
     procs: ProcessGroup, tmp_path: Path, etcd: EtcdCluster
