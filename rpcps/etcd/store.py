@@ -144,7 +144,7 @@ class EtcdStore(dist.Store):
         return all(r.response_range.kvs for r in reply.responses)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        hopeless = [why for ending, why in _never_waited.items() if any(k.endswith(ending) for k in keys)]
+        hopeless = [why for name, why in _never_waited.items() if any(k == name or k.endswith("/" + name) for k in keys)]
         if hopeless:
             raise dist.DistStoreError(hopeless[0])
         for _ in self._polling(keys, timeout):
@@ -187,14 +187,15 @@ def open_store(address: EtcdAddress, timeout_s: float) -> EtcdStore:
 
 
 _never_waited: dict[str, str] = {}
-"""Key endings whose ``wait`` fails at once in this process, with the error to raise (``never_wait_for``)."""
+"""Keys whose ``wait`` fails at once in this process, with the error to raise (``never_wait_for``)."""
 
 
-def never_wait_for(key_ending: str, why: str) -> None:
-    """Makes this process's ``wait`` for any key ending in ``key_ending`` fail at once with ``why``: a
-    key only this process would ever set, so waiting for it could end only at the store's timeout
-    (torch's failed join leaves the group through a wait for its own join token: ``rpcps.transport.group``)."""
-    _never_waited[key_ending] = why
+def never_wait_for(key: str, why: str) -> None:
+    """Makes this process's ``wait`` for ``key`` (under any prefix: torch's ``PrefixStore``) fail at
+    once with ``why``: a key only this process would ever set, so waiting for it could end only at the
+    store's timeout (torch's failed join leaves the group through a wait for its own join token:
+    ``rpcps.transport.group``)."""
+    _never_waited[key] = why
 
 
 _agent_stores: list[EtcdStore] = []
