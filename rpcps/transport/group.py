@@ -81,12 +81,10 @@ class JoinFailed(TransportError):
 
 
 def _init_method(address: StoreAddress, rank: int) -> str:
-    """Where torch's agent rendezvouses: etcd, or the TCPStore that rank 0 hosts (torch's own
-    handler starts it there); every other rank's agent gets a client that reconnects (``store_client``)."""
+    """Where torch's agent rendezvouses: etcd, or the TCPStore that rank 0 hosts (``store_client.host_store``
+    starts it there); every other rank's agent gets a client that reconnects (``store_client``)."""
     if isinstance(address, EtcdAddress):
         return rendezvous_url(address)
-    if rank == 0:
-        return f"tcp://{address}"
     register_tcp_rendezvous()
     return tcp_rendezvous_url(address.host, address.port)
 

@@ -20,6 +20,9 @@ It also reads the store's incarnation (``INCARNATION_KEY``, written by each coor
 a new one means the store restarted empty, and the members put back what they hold
 (``rpcps.transport.rebuild``).
 
+Rank 0 hosts the store itself (``host_store``), from a listener of its own rather than torch's:
+torch's makes the store's one thread ask DNS for every connecting peer's name.
+
 What must not live here: anything about what the keys mean (``registry``, ``membership``).
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import socket
 import threading
 import time
@@ -77,7 +81,12 @@ class ReconnectingStore(dist.Store):
                 pass
         except OSError as e:
             raise dist.DistNetworkError(f"nothing answers at the group's store {self.host}:{self.port} ({e})") from None
-        return open_client(self.host, self.port, self.connect_timeout.total_seconds(), self.timeout)
+        # The first connection waits long for a loaded store; a later one is a call's retry (the store
+        # answered before), bounded by the call's timeout: a caller holding this client's lock for a
+        # whole connect timeout would stall every other call of the process (a standby's promotion
+        # behind a store-rebuild check).
+        within = self.timeout if self._connected else self.connect_timeout
+        return open_client(self.host, self.port, within.total_seconds(), self.timeout)
 
     def _run(self, call: Callable[[dist.TCPStore], _T]) -> _T:
         with self._lock:
@@ -144,22 +153,71 @@ def open_client(host: str, port: int, within_s: float, call_timeout: datetime.ti
     regular period) failed after 5 s whatever its timeout, and a second connection, opened at once,
     succeeded every time (9 of 9). So a failed connection is followed by a new one, with what is
     left of ``within_s`` (and once more even when nothing is left); the last failure is raised.
-    Each try gets the whole remaining budget: a shorter one expires on a store that is merely
-    slow (a server restarting under load), and torch logs every expiry with its C++ frames.
+    The first try is short (``FIRST_TRY_S``) and each next one twice as long, up to what is left: a
+    stalled connection is given up early, and a store that is merely slow (a server restarting under
+    load) still gets the whole budget in the end.
     """
     deadline = time.monotonic() + within_s
     tries = 0
+    bound = FIRST_TRY_S
     while True:
         tries += 1
         left = max(deadline - time.monotonic(), 1.0)
         try:
-            client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=left))
+            client = _construct(host, port, min(left, bound))
         except dist.DistNetworkError:
             if tries >= 2 and deadline - time.monotonic() <= 0:
                 raise
+            bound *= 2
             continue
         client.set_timeout(call_timeout)
         return client
+
+
+FIRST_TRY_S = 2.0
+_GIVE_UP_SLACK_S = 1.0
+"""How long past its own timeout a constructor runs before it is given up: torch's returns a moment
+after it (a random back-off of its last retry), unless it is stuck for good."""
+MAX_STUCK_CONNECTS = 8
+"""Constructors running at once per process, those given up included: a store stuck for long is not
+worth one more thread per call."""
+_connecting = threading.BoundedSemaphore(MAX_STUCK_CONNECTS)
+
+
+def _construct(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """``dist.TCPStore(host, port)`` as a client, given up ``timeout_s`` (and a moment) from now.
+
+    torch 2.13's constructor, against a port that accepts TCP connections but never answers (a
+    frozen store; a listener whose process stopped serving), blocks for good whatever its timeout
+    (measured: still blocked 15 s into a 2 s timeout), with the calling thread's locks held. So it
+    runs on a helper thread that is left behind (a daemon, blocked in its socket until the peer
+    closes it) when it is late, and the caller gets a DistNetworkError as for any failed connect.
+    """
+    if not _connecting.acquire(blocking=False):
+        raise dist.DistNetworkError(
+            f"{MAX_STUCK_CONNECTS} connections to the group's store at {host}:{port} are still being opened (accepted, "
+            "never answered); not opening another until one ends"
+        )
+    outcome: queue.SimpleQueue[dist.TCPStore | RuntimeError | OSError] = queue.SimpleQueue()
+
+    def connect() -> None:
+        try:
+            outcome.put(dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
+        except (RuntimeError, OSError) as e:  # handed to the caller, which raises it (torch raises DistError, a RuntimeError)
+            outcome.put(e)
+        finally:
+            _connecting.release()
+
+    threading.Thread(target=connect, name="store-connect", daemon=True).start()
+    try:
+        result = outcome.get(timeout=timeout_s + _GIVE_UP_SLACK_S)
+    except queue.Empty:
+        raise dist.DistNetworkError(
+            f"the group's store at {host}:{port} accepted a connection but did not answer within {timeout_s:.1f}s"
+        ) from None
+    if isinstance(result, (RuntimeError, OSError)):
+        raise result
+    return result
 
 
 def _text(value: Any) -> bytes:
@@ -168,7 +226,8 @@ def _text(value: Any) -> bytes:
 
 
 def rendezvous_url(host: str, port: int) -> str:
-    """The ``init_method`` that gives a joining member's agent a ``ReconnectingStore`` (``register_rendezvous``)."""
+    """The ``init_method`` that gives a joining member's agent a ``ReconnectingStore``, and rank 0's
+    the store it hosts (``register_rendezvous``)."""
     return f"{RENDEZVOUS_SCHEME}://{host}:{port}"
 
 
@@ -181,11 +240,47 @@ def _rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(secon
     if parsed.hostname is None or parsed.port is None:
         raise ValueError(f"{url}: the group's store needs HOST:PORT")
     rank = int(parse_qs(parsed.query).get("rank", ["-1"])[0])
+    if rank == 0:
+        yield host_store(parsed.hostname, parsed.port, timeout), rank, -1
+        return
     store = ReconnectingStore(parsed.hostname, parsed.port, timeout.total_seconds())
     # init_rpc keeps only the C++ side (in a PrefixStore); once the Python object is collected,
     # every call from C++ fails with "Not implemented". The agent lives as long as the process.
     _agent_stores.append(store)
     yield store, rank, -1
+
+
+LISTEN_BACKLOG = 2048
+
+
+def host_store(host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's TCPStore, served by this process on ``host:port`` (rank 0: a coordinator, or a
+    server with ``--listen``), from a listening socket of the address's own family.
+
+    torch's own listener is an IPv6 socket that takes IPv4 connections too, so it sees a peer on
+    127.0.0.1 as ``::ffff:127.0.0.1`` and, accepting it, asks DNS for that address's name (/etc/hosts
+    names only the plain form): one query per connection, made by the store's one thread. When the
+    resolver drops a query, every call of every client waits out its 5 s timeout. Measured with
+    torch 2.13 on the 2-core machine (its resolver drops some): 52 DNS queries for 50 connections,
+    and 1 in 40-80 new connections stalled every client, a call of another process's open client
+    included, for 5.0 s. On an IPv4 socket, peers on loopback are named from /etc/hosts: 1 query in
+    all for the same 50 connections. (A client still asks for the name of the address it connects
+    to, the IPv6 form; when that query is dropped only its own connect waits: ``open_client``
+    gives such a try up early and opens another.) ``timeout`` bounds the store's own client too, so
+    it should be longer than a resolver's 5 s.
+    """
+    family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted coordinator takes its port back at once
+        listener.bind(where)
+        listener.listen(LISTEN_BACKLOG)
+    except OSError as e:
+        listener.close()
+        raise dist.DistNetworkError(f"could not serve the group's store on {host}:{port}: {e}") from None
+    # The store owns the socket from here (it closes it when it is destroyed); if its constructor
+    # fails, the descriptor is left open rather than closed twice: the process is about to exit.
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=listener.detach())
 
 
 def register_rendezvous() -> None:

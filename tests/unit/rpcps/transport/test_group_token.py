@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from rpcps.transport import membership
+from rpcps.transport.store_client import host_store
 
 pytestmark = pytest.mark.timeout(30)
 

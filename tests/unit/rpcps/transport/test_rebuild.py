@@ -14,14 +14,14 @@ import torch.distributed as dist
 from rpcps.ports import free_port
 from rpcps.transport.membership import RANK_COUNTER_KEY
 from rpcps.transport.rebuild import StoreRebuild
-from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore
+from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore, host_store
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _coordinator(port: int, incarnation: str) -> dist.TCPStore:
     """A store as a freshly started coordinator serves it: empty but for its incarnation."""
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    master = host_store("127.0.0.1", port, datetime.timedelta(seconds=30))
     master.set(INCARNATION_KEY, incarnation)
     return master
 

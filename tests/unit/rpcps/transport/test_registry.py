@@ -13,14 +13,14 @@ from ps.replication.claim import ClaimTimeout, claim_shard
 from rpcps.messages import View
 from rpcps.ports import free_port
 from rpcps.transport.registry import Registry, ShardCountMismatch, StoreUnavailable
+from rpcps.transport.store_client import host_store
 
 
 @pytest.fixture
 def registry() -> Iterator[Registry]:
     port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
-    # 10 s to connect: the master's thread in this process can be starved for seconds on a loaded
-    # 2-core run (2 s timed out under xdist); no test here waits on the store's timeout.
+    master = host_store("127.0.0.1", port, datetime.timedelta(seconds=30))
+    # 10 s to connect, room for a loaded 2-core run; no test here waits on the store's timeout.
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
     yield Registry(client)
     del client, master
@@ -67,7 +67,7 @@ def test_dead_members_and_replica_records(registry: Registry) -> None:
 
 def test_a_store_that_is_gone_fails_the_call_instead_of_hanging() -> None:
     port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    master = host_store("127.0.0.1", port, datetime.timedelta(seconds=30))
     registry = Registry(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1)))
     del master
     with pytest.raises(StoreUnavailable):

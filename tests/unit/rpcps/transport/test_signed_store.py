@@ -27,6 +27,7 @@ from rpcps.jobsecret import JobSecret
 from rpcps.messages import View
 from rpcps.ports import free_port
 from rpcps.transport.registry import Refusal, Registry, encode_view, require_secret_off_loopback
+from rpcps.transport.store_client import host_store
 from tests.unit.ps.replication.fakes import FakeServer
 from tests.unit.rpcps.transport.test_registry import Clock
 from worker import client
@@ -40,7 +41,7 @@ class Store:
 
     def __init__(self) -> None:
         self.port = free_port()
-        self.master = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+        self.master = host_store("127.0.0.1", self.port, datetime.timedelta(seconds=10))
         self.raw = self.client()
         self.refusals: list[Refusal] = []
 

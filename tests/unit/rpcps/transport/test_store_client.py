@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import gc
+import socket
+import threading
 import time
 
 import pytest
@@ -13,20 +15,14 @@ import torch.distributed as dist
 
 from rpcps.ports import free_port
 from rpcps.transport.registry import Registry, StoreUnavailable
-from rpcps.transport.store_client import ReconnectingStore, open_client
+from rpcps.transport.store_client import ReconnectingStore, host_store, open_client
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _master(port: int) -> dist.TCPStore:
-    """A store on ``port``; tried again when torch's own client of it stalls (see ``open_client``)."""
-    for attempt in range(3):
-        try:
-            return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=2))
-        except dist.DistNetworkError:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    """A store on ``port``, hosted as a coordinator hosts it."""
+    return host_store("127.0.0.1", port, datetime.timedelta(seconds=30))
 
 
 def test_a_restarted_store_is_reached_again_and_a_dead_one_fails_at_once() -> None:
@@ -102,3 +98,58 @@ def test_a_failed_connection_is_tried_again_on_a_new_one_even_past_the_budget() 
     # torch waits a random backoff of up to about 3 s inside each try after its first connect fails
     # (CI: 8.2 s in all): the upper bound says it gives up, not how fast.
     assert 2.8 <= took < 15.0, f"gave up after {took:.1f}s: expected a 2 s try and then a second one of 1 s"
+
+
+def _mute_listener(port: int = 0) -> socket.socket:
+    """A port that completes TCP connects (the kernel's backlog) and never answers: a frozen store."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(64)
+    return listener
+
+
+def test_a_store_that_accepts_and_never_answers_is_given_up_within_the_budget() -> None:
+    """torch's own constructor blocks for good against such a port, whatever its timeout."""
+    with _mute_listener() as listener:
+        started = time.monotonic()
+        with pytest.raises(dist.DistNetworkError, match="did not answer"):
+            open_client("127.0.0.1", listener.getsockname()[1], 1.0, datetime.timedelta(seconds=1))
+        took = time.monotonic() - started
+    # A 1 s try and the one more that always follows, each given up a second past its timeout.
+    assert took < 6.0, f"gave up after {took:.1f}s"
+
+
+def test_a_reconnection_to_a_frozen_store_fails_the_call_and_leaves_the_lock_to_other_calls() -> None:
+    """The store dies and something that never answers takes its port (a frozen coordinator): each
+    call fails within its own timeout and a second, long connect budget; the client is not held by a
+    stuck connection, and it works again once a real store is back."""
+    port = free_port()
+    master = _master(port)
+    client = ReconnectingStore("127.0.0.1", port, timeout_s=1.0, connect_timeout_s=30.0)
+    client.set("k", "v")
+    del master
+    gc.collect()
+    with _mute_listener(port):
+        outcomes: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                client.compare_set("k", "", "")
+                outcomes.append(None)
+            except RuntimeError as e:
+                outcomes.append(e)
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(25)
+        took = time.monotonic() - started
+        assert len(outcomes) == 2 and all(isinstance(e, RuntimeError) for e in outcomes), outcomes
+        # Two calls one after the other, each a 1 s try and one more: far from the 30 s connect budget.
+        assert took < 15.0, f"two calls took {took:.1f}s"
+    master = _master(port)
+    assert client.compare_set("k", "", "") == b"", "a real store is back: the client reaches it"
+    del master
