@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # has no use for its 2-3 s of start-up.
     transport_errors = (_load("rpcps.transport:TransportError"), _load("rpcps.transport:FilterUnavailable"))
     _configure_logging(args.role, config)
+    # `kill -USR1 PID` prints every thread's Python stack to the log and the process runs on: what a
+    # stuck process waits for, on a host without py-spy or gdb (docs/OPERATIONS.md).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return run(config)
     except ValueError as e:  # bad settings caught late (a plug-in spec, a refused resume)

@@ -56,12 +56,16 @@ def test_a_killed_shard_is_taken_over_without_touching_the_other_shard(procs: Pr
 @pytest.mark.timeout(60)
 def test_the_coordinator_honours_threads_and_writes_its_summary_at_exit(procs: ProcessGroup, tmp_path: Path) -> None:
     """``--threads`` and ``--summary-json`` are the coordinator's flags like every role's: the start-up
-    log says the thread budget, and a SIGTERM leaves a summary with the core keys and its own."""
+    log says the thread budget, SIGUSR1 prints its threads' stacks and leaves it running, and a
+    SIGTERM leaves a summary with the core keys and its own."""
     summary = tmp_path / "out" / "store.json"
     store, _, _ = procs.store("store", "--threads", "1", "--summary-json", str(summary))
     wait_until(lambda: "coordinator serving" in store.stderr() or not store.alive(), 30, "the coordinator to serve")
     assert store.alive(), store.tail()
     assert "intra-op threads: 1 (--threads)" in store.stderr()
+    store.send(signal.SIGUSR1)
+    wait_until(lambda: "most recent call first" in store.stderr() or not store.alive(), 30, "the coordinator to print its stacks")
+    assert store.alive() and 'File "' in store.stderr(), store.tail()
     store.send(signal.SIGTERM)
     assert store.wait(30) == 0, store.tail()
     result = read_json(summary)
