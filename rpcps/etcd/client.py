@@ -134,8 +134,8 @@ class EtcdClient:
         reply = self.range(key)
         return reply.kvs[0] if reply.kvs else None
 
-    def range(self, key: bytes, range_end: bytes = b"", *, count_only: bool = False) -> rpc_pb2.RangeResponse:
-        request = rpc_pb2.RangeRequest(key=key, range_end=range_end, count_only=count_only)
+    def range(self, key: bytes, range_end: bytes = b"", *, count_only: bool = False, keys_only: bool = False) -> rpc_pb2.RangeResponse:
+        request = rpc_pb2.RangeRequest(key=key, range_end=range_end, count_only=count_only, keys_only=keys_only)
         return self._call("a read", lambda i, t: self._kv[i].Range(request, timeout=t), idempotent=True)
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> None:

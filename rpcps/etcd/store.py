@@ -157,6 +157,15 @@ class EtcdStore(dist.Store):
         except EtcdUnavailable as e:
             raise self._failed(e) from e
 
+    def keys_under(self, prefix: str) -> list[str]:
+        """The store keys that start with ``prefix``, in one read."""
+        start = self.key(prefix)
+        try:
+            reply = self.client.range(start, prefix_end(start), keys_only=True)
+        except EtcdUnavailable as e:
+            raise self._failed(e) from e
+        return [kv.key[len(self._prefix):].decode() for kv in reply.kvs]
+
     def num_keys(self) -> int:
         try:
             return int(self.client.range(self._prefix, prefix_end(self._prefix), count_only=True).count)

@@ -62,7 +62,8 @@ _alive: HeldKey | None = None
 _agent_view: dist.Store | None = None
 """With an etcd store, the group's keys as this process's agent sees them (torch's prefix)."""
 
-ALIVE_KEY = "rpcps/alive/{}"
+ALIVE_PREFIX = "rpcps/alive/"
+ALIVE_KEY = ALIVE_PREFIX + "{}"
 """``rpcps/alive/<name>``: held by RPC member ``name`` under its own etcd lease from just before it
 joins until it exits; a listed member without one is gone (``membership.prune_departed``)."""
 ALIVE_TTL_S = 5
@@ -258,7 +259,7 @@ def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> None:
     if not _alive.wait_taken(max(deadline - time.monotonic(), REGISTRY_TIMEOUT_S)):
         raise TransportError(f"could not take this process's liveness key in the etcd cluster {address}; is every member reachable?")
     try:
-        gone = membership.prune_departed(_agent_view, name, lambda n: store.check([ALIVE_KEY.format(n)]))
+        gone = membership.prune_departed(_agent_view, name, lambda: {k.removeprefix(ALIVE_PREFIX) for k in store.keys_under(ALIVE_PREFIX)})
     except (RuntimeError, dist.DistError) as e:
         logger.warning("could not check the group's member list in etcd before joining (%s); joining as it is", e)
         return

@@ -103,28 +103,32 @@ def agent_store(store: dist.Store) -> dist.Store:
     return dist.PrefixStore(f"rpc_prefix_{torch_rpc._init_counter}", store)  # torch/distributed/rpc/__init__.py
 
 
-def prune_departed(store: dist.Store, me: str, alive: Callable[[str], bool]) -> list[str]:
-    """Before member ``me`` joins: removes the listed members that are not ``alive``, and frees the
+def prune_departed(store: dist.Store, me: str, live: Callable[[], set[str]]) -> list[str]:
+    """Before member ``me`` joins: removes the listed members that are not live, and frees the
     group token if one of them died holding it. Returns the names removed.
 
     In a group whose store no process hosts (etcd), a member that died listed, or died holding the
     token in a join torch does not clean up after (its failed-join path releases nothing), would
     make every later join fail or wait for good unless a joined member's janitor removed it; in a job
     with no other member joined, nobody would. ``store`` is the agent's view (``agent_store``);
-    ``alive(name)`` answers for each member (an etcd key under the member's own lease). A token held
-    by a live member, or taken meanwhile, is left alone: that join finishes, and this one waits for it
-    as torch's joins do.
+    ``live()`` reads the names of the members alive now (etcd keys under each member's own lease),
+    twice: after the token's holder is read (a joiner takes its key before it takes the token, so an
+    earlier read could take a live holder for dead), and holding the token (a member lists itself
+    only holding the token, after taking its key, so every live listed member is in that read). A
+    token held by a live member, or taken meanwhile, is left alone: that join finishes, and this one
+    waits for it as torch's joins do.
     """
     holder = store.compare_set(_TOKEN_KEY, "", "").decode()  # a read that does not wait
     dead_holder = ""
     if holder:
         match = _HOLDER.fullmatch(holder)
-        if match is None or match["name"] == me or alive(match["name"]):
+        if match is None or match["name"] == me or match["name"] in live():
             return []
         dead_holder = holder
     try:
         with _token_of(store, f"Token_for_{me}_prune", dead_holder):
-            departed = _unlist(store, lambda name: not alive(name))
+            alive = live()
+            departed = _unlist(store, lambda name: name not in alive)
     except TokenBusy:
         return []
     if dead_holder:
