@@ -11,8 +11,9 @@ agent was given at init (``rendezvous_url``): torch's agent reads a joining memb
 its store, so with torch's client no process could join the group after a coordinator restart.
 
 Each call runs on the current connection; when that fails, the connection is dropped and the call
-made once more on a fresh one (the store may have restarted since the last call). When nothing
-listens on the port, the call fails at once (one refused TCP connect: torch's client would retry
+made once more on a fresh one (the store may have restarted since the last call). A connection is
+opened on a helper thread, and a call waits for it no longer than the call itself may take. When
+nothing listens on the port, the call fails at once (one refused TCP connect: torch's client would retry
 for its whole timeout and print a C++ stack trace per attempt). Every failure is a RuntimeError
 (``dist.DistError``), as from torch's own client, so callers keep their handling.
 
@@ -35,6 +36,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
@@ -69,42 +72,88 @@ class ReconnectingStore(dist.Store):
         (nine processes starting on 2 cores) took over 2 s to accept a client that a call's short
         timeout would give up on."""
         self._client: dist.TCPStore | None = None
+        self._opening: Future[dist.TCPStore] | None = None
+        """The connection being opened on a helper thread, while one is."""
         self._connected = False
         self._lock = threading.Lock()
-        """One call at a time: a TCPStore client is one connection."""
+        """Guards the three fields above. Calls on one connection are serialized by torch's client."""
         self.reconnects = 0
         """Connections opened after the first (each after a failure)."""
 
-    def _connect(self) -> dist.TCPStore:
+    def _connection(self) -> tuple[dist.TCPStore, bool]:
+        """The open connection, and whether it was opened for this call.
+
+        Opening one may take the whole connect timeout (a store restarting under load, a connect
+        whose DNS query was dropped) and runs on a helper thread, one at a time: a caller waits for
+        it only as long as its own call may last (the connect timeout until the first connection,
+        then the call's timeout), so no call is held behind another's connect (a standby's promotion
+        behind a store-rebuild check), and a later call finds the connection the helper opened.
+        """
+        with self._lock:
+            client, opening = self._client, self._opening
+        if client is not None:
+            return client, False
+        if opening is None:
+            self._probe()
+            with self._lock:
+                if self._client is not None:
+                    return self._client, False
+                if self._opening is None:
+                    self._opening = self._open_in_background()
+                opening = self._opening
+        wait = self.timeout if self._connected else self.connect_timeout
+        try:
+            return opening.result(timeout=wait.total_seconds()), True
+        except FutureTimeout:
+            raise dist.DistNetworkError(
+                f"the group's store at {self.host}:{self.port} accepted a connection but has not answered within "
+                f"{wait.total_seconds():.1f}s (still trying)"
+            ) from None
+
+    def _probe(self) -> None:
+        """Fails at once when nothing listens (one refused connect: torch's client would retry for its
+        whole timeout and log a C++ stack trace per attempt)."""
         try:
             with socket.create_connection((self.host, self.port), timeout=min(self.timeout.total_seconds(), 1.0)):
                 pass
         except OSError as e:
             raise dist.DistNetworkError(f"nothing answers at the group's store {self.host}:{self.port} ({e})") from None
-        # The first connection waits long for a loaded store; a later one is a call's retry (the store
-        # answered before), bounded by the call's timeout: a caller holding this client's lock for a
-        # whole connect timeout would stall every other call of the process (a standby's promotion
-        # behind a store-rebuild check).
-        within = self.timeout if self._connected else self.connect_timeout
-        return open_client(self.host, self.port, within.total_seconds(), self.timeout)
+
+    def _open_in_background(self) -> Future[dist.TCPStore]:
+        opening: Future[dist.TCPStore] = Future()
+
+        def run() -> None:
+            try:
+                client = open_client(self.host, self.port, self.connect_timeout.total_seconds(), self.timeout)
+            except (RuntimeError, OSError) as e:  # torch raises DistError, a RuntimeError
+                with self._lock:
+                    self._opening = None
+                opening.set_exception(e)
+                return
+            with self._lock:  # installed before the waiters wake, so they find it
+                self._opening = None
+                self._client = client
+                if self._connected:
+                    self.reconnects += 1
+                    logger.info("reconnected to the group's store at %s:%d", self.host, self.port)
+                self._connected = True
+            opening.set_result(client)
+
+        threading.Thread(target=run, name="store-connect", daemon=True).start()
+        return opening
 
     def _run(self, call: Callable[[dist.TCPStore], _T]) -> _T:
-        with self._lock:
-            fresh = self._client is None
-            for attempt in range(2):
-                if self._client is None:
-                    self._client = self._connect()
-                    if self._connected:
-                        self.reconnects += 1
-                        logger.info("reconnected to the group's store at %s:%d", self.host, self.port)
-                    self._connected = True
-                try:
-                    return call(self._client)
-                except (RuntimeError, OSError):
-                    self._client = None
-                    if fresh or attempt:
-                        raise  # a connection opened for this very call failed: the store is down, not restarted
-            raise AssertionError("unreachable")
+        for attempt in range(2):
+            client, fresh = self._connection()
+            try:
+                return call(client)
+            except (RuntimeError, OSError):
+                with self._lock:
+                    if self._client is client:
+                        self._client = None
+                if fresh or attempt:
+                    raise  # a connection opened for this very call failed: the store is down, not restarted
+        raise AssertionError("unreachable")
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         return self._run(lambda c: c.compare_set(key, _text(expected), _text(desired)))
@@ -153,28 +202,24 @@ def open_client(host: str, port: int, within_s: float, call_timeout: datetime.ti
     regular period) failed after 5 s whatever its timeout, and a second connection, opened at once,
     succeeded every time (9 of 9). So a failed connection is followed by a new one, with what is
     left of ``within_s`` (and once more even when nothing is left); the last failure is raised.
-    The first try is short (``FIRST_TRY_S``) and each next one twice as long, up to what is left: a
-    stalled connection is given up early, and a store that is merely slow (a server restarting under
-    load) still gets the whole budget in the end.
+    Each try gets the whole remaining budget: a shorter one expires on a store that is merely
+    slow (a server restarting under load), and torch logs every expiry with its C++ frames.
     """
     deadline = time.monotonic() + within_s
     tries = 0
-    bound = FIRST_TRY_S
     while True:
         tries += 1
         left = max(deadline - time.monotonic(), 1.0)
         try:
-            client = _construct(host, port, min(left, bound))
+            client = _construct(host, port, left)
         except dist.DistNetworkError:
             if tries >= 2 and deadline - time.monotonic() <= 0:
                 raise
-            bound *= 2
             continue
         client.set_timeout(call_timeout)
         return client
 
 
-FIRST_TRY_S = 2.0
 _GIVE_UP_SLACK_S = 1.0
 """How long past its own timeout a constructor runs before it is given up: torch's returns a moment
 after it (a random back-off of its last retry), unless it is stuck for good."""

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch.distributed as dist
 
+from harness.procs import wait_until
 from rpcps.ports import free_port
 from rpcps.transport.membership import RANK_COUNTER_KEY
 from rpcps.transport.rebuild import StoreRebuild
@@ -24,6 +25,13 @@ def _coordinator(port: int, incarnation: str) -> dist.TCPStore:
     master = host_store("127.0.0.1", port, datetime.timedelta(seconds=30))
     master.set(INCARNATION_KEY, incarnation)
     return master
+
+
+def _answers(store: ReconnectingStore) -> bool:
+    try:
+        return store.check([INCARNATION_KEY])
+    except RuntimeError:
+        return False
 
 
 def test_a_member_writes_its_part_back_once_per_restart_and_again_after_a_failed_rewrite(caplog: pytest.LogCaptureFixture) -> None:
@@ -53,6 +61,8 @@ def test_a_member_writes_its_part_back_once_per_restart_and_again_after_a_failed
     ], "once, in one line, without C++ frames"
     assert "frame #" not in caplog.text
     master = _coordinator(port, "second")
+    # The client reconnects on a helper thread; a call fails after its own timeout meanwhile.
+    wait_until(lambda: _answers(store), 20.0, "the client to reach the restarted store")
     with pytest.raises(RuntimeError, match="token"):
         rebuild.check()
     rebuild.check()
