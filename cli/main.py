@@ -167,9 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # has no use for its 2-3 s of start-up.
     transport_errors = (_load("rpcps.transport:TransportError"), _load("rpcps.transport:FilterUnavailable"))
     _configure_logging(args.role, config)
-    # `kill -USR1 PID` prints every thread's Python stack to the log and the process runs on: what a
-    # stuck process waits for, on a host without py-spy or gdb (docs/OPERATIONS.md).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _stacks_on_sigusr1()
     try:
         return run(config)
     except ValueError as e:  # bad settings caught late (a plug-in spec, a refused resume)
@@ -181,6 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError:
         logging.getLogger("rpcps").exception("failed")
         return 1
+
+
+def _stacks_on_sigusr1() -> None:
+    """From now on `kill -USR1 PID` prints every thread's Python stack to stderr (the log) and the
+    process runs on: what a stuck process waits for, on a host without py-spy or gdb
+    (docs/FAULT_TOLERANCE.md). Not where stderr is no file (a caller that captured it)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (OSError, ValueError):  # io.UnsupportedOperation: a stderr without a file descriptor
+        pass
 
 
 def _configure_logging(role: str, config: Any) -> None:
