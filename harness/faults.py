@@ -130,8 +130,9 @@ class ChaosPlan:
                 kills.append(KillAfterFinish(finishers.pop(rng.randrange(len(finishers))), round(rng.uniform(0.0, 0.5), 2)))
             elif roll < 0.4 and points:
                 name = points.pop(rng.randrange(len(points)))
-                # Every snapshot passes the snapshot points (one every N updates); each finish the finish one.
-                most = workers if name.startswith("finish.") else max(1, total // (2 * every))  # hits counted across restarts
+                # Every snapshot passes the snapshot points (one every N updates); each finish the finish
+                # one; every update the apply one (hits counted across restarts).
+                most = workers if name.startswith("finish.") else total * 8 // 10 if name == "server.after_apply" else max(1, total // (2 * every))
                 kills.append(FailPoint(name, rng.randint(1, most)))
             else:
                 kills.append(Kill(rng.choice(targets), rng.randint(total // 10, total * 8 // 10)))

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 ENV = "RPCPS_FAILPOINTS"
 POINTS = {
+    "server.after_apply": "a server (a standby too) just applied an update: its version is the update's, no worker has "
+    "been answered for it and no snapshot holds it yet",
     "snapshot.before_commit": "a snapshot is durable under its temporary name and in the ledger, not yet renamed into place",
     "snapshot.after_commit": "a snapshot was just committed",
     "finish.after_snapshot": "a finishing worker's steps were just made durable; its reply is not sent yet",

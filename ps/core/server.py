@@ -47,7 +47,7 @@ from ps.core.update_log import ReplicationLog, Sequenced, UpdateApplied
 from ps.core.workers import WorkerRecord, WorkerTable
 from ps.sparse.store import CheckedPush, SparseStore
 from ps.sparse.table import ClosedFull
-from rpcps import threads
+from rpcps import failpoints, threads
 from rpcps.errors import NotPrimary
 from rpcps.messages import Control, Evicted, LogEntry, Mark, Mode, PushReply, PushStatus, Registered, Removed, Update
 from rpcps.partition import partition_digest, shard_signature
@@ -319,6 +319,7 @@ class ParameterServer:
         self.version += 1
         if self.version != update.version:
             raise AssertionError(f"update {update.index} produces version {update.version}, but this server is at {self.version - 1}")
+        failpoints.hit("server.after_apply")
         now = time.monotonic()
         if update.buffers is not None:
             self.buffers.replace_locked(update.buffers)
