@@ -200,7 +200,8 @@ def open_client(host: str, port: int, within_s: float, call_timeout: datetime.ti
     torch's client sometimes does not connect to a healthy store: measured with torch 2.13 on the
     2-core machine, about 1 in 38 fresh connections to an in-process store (either backend, at a
     regular period) failed after 5 s whatever its timeout, and a second connection, opened at once,
-    succeeded every time (9 of 9). So a failed connection is followed by a new one, with what is
+    succeeded every time (9 of 9); the cause, found later, was a DNS query the store dropped
+    (``host_store``). So a failed connection is followed by a new one, with what is
     left of ``within_s`` (and once more even when nothing is left); the last failure is raised.
     Each try gets the whole remaining budget: a shorter one expires on a store that is merely
     slow (a server restarting under load), and torch logs every expiry with its C++ frames.
@@ -310,9 +311,9 @@ def host_store(host: str, port: int, timeout: datetime.timedelta) -> dist.TCPSto
     and 1 in 40-80 new connections stalled every client, a call of another process's open client
     included, for 5.0 s. On an IPv4 socket, peers on loopback are named from /etc/hosts: 1 query in
     all for the same 50 connections. (A client still asks for the name of the address it connects
-    to, the IPv6 form; when that query is dropped only its own connect waits: ``open_client``
-    gives such a try up early and opens another.) ``timeout`` bounds the store's own client too, so
-    it should be longer than a resolver's 5 s.
+    to, the IPv6 form; when that query is dropped only its own connect waits, on its helper thread,
+    ``ReconnectingStore``.) ``timeout`` bounds the store's own client too, so it should be longer
+    than a resolver's 5 s.
     """
     family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(family, kind, proto)
