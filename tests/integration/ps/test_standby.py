@@ -125,6 +125,11 @@ def test_a_worker_the_primary_removed_stays_removed_after_a_failover(
     client.freeze()
     removed = 'rpcps_server_workers_removed_total{why="dead"}'
     wait_until(lambda: _scrape(ma, removed) >= 1, 30, "the primary's reaper to remove the frozen worker")
+    # The primary counts a removal when it sequences it; the guarantee holds for one its standby
+    # applied (a primary killed before that dies with it, and its successor's reaper removes the
+    # worker itself). The standby lists slot 2 live from its replicated push until then.
+    slot_2 = 'rpcps_server_worker_last_push_age_seconds{slot="2"}'
+    wait_until(lambda: slot_2 not in try_scrape(mb), 30, "the standby to apply the removal")
     a.kill()
     wait_until(lambda: _scrape(mb, "rpcps_replica_role") == 2, 30, "the standby to take over")
     client.thaw()
