@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import queue
 import socket
 import threading
 import time
@@ -120,16 +119,13 @@ class ReconnectingStore(dist.Store):
             raise dist.DistNetworkError(f"nothing answers at the group's store {self.host}:{self.port} ({e})") from None
 
     def _open_in_background(self) -> Future[dist.TCPStore]:
-        opening: Future[dist.TCPStore] = Future()
-
-        def run() -> None:
+        def open_and_install() -> dist.TCPStore:
             try:
                 client = open_client(self.host, self.port, self.connect_timeout.total_seconds(), self.timeout)
-            except (RuntimeError, OSError) as e:  # torch raises DistError, a RuntimeError
+            except (RuntimeError, OSError):
                 with self._lock:
                     self._opening = None
-                opening.set_exception(e)
-                return
+                raise
             with self._lock:  # installed before the waiters wake, so they find it
                 self._opening = None
                 self._client = client
@@ -137,10 +133,9 @@ class ReconnectingStore(dist.Store):
                     self.reconnects += 1
                     logger.info("reconnected to the group's store at %s:%d", self.host, self.port)
                 self._connected = True
-            opening.set_result(client)
+            return client
 
-        threading.Thread(target=run, name="store-connect", daemon=True).start()
-        return opening
+        return _on_thread(open_and_install)
 
     def _run(self, call: Callable[[dist.TCPStore], _T]) -> _T:
         for attempt in range(2):
@@ -244,26 +239,34 @@ def _construct(host: str, port: int, timeout_s: float) -> dist.TCPStore:
             f"{MAX_STUCK_CONNECTS} connections to the group's store at {host}:{port} are still being opened (accepted, "
             "never answered); not opening another until one ends"
         )
-    outcome: queue.SimpleQueue[dist.TCPStore | RuntimeError | OSError] = queue.SimpleQueue()
 
-    def connect() -> None:
+    def connect() -> dist.TCPStore:
         try:
-            outcome.put(dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)))
-        except (RuntimeError, OSError) as e:  # handed to the caller, which raises it (torch raises DistError, a RuntimeError)
-            outcome.put(e)
+            return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         finally:
             _connecting.release()
 
-    threading.Thread(target=connect, name="store-connect", daemon=True).start()
     try:
-        result = outcome.get(timeout=timeout_s + _GIVE_UP_SLACK_S)
-    except queue.Empty:
+        return _on_thread(connect).result(timeout=timeout_s + _GIVE_UP_SLACK_S)
+    except FutureTimeout:
         raise dist.DistNetworkError(
             f"the group's store at {host}:{port} accepted a connection but did not answer within {timeout_s:.1f}s"
         ) from None
-    if isinstance(result, (RuntimeError, OSError)):
-        raise result
-    return result
+
+
+def _on_thread(work: Callable[[], _T]) -> Future[_T]:
+    """``work()`` on a daemon thread of its own; its result, or the RuntimeError (torch's DistError) or
+    OSError it raised, in the future returned."""
+    future: Future[_T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except (RuntimeError, OSError) as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="store-connect", daemon=True).start()
+    return future
 
 
 def _text(value: Any) -> bytes:
