@@ -5,8 +5,10 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -76,30 +78,42 @@ def procs(tmp_path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
             print(f"reaped with SIGKILL: {killed}", file=sys.stderr)
 
 
-@pytest.fixture(autouse=True)
-def _alone_or_alongside(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+_ALONE_WAIT_S = 1800.0
+"""How long a test waits for its turn: the running tests end within their own timeouts (at most a
+soak's), so a longer wait means a worker is stuck outside any test's timeout."""
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     """Under pytest-xdist (pyproject's addopts start two workers), a test marked ``alone`` or ``slow``
     runs while no other test runs; the others run side by side.
 
     Those tests assert wall-clock bounds (a recovery within 1 s, a gap of at most 1.5 s, an error
     within 5 s) or compare throughput, measured with the machine to themselves; a second test's
     processes on the same cores would make them fail for a reason that is not theirs. Every test
-    holds a shared lock on one file of this run, an ``alone`` test an exclusive one; autouse, so it
-    is taken before any fixture starts a process. Without xdist, tests run one at a time anyway.
+    holds a shared lock on one file of this run, an ``alone`` test an exclusive one, from before its
+    first fixture starts a process until its last one ended.
+
+    A hook wrapped around the whole protocol, outermost (tryfirst), not a fixture: the wait for a turn
+    is then outside pytest-timeout's timer, which starts inside. As a fixture it counted against the
+    test's own timeout, and a 30 s unit test queued behind an ``alone`` test that waited for a 100 s
+    test on the other worker timed out in its setup (CI, stop 36).
     """
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    basetemp = item.config.option.basetemp
+    if "PYTEST_XDIST_WORKER" not in os.environ or basetemp is None:
         yield
         return
-    alone = request.node.get_closest_marker("alone") or request.node.get_closest_marker("slow")
+    alone = item.get_closest_marker("alone") or item.get_closest_marker("slow")
     # Each worker's basetemp is <run's base>/popen-gwN: the parent is this run's, shared by all workers.
     # A plain flock lets the other workers' back-to-back shared holds starve an exclusive waiter (it
     # timed out so on 3 workers), so a gate comes first: an alone test holds it while it waits for
     # the running tests to end, and no test starts meanwhile.
-    base = tmp_path_factory.getbasetemp().parent
+    base = Path(basetemp).parent
+    mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
+    deadline = time.monotonic() + _ALONE_WAIT_S
     with open(base / "alone.gate", "a") as gate, open(base / "alone.lock", "a") as lock:
-        # pytest-timeout's signal ends a wait on either.
-        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        _flock_by(gate, mode, deadline, item.nodeid)
+        _flock_by(lock, mode, deadline, item.nodeid)
         if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
         try:
@@ -107,3 +121,18 @@ def _alone_or_alongside(request: pytest.FixtureRequest, tmp_path_factory: pytest
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
             fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+def _flock_by(file: IO[str], mode: int, deadline: float, nodeid: str) -> None:
+    """Take ``flock(file, mode)``, polling, or fail the run by ``deadline`` (no timer covers this wait)."""
+    while True:
+        try:
+            fcntl.flock(file, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{nodeid} waited {_ALONE_WAIT_S:.0f} s for its turn on {file.name}: a test on another xdist "
+                    "worker holds it past any timeout; see that worker's output"
+                ) from None
+            time.sleep(0.05)
