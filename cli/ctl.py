@@ -84,6 +84,12 @@ def status(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
         raise CallFailed(describe_error(f"{host}:{port}", e.code(), e.details(), timeout_s)) from e  # type: ignore[attr-defined]
 
 
+def health(host: str, port: int, timeout_s: float = 1.0) -> str:
+    """One plaintext health check: 'SERVING', 'NOT_SERVING', or 'unknown' when the server does not answer."""
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        return _health(channel, timeout_s)
+
+
 def call(action: str, channel: Any, metadata: tuple[tuple[str, str], ...], timeout_s: float) -> dict[str, Any]:
     """Makes one control call and returns its answer as plain data (what --json prints)."""
     stub = ControlStub(channel)

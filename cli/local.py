@@ -80,7 +80,7 @@ class Child:
     announced: bool = False
     """Whether local said what this incarnation resumed from (servers)."""
     serving: bool = False
-    """Whether this incarnation's log says it serves (servers): restored, its version the model's."""
+    """Whether this incarnation serves (servers): restored, its version the model's."""
 
     def start(self) -> None:
         if self.log_file is None:
@@ -130,8 +130,9 @@ class Supervisor:
         server = replace(
             server, supervise=False, transport=replace(server.transport, job_secret_file=self._job_secret(server.transport))
         )
-        if server.core.mode == Mode.SYNC and server.core.min_workers == 1:
-            server = replace(server, core=replace(server.core, min_workers=config.workers))  # rounds start with everyone
+        if server.core.mode in (Mode.SYNC, Mode.LOCAL_STEPS) and server.core.min_workers == 1:
+            # sync: rounds start with everyone; local-steps: each delta is applied at 1 / workers
+            server = replace(server, core=replace(server.core, min_workers=config.workers))
         # Without --checkpoint-dir, local says once on its console what that means (run_local): its
         # children need not warn in their logs about a choice it made for them.
         off = server.checkpoint.directory is None
@@ -448,10 +449,22 @@ class Supervisor:
             if found is not None and not server.announced:
                 server.announced = True
                 self.console.say(progress.resume_notice(server.name, *found))
-            if progress.serving(tail):
+            if progress.serving(tail) or self._health_says_serving(server):
                 server.serving = True
                 if server is self.servers[0] and self._start_version is None:
-                    self._start_version = found[0] if found is not None else 0
+                    self._start_version = found[0] if found is not None else self._resumed_version(server)
+
+    @staticmethod
+    def _health_says_serving(server: Child) -> bool:
+        """Asked while the log has not said it: under ``--log-level WARNING`` its info lines never come
+        (local then never saw its servers serve and failed every run at its end check). The control
+        plane's health turns SERVING where the server logs its serving line (ps/runner.py)."""
+        return server.control_port is not None and ctl.health("127.0.0.1", server.control_port) == "SERVING"
+
+    @staticmethod
+    def _resumed_version(server: Child) -> int:
+        """The version the server resumed from, off its /metrics (0: it started fresh, or does not answer)."""
+        return max(int(try_scrape(server.metrics_port).get("rpcps_server_resumed_from_version", 0)), 0)
 
     def _print_progress(self, started: float) -> None:
         primary = self._shard0_primary()

@@ -173,3 +173,21 @@ def test_a_normal_run_logs_quietly_exports_only_its_series_and_a_rerun_says_noth
     assert f"rpcps local: nothing left to train: the checkpoint in {checkpoints} already holds 300 steps" in out, out
     assert _final_version(out) == 600 and "(0 updates in this run)" in out, out
     assert "model version 0" not in out, "a server that is still restoring has no version to show yet"
+
+
+@pytest.mark.timeout(150)
+def test_under_log_level_warning_local_still_sees_its_servers_serve_and_counts_a_resumed_run(
+    procs: ProcessGroup, tmp_path: Path
+) -> None:
+    """The servers' info lines (serving, resumed from) never come at WARNING: local learns both from
+    the server's health and /metrics instead (it used to wait for the line 120 s and fail the run)."""
+    checkpoints = tmp_path / "ckpt"
+    argv = ["local", "--workers", "1", "--checkpoint-dir", checkpoints, "--log-level", "WARNING"]
+    first = procs.start("local", [*argv, "--steps", "20", "--run-dir", tmp_path / "first"])
+    assert first.wait(90) == 0, first.tail()
+    assert _final_version(first.stdout()) == 20
+    assert " INFO " not in (tmp_path / "first" / "ps.log").read_text(), "the server kept to WARNING"
+    again = procs.start("local-again", [*argv, "--steps", "40", "--run-dir", tmp_path / "again"])
+    assert again.wait(90) == 0, again.tail()
+    out = again.stdout()
+    assert _final_version(out) == 40 and "(20 updates in this run)" in out, out
