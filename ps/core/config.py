@@ -28,7 +28,7 @@ class ServerCoreConfig:
         Mode.ASYNC,
         help="async: apply every push; bounded: refuse pushes staler than --max-staleness (the worker recomputes them); "
         "sync: one step per round from the averaged gradients of the live workers; "
-        "local-steps: workers take --local-steps H steps and push parameter deltas, applied by the outer Nesterov SGD "
+        "local-steps: workers take --local-steps H steps and push parameter deltas, applied by the outer SGD "
         "(--outer-lr, --outer-momentum) instead of --optimizer",
     )
     max_staleness: int | None = setting(
@@ -36,7 +36,9 @@ class ServerCoreConfig:
     )
     round_timeout_s: float = setting(30.0, help="with --mode sync: close a round this long after it opened, with whoever contributed")
     min_workers: int = setting(
-        1, help="with --mode sync: rounds wait (up to --round-timeout-s) for this many workers; local sets it to --workers"
+        1,
+        help="the workers the job expects: with --mode sync, rounds wait (up to --round-timeout-s) for this many; "
+        "with --mode local-steps, the default --outer-lr is 1 / this; local sets it to --workers",
     )
     predict_ahead: float = setting(
         DEFAULT_PREDICT_AHEAD,
@@ -101,5 +103,5 @@ class ServerCoreConfig:
     def optimizer_settings(self) -> str:
         """What the optimizer is built with, for logs and the replicas' comparison."""
         if self.mode == Mode.LOCAL_STEPS:
-            return f"lr={self.outer.lr} momentum={self.outer.momentum}"
+            return f"lr={self.outer.lr_for(self.min_workers):g} momentum={self.outer.momentum}"
         return str(sorted(self.optimizer.optimizer_kwargs.items()))

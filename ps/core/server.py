@@ -128,7 +128,7 @@ class ParameterServer:
             for view, slot in zip(self.layout.views(self._masters), self.layout.slots):
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
         if config.mode == Mode.LOCAL_STEPS:
-            self.optimizer, self.schedule = build_outer(config.outer, list(self._masters)), None
+            self.optimizer, self.schedule = build_outer(config.outer, config.min_workers, list(self._masters)), None
         else:
             self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
         self.buffers = BufferStore(self.signature.buffers, dict(persistent_buffers(model)))

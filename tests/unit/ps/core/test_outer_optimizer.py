@@ -1,4 +1,4 @@
-"""--mode local-steps: the server's outer Nesterov SGD over pushed deltas, against a hand-computed step."""
+"""--mode local-steps: the server's outer SGD over pushed deltas, against a hand-computed step."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _by_hand(start: dict[str, torch.Tensor], deltas: list[list[torch.Tensor]]) -
 
 
 def test_each_delta_is_one_nesterov_step_once_per_round() -> None:
-    server, model = make_server(mode=Mode.LOCAL_STEPS)
+    server, model = make_server(mode=Mode.LOCAL_STEPS, outer=OuterConfig(lr=LR, momentum=MOMENTUM))
     start = server.master_tensors()
     deltas = [grads_like(model, seed, scale=0.01) for seed in range(3)]
     registration = server.register(0, "w0", server.signature.to_wire())
@@ -46,12 +46,29 @@ def test_each_delta_is_one_nesterov_step_once_per_round() -> None:
     assert server.status().optimizer == OUTER_NAME
 
 
+@pytest.mark.parametrize("expected_workers", [1, 4])
+def test_by_default_each_delta_is_applied_at_one_over_the_expected_workers_without_momentum(expected_workers: int) -> None:
+    """One worker's delta is taken whole (the server lands where the worker's inner steps did); with 4
+    expected, each moves the weights a quarter of the way (the round's average, FedAvg's step)."""
+    server, model = make_server(mode=Mode.LOCAL_STEPS, min_workers=expected_workers)
+    start = server.master_tensors()
+    deltas = [grads_like(model, seed, scale=0.01) for seed in range(2)]
+    registration = server.register(0, "w0", server.signature.to_wire())
+    for seq, delta in enumerate(deltas):
+        server.push(0, registration.incarnation, seq, server.version, pack(server.layout, delta), loss=1.0)
+    got = server.master_tensors()
+    for i, (name, value) in enumerate(start.items()):
+        expected = value - sum(d[i] for d in deltas) / expected_workers
+        assert torch.allclose(got[name], expected, rtol=1e-5, atol=1e-6), f"{name}: {float((got[name] - expected).abs().max()):.3g}"
+    assert server.config.optimizer_settings == f"lr={1 / expected_workers:g} momentum=0.0"
+
+
 def test_the_momentum_survives_a_snapshot() -> None:
-    old, model = make_server(mode=Mode.LOCAL_STEPS)
+    old, model = make_server(mode=Mode.LOCAL_STEPS, outer=OuterConfig(lr=LR, momentum=MOMENTUM))
     registration = old.register(0, "w0", old.signature.to_wire())
     for seq in range(2):
         old.push(0, registration.incarnation, seq, old.version, pack(old.layout, grads_like(model, seq, scale=0.01)))
-    new, _ = make_server(mode=Mode.LOCAL_STEPS)
+    new, _ = make_server(mode=Mode.LOCAL_STEPS, outer=OuterConfig(lr=LR, momentum=MOMENTUM))
     new.restore_state(old.capture_state()[1])
     assert new.digest_locked() == old.digest_locked()
     last = pack(old.layout, grads_like(model, 9, scale=0.01))
