@@ -86,14 +86,20 @@ class ReconnectingStore(dist.Store):
         whose DNS query was dropped) and runs on a helper thread, one at a time: a caller waits for
         it only as long as its own call may last (the connect timeout until the first connection,
         then the call's timeout), so no call is held behind another's connect (a standby's promotion
-        behind a store-rebuild check), and a later call finds the connection the helper opened.
+        behind a store-rebuild check), and a later call finds the connection the helper opened. A
+        call that finds nothing listening gives the opening up (``_give_up``).
         """
         with self._lock:
             client, opening = self._client, self._opening
         if client is not None:
             return client, False
-        if opening is None:
+        try:
             self._probe()
+        except dist.DistNetworkError:
+            if opening is not None:
+                self._give_up(opening)
+            raise
+        if opening is None:
             with self._lock:
                 if self._client is not None:
                     return self._client, False
@@ -118,16 +124,32 @@ class ReconnectingStore(dist.Store):
         except OSError as e:
             raise dist.DistNetworkError(f"nothing answers at the group's store {self.host}:{self.port} ({e})") from None
 
+    def _give_up(self, opening: Future[dist.TCPStore]) -> None:
+        """Nothing listens any more while ``opening`` runs: the store it was reaching died. torch's
+        constructor now retries refused connects with a growing back-off (measured with torch 2.13:
+        after a 5 s outage it connected 5 s after the store was back), so it is left to finish alone
+        and the first call that finds the port listening again opens a new connection (a standby's
+        promotion waited out that back-off while a restarted server claimed the shard first)."""
+        with self._lock:
+            if self._opening is opening:
+                self._opening = None
+
     def _open_in_background(self) -> Future[dist.TCPStore]:
+        # The helper thread takes the lock before it touches _opening, and the caller holds it until it
+        # has set _opening to this future, so `mine` is filled before the helper reads it.
+        mine: list[Future[dist.TCPStore]] = []
+
         def open_and_install() -> dist.TCPStore:
             try:
                 client = open_client(self.host, self.port, self.connect_timeout.total_seconds(), self.timeout)
             except (RuntimeError, OSError):
-                with self._lock:
-                    self._opening = None
+                self._give_up(mine[0])
                 raise
             with self._lock:  # installed before the waiters wake, so they find it
-                self._opening = None
+                if self._opening is mine[0]:
+                    self._opening = None
+                if self._client is not None:
+                    return self._client  # a newer opening, started after this one was given up, connected first
                 self._client = client
                 if self._connected:
                     self.reconnects += 1
@@ -135,7 +157,8 @@ class ReconnectingStore(dist.Store):
                 self._connected = True
             return client
 
-        return _on_thread(open_and_install)
+        mine.append(_on_thread(open_and_install))
+        return mine[0]
 
     def _run(self, call: Callable[[dist.TCPStore], _T]) -> _T:
         for attempt in range(2):

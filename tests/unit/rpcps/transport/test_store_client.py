@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import gc
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -174,4 +175,45 @@ def test_a_reconnection_to_a_frozen_store_fails_the_call_and_leaves_other_calls_
     master = _master(port)
     assert _once_reached(lambda: client.compare_set("k", "", "")) == b"", "the new store is empty"
     assert client.reconnects == 1
+    del master
+
+
+def test_a_connect_left_retrying_when_the_store_died_is_given_up_and_the_store_reached_as_soon_as_it_is_back() -> None:
+    """The store dies while a connection to it is being opened (a coordinator killed with a primary:
+    the standby's first read started on the dying store). torch's constructor then retries with a
+    growing back-off and would reach the restarted store seconds late; a call that finds nothing
+    listening gives it up, and the first call after the store is back opens a connection at once."""
+    port = free_port()
+    client = ReconnectingStore("127.0.0.1", port, timeout_s=1.0, connect_timeout_s=30.0)
+    master = _master(port)
+    client.set("k", "before")
+    del master
+    gc.collect()
+    resets = _mute_listener(port)  # a client's first bytes get a reset: the store dying under its handshake
+
+    def reset_each() -> None:
+        while True:
+            try:
+                conn, _ = resets.accept()
+            except OSError:
+                return  # closed: the store is gone
+            with conn:
+                conn.recv(1)  # the probe sends nothing and closes; torch's constructor sends its handshake
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    threading.Thread(target=reset_each, daemon=True).start()
+    # A few seconds of refused handshakes: long enough for torch's back-off to grow past a second.
+    dying_until = time.monotonic() + 4.0
+    while time.monotonic() < dying_until:
+        with pytest.raises(RuntimeError, match="has not answered"):
+            client.get("k")
+    resets.shutdown(socket.SHUT_RDWR)  # wakes the accept above (a close alone leaves the port listening)
+    resets.close()
+    with pytest.raises(RuntimeError, match="nothing answers"):
+        client.get("k")
+    master = _master(port)
+    back = time.monotonic()
+    assert _once_reached(lambda: client.compare_set("k", "", "v")) == b"v"
+    took = time.monotonic() - back
+    assert took < 1.0, f"reached the store {took:.2f}s after it was back"
     del master
