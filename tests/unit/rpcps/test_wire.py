@@ -77,6 +77,42 @@ def test_parameter_sink_loads_into_flat_storage_like_per_parameter_copies(chunk_
         sink.load([c[:-1] for c in chunks])
 
 
+def test_parameter_sink_adopts_large_pulled_chunks_as_the_models_storage_and_copies_what_it_cannot_adopt() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    params = list(model.parameters())
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=4 << 20)
+    sink = ParameterSink(layout, params, torch.float32)
+    assert sink.adopts  # 260 KiB over 4 parameters: re-pointing them costs less than a copy
+    pulled = [torch.randn(n) for n in layout.chunk_numels]
+    expected = [v.clone() for v in layout.views(pulled)]
+    sink.load(pulled)
+    assert all(p.data_ptr() == v.data_ptr() for p, v in zip(params, layout.views(pulled)))  # no copy
+    assert all(torch.equal(p, e) for p, e in zip(params, expected))
+    model(torch.randn(3, 256)).sum().backward()  # gradients still land on the adopted parameters
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
+
+    # A chunk that is a view into a larger buffer would pin that buffer: copied into the model's own storage.
+    backing = torch.randn(layout.chunk_numels[0] + 8)
+    sliced = [backing[8:]]
+    sink.load(sliced)
+    assert params[0].data_ptr() == pulled[0].data_ptr()  # still the storage adopted before, now holding the copy
+    assert all(torch.equal(p, v) for p, v in zip(params, layout.views(sliced)))
+
+
+def test_parameter_sink_copies_chunks_too_small_to_pay_for_re_pointing_every_parameter() -> None:
+    model = teacher_student_model()  # 6 parameters in 86 KiB
+    params = list(model.parameters())
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=4 << 20)
+    sink = ParameterSink(layout, params, torch.float32)
+    assert not sink.adopts
+    own = [p.data_ptr() for p in params]
+    pulled = [torch.randn(n) for n in layout.chunk_numels]
+    sink.load(pulled)
+    assert [p.data_ptr() for p in params] == own
+    assert all(torch.equal(p, v) for p, v in zip(params, layout.views(pulled)))
+
+
 def test_parameter_sink_loads_parameter_by_parameter_when_the_wire_is_narrower() -> None:
     model = teacher_student_model()
     layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=64 * 1024)
