@@ -59,6 +59,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     return report
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Puts back the process environment a test changed: an in-process call of the CLI sets
+    TORCH_CPP_LOG_LEVEL (``cli.main``), and the fork server's tests then failed on whichever xdist
+    worker ran one earlier (the fork server refuses a child whose environment its preloaded
+    libraries read)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture
 def procs(tmp_path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
     """Processes started by this test; all of them (and their children) are ended at teardown.
