@@ -39,7 +39,7 @@ from rpcps.metrics_http import build_info, serve_metrics
 from rpcps.summary import run_summary, write_summary
 from rpcps.transport import membership
 from rpcps.transport.coordinator import Janitor
-from rpcps.transport.rebuild import REBUILD_GRACE_S
+from rpcps.transport.rebuild import REBUILD_GRACE_S, SNAPSHOT_CLAIM_GRACE_S
 
 logger = logging.getLogger(__name__)
 
@@ -193,9 +193,10 @@ def run_store(config: StoreConfig) -> int:
     )
     try:
         # A new incarnation per start: the members see the store restarted empty and write their part
-        # back (rpcps.transport.rebuild).
+        # back (rpcps.transport.rebuild); a start cannot tell itself from a restart, so every start
+        # holds ranks and snapshot claims for the members that may be live.
         transport.serve(config.listen, STORE_NAME, config.transport, secret, ranks_after_s=REBUILD_GRACE_S,
-                        incarnation=f"{time.time_ns()}-{os.getpid()}")
+                        incarnation=f"{time.time_ns()}-{os.getpid()}", hold_snapshot_claims_s=SNAPSHOT_CLAIM_GRACE_S)
     except BaseException:
         http.shutdown()  # type: ignore[attr-defined]
         raise

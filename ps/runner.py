@@ -401,7 +401,7 @@ def _claim(registry: Registry, config: ServerRunConfig, name: str, point: Resume
     return claim_shard(
         registry, config.core.shard_index, name, epoch + 1, lambda: set(membership.store_members()),
         absent_grace_s=replication.store_lease_s + 1.0, timeout_s=config.transport.connect_timeout_s + replication.store_lease_s,
-        attach_only=os.environ.pop(ATTACH_ONLY_ENV, "") == "1",
+        attach_only=os.environ.pop(ATTACH_ONLY_ENV, "") == "1", from_snapshot=point is not None,
     )
 
 

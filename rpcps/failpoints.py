@@ -40,8 +40,10 @@ POINTS = {
     "replication.at_max_lag": "an asynchronous primary is applying the update that puts it --max-replica-lag entries ahead "
     "of its standby (the ones before it were answered: a crash now loses them unless they are still on the wire)",
     "replication.standby_before_ack": "a standby holds the log entries of an append and is about to acknowledge them",
+    "replication.standby_before_promote": "a standby whose primary failed read the shard's view and is about to change it "
+    "to promote itself",
 }
-REPLICATED_POINTS = frozenset({"replication.at_max_lag", "replication.standby_before_ack"})
+REPLICATED_POINTS = frozenset({"replication.at_max_lag", "replication.standby_before_ack", "replication.standby_before_promote"})
 """Points only a server with a standby (or a standby) reaches (a run without replicas never hits them)."""
 
 

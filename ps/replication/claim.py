@@ -3,7 +3,10 @@
 A starting server has joined the group under a fresh name and reads its shard's view:
 
 - no view (a new job, or a new store): it bootstraps, ``None -> {epoch, me, -}``, and serves from
-  its newest snapshot (or fresh);
+  its newest snapshot (or fresh). A process with a snapshot to resume first waits while a
+  coordinator that just started holds such claims (``Registry.snapshot_claims_held``): the store
+  may be a restarted one, and a live standby whose primary died meanwhile is about to promote from
+  the view it followed, holding every update after that snapshot;
 - a view whose primary is a live member: it attaches to that primary as a standby and copies its
   state (``ps.replication.catchup``); it never resumes from disk while a live primary exists;
 - a view whose replicas are gone: it takes the shard over, ``{e, P, S} -> {e+1, me, -}``, from its
@@ -60,6 +63,7 @@ def claim_shard(
     absent_grace_s: float,
     timeout_s: float,
     attach_only: bool = False,
+    from_snapshot: bool = False,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Claim:
@@ -72,12 +76,25 @@ def claim_shard(
         timeout_s: give up after this long (raises ClaimTimeout).
         attach_only: never serve the shard from a snapshot; only attach to a live primary (a standby
             restarting after the store was lost: its primary's final snapshot is the one to go on from).
+        from_snapshot: this process would serve the shard from a snapshot (it has one to resume).
     """
     deadline = clock() + timeout_s
     absent_since: dict[str, float] = {}
+    said_held = False
+
+    def held() -> None:
+        nonlocal said_held
+        if not said_held:
+            said_held = True
+            logger.info("shard %d has no view in a coordinator that just started: waiting for a live replica to put "
+                        "it back before serving the shard from the snapshot", shard)
+
     while True:
         try:
-            claim = _try_claim(registry, shard, me, bootstrap_epoch, members(), absent_since, absent_grace_s, clock(), attach_only)
+            claim = _try_claim(
+                registry, shard, me, bootstrap_epoch, members(), absent_since, absent_grace_s, clock(), attach_only,
+                held if from_snapshot else None,
+            )
         except StoreUnavailable as e:
             logger.warning("reading shard %d's view: %s; retrying", shard, e)
             claim = None
@@ -98,7 +115,10 @@ def _try_claim(
     absent_grace_s: float,
     now: float,
     attach_only: bool,
+    held: Callable[[], None] | None,
 ) -> Claim | None:
+    """One look at the view; None: look again. ``held`` (a process with a snapshot to serve) is told
+    when a coordinator that just started keeps it from bootstrapping."""
     reading = registry.read_view(shard)
     record = reading.record
     if reading.refused is not None:
@@ -109,6 +129,9 @@ def _try_claim(
     if attach_only:
         return Claim(record, attach_to=record.view.primary) if record is not None and record.view.primary in members else None
     if record is None:
+        if held is not None and registry.snapshot_claims_held():
+            held()
+            return None
         won = registry.change_view(shard, reading, View(bootstrap_epoch, me))
         if won is not None:
             logger.info("shard %d has no view yet: serving it as primary, epoch %d", shard, bootstrap_epoch)

@@ -318,6 +318,7 @@ class Standby:
         logger.warning("primary %s of shard %d failed: %s; promoting this standby", peer_text(old), self.shard, peer_text(why, MESSAGE_LIMIT))
         try:
             reading = self._read_view_when_store_answers()
+            failpoints.hit("replication.standby_before_promote")
             record = reading.record
             if record is None and not reading.raw and self.in_view:
                 # The coordinator restarted empty and the primary died before it wrote its view back:

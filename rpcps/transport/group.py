@@ -37,7 +37,7 @@ from rpcps.transport.config import TransportOptions
 from rpcps.transport.membership import RANK_COUNTER_KEY
 from rpcps.transport.rebuild import StoreRebuild, start_rebuild
 from rpcps.transport.registry import Registry
-from rpcps.transport.store_client import INCARNATION_KEY, ReconnectingStore, open_client
+from rpcps.transport.store_client import INCARNATION_KEY, SNAPSHOT_CLAIMS_HELD_KEY, ReconnectingStore, open_client
 from rpcps.transport.store_client import register_rendezvous as register_tcp_rendezvous
 from rpcps.transport.store_client import rendezvous_url as tcp_rendezvous_url
 
@@ -142,6 +142,7 @@ def serve(
     secret: JobSecret | None = None,
     ranks_after_s: float = 0.0,
     incarnation: str | None = None,
+    hold_snapshot_claims_s: float = 0.0,
 ) -> None:
     """Hosts the rendezvous store on ``address`` and joins the group as rank 0 under ``name``.
 
@@ -149,7 +150,8 @@ def serve(
     processes take ranks only ``ranks_after_s`` from now: a restarted coordinator's store counts
     ranks from 0 until the live members have raised it past theirs (``rpcps.transport.rebuild``).
     ``incarnation`` (a coordinator's, new per start) is in the store before any rank is handed out,
-    so every member finds it when it joins.
+    so every member finds it when it joins. For ``hold_snapshot_claims_s`` from now, a server that
+    finds no view for its shard does not serve it from a snapshot (``ps.replication.claim``).
     """
     _require_protection()
     _loopback_agent(address)
@@ -168,6 +170,11 @@ def serve(
     assert store is not None  # a TCPStore address: _open_registry opened one
     if incarnation is not None:
         store.set(INCARNATION_KEY, incarnation)
+    if hold_snapshot_claims_s > 0:
+        store.set(SNAPSHOT_CLAIMS_HELD_KEY, "1")
+        releaser = threading.Timer(hold_snapshot_claims_s, lambda: store.set(SNAPSHOT_CLAIMS_HELD_KEY, "0"))
+        releaser.daemon = True
+        releaser.start()
     if ranks_after_s > 0:
         opener = threading.Timer(ranks_after_s, lambda: store.set(membership.RANKS_OPEN_KEY, "1"))
         opener.daemon = True
@@ -358,6 +365,7 @@ def _wait_for_listener(address: Address, deadline: float) -> bool:
     clear error at the deadline. This probes the store's port only: a bare connect to TensorPipe's
     own listening port can wedge that agent (shared/research/torch-rpc-facts.md).
     """
+    said = False
     while True:
         try:
             with socket.create_connection((address.host, address.port), timeout=max(min(deadline - time.monotonic(), 1.0), 0.1)):
@@ -365,6 +373,10 @@ def _wait_for_listener(address: Address, deadline: float) -> bool:
         except OSError:
             if time.monotonic() >= deadline:
                 return False
+            if not said:
+                said = True
+                logger.info("nothing answers at the group's store %s yet; waiting up to %.0fs (--connect-timeout-s)",
+                            address, deadline - time.monotonic())
             time.sleep(0.1)
 
 

@@ -36,6 +36,14 @@ REBUILD_GRACE_S = 2.0
 """How long a coordinator lets the live members write their part back before a joining process
 may take a rank (``group.serve``): four of their checks; a member slower than that (a frozen one)
 may see a joiner take its rank."""
+SNAPSHOT_CLAIM_GRACE_S = 6.0
+"""How long a coordinator keeps a shard without a view from being served from a snapshot
+(``ps.replication.claim``): a standby whose primary died while the coordinator was down promotes
+from the view it followed once the store is back, and a server restarted meanwhile (the dead
+primary's supervisor restarts it from its snapshot) must find that view instead of writing its own
+first and losing what the standby applied after the snapshot. Joiners take ranks after
+``REBUILD_GRACE_S``; this leaves the standby 4 s more, for a loaded machine (promotion took 0.05 s
+after the store was back, measured in ``tests/integration/store/test_coordinator.py``)."""
 
 
 class StoreRebuild:

@@ -41,7 +41,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.messages import View
-from rpcps.transport.store_client import INCARNATION_KEY
+from rpcps.transport.store_client import INCARNATION_KEY, SNAPSHOT_CLAIMS_HELD_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +287,11 @@ class Registry:
         """Which start of the coordinator serves the store ('' when a server hosts it): a new value is a
         store that restarted empty (``rpcps.transport.store_client.INCARNATION_KEY``)."""
         return self._read(INCARNATION_KEY)
+
+    def snapshot_claims_held(self) -> bool:
+        """Whether the coordinator started moments ago and still keeps shards without a view from
+        being served from a snapshot (``rpcps.transport.rebuild.SNAPSHOT_CLAIM_GRACE_S``)."""
+        return self._read(SNAPSHOT_CLAIMS_HELD_KEY) == "1"
 
     # ---- shards ------------------------------------------------------------------------------
 

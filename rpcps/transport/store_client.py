@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 INCARNATION_KEY = "rpcps/store_incarnation"
 """Written by the coordinator when it starts serving a store (a fresh, empty one): its value differs per start."""
+SNAPSHOT_CLAIMS_HELD_KEY = "rpcps/snapshot_claims_held"
+"""'1' while a coordinator that just started keeps shards without a view from being served from a
+snapshot ('0' after ``group.serve``'s ``hold_snapshot_claims_s``; never written by other stores):
+``ps.replication.claim``."""
 
 _T = TypeVar("_T")
 

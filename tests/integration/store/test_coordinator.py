@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.ledger import check_ledger, first_apply_after
-from harness.procs import ProcessGroup, free_port, start_replica_pair, try_scrape, wait_until
+from harness.procs import ProcessGroup, child_env, free_port, start_replica_pair, try_scrape, wait_until
 from tests.integration.conftest import model_version as version
 from tests.integration.conftest import read_json, run_ctl
 
@@ -140,3 +140,52 @@ def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_ov
           f"coordinator serving again -> promotion {promoted - back_at:.3f}s, -> next applied update {applied - back_at:.3f}s; "
           f"restart launched -> next update {applied - restarted_at:.3f}s; primary kill -> next update {applied - killed_at:.3f}s")
     assert applied - back_at <= 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_primary_restarted_from_its_snapshot_while_the_coordinator_was_down_follows_the_standby_that_promotes(
+    procs: ProcessGroup, tmp_path: Path
+) -> None:
+    """kill -9 of the primary and the coordinator together (the race of CI's chaos soak, seed 888045):
+    the primary is started again at once, as its supervisor would, with a snapshot to resume, and
+    waits for the store; the coordinator comes back. The standby is held for 3 s at the moment it
+    promotes (a fail point: later than the 2 s after which the restarted server may join), yet it
+    promotes, and the restarted server, finding no view in a coordinator that just started, waits
+    instead of serving the shard from its snapshot, then attaches to it as its standby. The ledger: one
+    history, final version workers x steps, no update lost, nothing resumed from a checkpoint."""
+    _store, port, _ = procs.store("store", "--lease-s", "3")
+    audit = tmp_path / "audit.log"
+    common = ("--store", f"127.0.0.1:{port}", "--replicas", "2", "--audit-log", str(audit), "--digest-every", "10",
+              "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every-updates", "50")
+    a, _, ma = procs.ps("ps_a", *common)
+    wait_until(lambda: try_scrape(ma).get("rpcps_replica_role", -1) == 2 or not a.alive(), 60, "ps_a to serve as primary")
+    held = f"replication.standby_before_promote=hold-3@1:{tmp_path / 'promote.held'}"
+    b, _, mb = procs.ps("ps_b", *common, env=child_env(RPCPS_FAILPOINTS=held))
+    wait_until(lambda: try_scrape(ma).get("rpcps_replica_standby_in_sync", -1) == 1 or not b.alive(), 60, "ps_b to be in sync")
+    workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "800", "--failover-timeout-s", "60", *PACED)[0] for i in range(2)]
+    wait_until(lambda: version(ma) >= 120, 90, "120 updates (a snapshot at 100)")
+    _store.kill()
+    a.kill()
+    assert _store.wait(10) is not None and a.wait(10) is not None
+    wait_until(lambda: "promoting once it is back" in b.stderr() or not b.alive(), 30, "the standby to wait for the store")
+    restarted, _, _ = procs.ps("ps_a_restarted", *common)
+    wait_until(lambda: "nothing answers at the group's store" in restarted.stderr() or not restarted.alive(), 60,
+               "the restarted primary to wait for the store")
+    procs.store("store2", "--lease-s", "3", port=port)
+    wait_until(lambda: try_scrape(mb).get("rpcps_replica_role") == 2 or not b.alive(), 60, "ps_b to promote once the coordinator is back")
+    assert (tmp_path / "promote.held").exists(), "the standby was held where it promotes"
+    wait_until(lambda: try_scrape(mb).get("rpcps_replica_standby_in_sync") == 1 or not restarted.alive(), 90,
+               "the restarted server to attach to the promoted standby and catch up")
+    assert "waiting for a live replica to put it back" in restarted.stderr(), restarted.tail()
+    assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
+    assert version(mb) == 1600
+    for proc in (b, restarted):
+        proc.send(signal.SIGTERM)
+    assert b.wait(60) == 0, b.tail()
+    restarted.wait(60)
+    report = check_ledger(audit)
+    assert report.problems == [], report.problems[:5]
+    assert report.final_version == 1600
+    assert report.updates_lost == [] and [p[1] for p in report.promotions] == [2], (report.updates_lost, report.promotions)
+    assert report.restarts == 3, "the three replicas' starts only: none from a checkpoint"

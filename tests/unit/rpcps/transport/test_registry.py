@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -13,17 +14,22 @@ from ps.replication.claim import ClaimTimeout, claim_shard
 from rpcps.messages import View
 from rpcps.ports import free_port
 from rpcps.transport.registry import Registry, ShardCountMismatch, StoreUnavailable
-from rpcps.transport.store_client import host_store
+from rpcps.transport.store_client import SNAPSHOT_CLAIMS_HELD_KEY, host_store
 
 
 @pytest.fixture
-def registry() -> Iterator[Registry]:
+def store() -> Iterator[dist.TCPStore]:
     port = free_port()
     master = host_store("127.0.0.1", port, datetime.timedelta(seconds=30))
     # 10 s to connect, room for a loaded 2-core run; no test here waits on the store's timeout.
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    yield Registry(client)
+    yield client
     del client, master
+
+
+@pytest.fixture
+def registry(store: dist.TCPStore) -> Registry:
+    return Registry(store)
 
 
 def test_a_view_changes_only_from_what_it_was(registry: Registry) -> None:
@@ -85,8 +91,10 @@ class Clock:
         self.now += seconds
 
 
-def _claim(registry: Registry, me: str, members: set[str], clock: Clock, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
-    return claim_shard(registry, 0, me, 1, lambda: members, absent_grace_s=11.0, timeout_s=timeout_s, clock=clock, sleep=clock.sleep)
+def _claim(registry: Registry, me: str, members: set[str], clock: Clock, timeout_s: float = 30.0, **kwargs: Any):  # type: ignore[no-untyped-def]
+    return claim_shard(
+        registry, 0, me, 1, lambda: members, absent_grace_s=11.0, timeout_s=timeout_s, clock=clock, sleep=clock.sleep, **kwargs
+    )
 
 
 def test_the_first_server_bootstraps_and_the_next_attaches_to_it(registry: Registry) -> None:
@@ -119,3 +127,40 @@ def test_a_live_standby_is_left_to_promote_itself(registry: Registry) -> None:
     with pytest.raises(ClaimTimeout):
         _claim(registry, "ps0_r5", {"ps0_r2", "ps0_r5"}, clock, timeout_s=5.0)
     assert registry.view(0).view == View(3, "ps0_r1", "ps0_r2")  # type: ignore[union-attr]
+
+
+def test_a_coordinator_that_just_started_holds_a_snapshot_claim_until_a_live_standby_promoted(
+    registry: Registry, store: dist.TCPStore
+) -> None:
+    """A store restarted empty: a server with a snapshot finds no view and waits while the coordinator
+    holds snapshot claims; the standby that promotes meanwhile (its view written from nothing) is
+    the shard's primary, and the server attaches to it instead of serving its older snapshot."""
+    store.set(SNAPSHOT_CLAIMS_HELD_KEY, "1")
+    clock = Clock()
+
+    def standby_promotes_meanwhile(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= 1.0 and registry.view(0) is None:
+            registry.change_view(0, None, View(2, "ps0_r2"))
+
+    claim = claim_shard(registry, 0, "ps0_r5", 2, lambda: {"ps0_r2", "ps0_r5"}, absent_grace_s=11.0, timeout_s=30.0,
+                        from_snapshot=True, clock=clock, sleep=standby_promotes_meanwhile)
+    assert claim.attach_to == "ps0_r2" and not claim.took_over
+
+
+def test_a_held_snapshot_claim_is_served_once_the_coordinator_releases_it_and_a_fresh_start_is_not_held(
+    registry: Registry, store: dist.TCPStore
+) -> None:
+    store.set(SNAPSHOT_CLAIMS_HELD_KEY, "1")
+    clock = Clock()
+
+    def released_after_6s(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= 6.0:
+            store.set(SNAPSHOT_CLAIMS_HELD_KEY, "0")
+
+    fresh = claim_shard(registry, 1, "ps1_r4", 1, lambda: {"ps1_r4"}, absent_grace_s=11.0, timeout_s=30.0, clock=Clock())
+    assert fresh.record.view == View(1, "ps1_r4"), "nothing to resume, so nothing newer to lose: not held"
+    claim = claim_shard(registry, 0, "ps0_r5", 2, lambda: {"ps0_r5"}, absent_grace_s=11.0, timeout_s=30.0,
+                        from_snapshot=True, clock=clock, sleep=released_after_6s)
+    assert claim.attach_to is None and claim.record.view == View(2, "ps0_r5") and clock.now >= 6.0
