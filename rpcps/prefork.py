@@ -166,7 +166,9 @@ class ForkServer:
         """Ends the server (its children run on); waits for it."""
         self._control.close()
         try:
-            self.process.wait(timeout=10)
+            # It reads the close only once its preloading is done, which on a loaded host takes
+            # as long as a first request may wait (CI saw 10 s pass and the server killed).
+            self.process.wait(timeout=START_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
