@@ -36,7 +36,7 @@ failed=()
 skipped=()
 
 step() { printf '== %s: %s\n' "$part" "$*"; }
-# run DESCRIPTION CMD...: runs a check, shows its output, records a failure.
+# run DESCRIPTION CMD...: runs a check, shows its output, records a failure (and returns 1).
 run() {
     local what=$1
     shift
@@ -44,6 +44,7 @@ run() {
     if ! "$@"; then
         echo "FAIL $part: $what" >&2
         failed+=("$part: $what")
+        return 1
     fi
 }
 # need TOOL INSTALL-HINT: true if the tool is there; otherwise skips (or fails) the part.
@@ -85,32 +86,29 @@ check_k8s() {
     else
         dirs=("$k8s/base" "$k8s"/overlays/*/)
     fi
+    local renderer=("$python" "$repo/tools/check_deploy.py" render)
     if command -v "$kubectl" >/dev/null 2>&1; then
-        for dir in "${dirs[@]}"; do
-            dir=${dir%/}
-            local out
-            out="$tmp/$(basename "$dir").yaml"
-            # shellcheck disable=SC2016 # $1..$3 expand in the inner shell
-            run "kustomize ${dir#"$repo"/}" bash -c '"$1" kustomize "$2" > "$3"' _ "$kubectl" "$dir" "$out" || continue
-            run "kubernetes-validate --strict ${dir#"$repo"/}" kubernetes-validate --strict --quiet "$out"
-            run "cross-references ${dir#"$repo"/} + servicemonitor.yaml" \
-                "$python" "$repo/tools/check_deploy.py" k8s "$out" "$k8s/servicemonitor.yaml"
-        done
+        renderer=("$kubectl" kustomize)
     else
         # The kustomizations use only resources and inline JSON patches, which check_deploy.py renders.
         echo "note $part: $kubectl not found: rendering with tools/check_deploy.py render (resources and JSON patches)"
-        for dir in "${dirs[@]}"; do
-            dir=${dir%/}
-            local out
-            out="$tmp/$(basename "$dir").yaml"
-            # shellcheck disable=SC2016 # $1..$3 expand in the inner shell
-            run "render ${dir#"$repo"/}" bash -c '"$1" "$2" render "$3" > "$4"' _ "$python" "$repo/tools/check_deploy.py" "$dir" "$out" ||
-                continue
-            run "kubernetes-validate --strict ${dir#"$repo"/}" kubernetes-validate --strict --quiet "$out"
-            run "cross-references ${dir#"$repo"/} + servicemonitor.yaml" \
-                "$python" "$repo/tools/check_deploy.py" k8s "$out" "$k8s/servicemonitor.yaml"
-        done
     fi
+    local rendered=() names=() dir out
+    for dir in "${dirs[@]}"; do
+        dir=${dir%/}
+        out="$tmp/$(basename "$dir").yaml"
+        # shellcheck disable=SC2016 # $1.. expand in the inner shell
+        run "render ${dir#"$repo"/} (${renderer[*]##*/})" bash -c 'out=$1; shift; "$@" > "$out"' _ "$out" "${renderer[@]}" "$dir" ||
+            continue
+        rendered+=("$out")
+        names+=("${dir#"$repo"/}")
+    done
+    ((${#rendered[@]})) || return
+    # One call each over every rendering: each tool's start-up (the checker imports rpcps's command
+    # line for its flags) costs more than the checking.
+    run "kubernetes-validate --strict ${names[*]}" kubernetes-validate --strict --quiet "${rendered[@]}"
+    run "cross-references of each of ${names[*]} + servicemonitor.yaml" \
+        "$python" "$repo/tools/check_deploy.py" k8s --each "${rendered[@]}" --with "$k8s/servicemonitor.yaml"
     # A CRD: no Kubernetes schema knows it; a vendored schema of the fields we use checks it.
     run "ServiceMonitor against deploy/k8s/schemas/servicemonitor-v1.schema.json" \
         check-jsonschema --schemafile "$k8s/schemas/servicemonitor-v1.schema.json" "$k8s/servicemonitor.yaml"

@@ -11,6 +11,7 @@ base files). Run by deploy/validate.sh:
 
     python tools/check_deploy.py compose deploy/docker/compose.yaml
     python tools/check_deploy.py k8s RENDERED.yaml [deploy/k8s/servicemonitor.yaml ...]
+    python tools/check_deploy.py k8s --each A.yaml B.yaml ... --with deploy/k8s/servicemonitor.yaml
     python tools/check_deploy.py render deploy/k8s/overlays/standby > RENDERED.yaml   # without kubectl
     python tools/check_deploy.py env-file deploy/bare-metal/rpcps.env.example
     python tools/check_deploy.py prometheus-without-k8s-sd IN.yml OUT.yml
@@ -719,6 +720,10 @@ def main(argv: list[str]) -> int:
     command, *paths = argv
     if command == "compose" and len(paths) == 1:
         problems = check_compose(Path(paths[0]))
+    elif command == "k8s" and paths[:1] == ["--each"] and "--with" in paths[2:]:
+        # One process for every rendering: importing the command line (for the flags) costs 2-4 s.
+        renderings, shared = paths[1:paths.index("--with")], [Path(p) for p in paths[paths.index("--with") + 1:]]
+        problems = [f"{Path(r).stem}: {problem}" for r in renderings for problem in check_k8s(load_documents([Path(r), *shared]))]
     elif command == "k8s" and paths:
         problems = check_k8s(load_documents(Path(p) for p in paths))
     elif command == "env-file" and len(paths) == 1:

@@ -58,8 +58,10 @@ def test_k8s_without_kubectl_renders_every_kustomization_itself() -> None:
     result = validate("--require-all", "k8s", KUBECTL="/nonexistent/kubectl")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rendering with tools/check_deploy.py render" in result.stdout
-    for directory in ("base", "overlays/cpu", "overlays/ctr", "overlays/standby"):
-        assert f"== k8s: cross-references deploy/k8s/{directory} + servicemonitor.yaml" in result.stdout
+    directories = [f"deploy/k8s/{d}" for d in ("base", "overlays/cpu", "overlays/ctr", "overlays/standby")]
+    for directory in directories:
+        assert f"== k8s: render {directory} (" in result.stdout
+    assert f"== k8s: cross-references of each of {' '.join(directories)} + servicemonitor.yaml" in result.stdout
 
 
 BROKEN_DIR = "base"
