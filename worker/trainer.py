@@ -851,6 +851,8 @@ class Trainer:
                 raise
             # The server may or may not have applied it; it deduplicates by (slot, seq), so resend.
             self.metrics.retries.inc()
+            logger.warning("shard %d: no reply to step %d's push within the RPC timeout (%.0fs); sending it again (attempt %d)",
+                           item.shard, item.seq, link.client.timeout_s, item.attempts + 1)
             time.sleep(min(0.2 * 2 ** (item.attempts - 1), 5.0))
             item.attempts += 1
             self._send(item)

@@ -39,10 +39,13 @@ from __future__ import annotations
 import io
 import logging
 import math
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.futures import Future
@@ -73,6 +76,46 @@ _STORE_LEASE_MARGIN_S = 1.0
 _HANDOVER_WITHIN = 2
 """A catching-up standby this many entries behind (or closer) is handed over."""
 _HANDOVER_WAIT_S = 1.0
+
+
+class _HeldUpdates:
+    """Says so when committed updates wait for the lease for longer than a keeper round should take:
+    why (``reason()``), and where the keeper, the thread that renews it, is at that moment. Without
+    it a primary whose lease lapsed looked merely idle: its workers' pushes went unanswered until
+    their RPC timeout (CI saw a 28 s stall after an etcd leader's death, with nothing in any log)."""
+
+    REPORT_AFTER_S = 3.0
+
+    def __init__(self, shard: int, reason: Callable[[], str], keeper: threading.Thread) -> None:
+        self._shard = shard
+        self._reason = reason
+        self._keeper = keeper
+        self._since: float | None = None
+        self._reported = False
+
+    def holding(self, waiting: int) -> None:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        elif not self._reported and now - self._since >= self.REPORT_AFTER_S:
+            self._reported = True
+            logger.warning(
+                "shard %d: %d committed update(s) wait for %.1fs: %s; the keeper is at: %s", self._shard, waiting,
+                now - self._since, self._reason() or "(the lease came back just now)", _where(self._keeper),
+            )
+
+    def released(self) -> None:
+        if self._reported and self._since is not None:
+            logger.warning("shard %d: applying again after %.1fs without a lease", self._shard, time.monotonic() - self._since)
+        self._since, self._reported = None, False
+
+
+def _where(thread: threading.Thread) -> str:
+    """The innermost frames of ``thread``'s stack, on one line."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "(not running)"
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(traceback.extract_stack(frame)[-6:]))
 
 
 @dataclass
@@ -207,18 +250,25 @@ class Primary:
 
     def lease(self) -> float | None:
         """Asked before every apply: the unix time of the decision, or None when not allowed now."""
+        return None if self._without_lease() else time.time()
+
+    def _without_lease(self) -> str:
+        """Why this primary may not apply now ('' when it may)."""
         if self.server.deposed or self._stopped.is_set():
-            return None
+            return "it no longer serves the shard"
         now = time.monotonic()
         follower = self._follower
         if follower is not None and follower.in_sync:
-            if self._lease_revoked or now >= follower.newest_acked_send + self.config.replica_lease_s - _LEASE_MARGIN_S:
-                return None
-        elif now >= self._view_read_at + self.config.store_lease_s - _STORE_LEASE_MARGIN_S or (
-            self._claim is not None and not self._claim.held()
-        ):
-            return None
-        return time.time()
+            if self._lease_revoked:
+                return f"the link to its standby {follower.name} failed; the view must settle who serves"
+            if now >= follower.newest_acked_send + self.config.replica_lease_s - _LEASE_MARGIN_S:
+                return f"its standby {follower.name} acknowledged nothing sent in the last {self.config.replica_lease_s:g}s"
+            return ""
+        if now >= self._view_read_at + self.config.store_lease_s - _STORE_LEASE_MARGIN_S:
+            return f"it last read its own view in the group's store {now - self._view_read_at:.1f}s ago"
+        if self._claim is not None and not self._claim.held():
+            return "etcd has not confirmed its claim on the shard within the claim's lease"
+        return ""
 
     # ---- the replication API (called by the standby over RPC) ------------------------------------
 
@@ -386,6 +436,7 @@ class Primary:
 
     def _apply_loop(self) -> None:
         log = self.log
+        held = _HeldUpdates(self.shard, self._without_lease, self._threads[0])
         while not self._stopped.is_set():
             with log.cond:
                 if log.applied_index >= log.commit_index:
@@ -394,8 +445,10 @@ class Primary:
             with self.server.lock:
                 done = self.server.apply_committed_locked()
             if done:
+                held.released()
                 self.answer(done)
             else:
+                held.holding(log.commit_index - log.applied_index)
                 self._stopped.wait(0.01)  # committed but not allowed (no lease): the keeper settles it
 
     def answer(self, done: list[tuple[Future, object]]) -> None:
