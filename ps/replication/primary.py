@@ -439,16 +439,23 @@ class Primary:
         held = _HeldUpdates(self.shard, self._without_lease, self._threads[0])
         while not self._stopped.is_set():
             with log.cond:
-                if log.applied_index >= log.commit_index:
+                idle = log.applied_index >= log.commit_index
+                if idle:
                     log.cond.wait(0.05)
-                    continue
+            if idle:
+                held.released()
+                continue
             with self.server.lock:
                 done = self.server.apply_committed_locked()
-            if done:
+                # Without a standby the thread that sequenced an entry applies it: one may have
+                # done so since this loop looked, which is no hold.
+                waiting = log.commit_index - log.applied_index
+            if done or not waiting:
                 held.released()
-                self.answer(done)
+                if done:
+                    self.answer(done)
             else:
-                held.holding(log.commit_index - log.applied_index)
+                held.holding(waiting)
                 self._stopped.wait(0.01)  # committed but not allowed (no lease): the keeper settles it
 
     def answer(self, done: list[tuple[Future, object]]) -> None:
