@@ -36,7 +36,14 @@ from typing import Any, Self
 import torch
 
 from rpcps import memory, replica_endpoints, rpc_policy, signals, threads, transport
-from rpcps.errors import RegistrationRefused, ServerStopping, SignatureMismatch, UnknownWorker, WorkerRemoved
+from rpcps.errors import (
+    NotPrimary,
+    RegistrationRefused,
+    ServerStopping,
+    SignatureMismatch,
+    UnknownWorker,
+    WorkerRemoved,
+)
 from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.metrics_http import build_info, serve_metrics
@@ -52,6 +59,12 @@ from worker.device import pick_device
 from worker.metrics import WorkerMetrics
 from worker.step import Step, StepEnded
 from worker.trainer import NotDurable, ServerBehind, TooManyRejects, Trainer, WorkerStats
+
+REJOIN_ON = (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind, WorkerRemoved, NotPrimary)
+"""Errors after which a worker restarts in place and rejoins, as for a lost server. WorkerRemoved:
+the server dropped this slot's registration (silent past its lease). NotPrimary with no successor
+named: a server restarting from its snapshot answered before it claimed its shard again (CI saw a
+worker exit 1 on it after a server re-executed itself, test_stray_connections_to_every_port...)."""
 
 logger = logging.getLogger(__name__)
 
@@ -331,8 +344,7 @@ class Training:
         Returns (after cleaning up) for anything else, which the caller raises again."""
         code: int | None = None
         try:
-            # WorkerRemoved: the server dropped this slot's registration (silent past its lease): rejoin as for a lost server.
-            if isinstance(error, (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind, WorkerRemoved)):
+            if isinstance(error, REJOIN_ON):
                 if self._stopping:
                     logger.info("stopped by signal while the server went away (%s)", error)
                     code = EXIT_OK
