@@ -191,15 +191,18 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
     _require_protection()
     _loopback_agent(address)
     deadline = time.monotonic() + options.connect_timeout_s
-    rank = _etcd_rank(address, deadline) if isinstance(address, EtcdAddress) else _store_rank(address, deadline)
+    if isinstance(address, EtcdAddress):
+        rank, rank_client = _etcd_rank(address, deadline), None
+    else:
+        rank, rank_client = _store_rank(address, deadline)
     if rank > membership.MAX_RANK:
         raise TransportError(f"the server at {address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
     name = f"{base_name}_r{rank}"
-    if isinstance(address, EtcdAddress):
-        _announce_alive(address, name, deadline)
+    beat_view = _announce_alive(address, name, deadline) if rank_client is None else membership.agent_store(rank_client)
     try:
-        _init_filtered_rpc(name, rank, address, options)
+        with membership.beating_while_joining(beat_view, name):
+            _init_filtered_rpc(name, rank, address, options)
     except request_filter.FilterUnavailable:
         raise
     except (RuntimeError, dist.DistError) as e:
@@ -212,8 +215,9 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
     return name
 
 
-def _store_rank(address: Address, deadline: float) -> int:
-    """A fresh rank from the counter of the store ``address`` hosts (waiting for it until ``deadline``)."""
+def _store_rank(address: Address, deadline: float) -> tuple[int, dist.TCPStore]:
+    """A fresh rank from the counter of the store ``address`` hosts (waiting for it until ``deadline``),
+    and the client that took it (the join beats through it)."""
     unreachable = TransportError(
         f"no parameter server answered at {address} within {deadline - time.monotonic():.0f}s; "
         "start it with `rpcps ps --listen HOST:PORT` or check --ps / --connect-timeout-s"
@@ -224,7 +228,7 @@ def _store_rank(address: Address, deadline: float) -> int:
         left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0))
         store = open_client(address.host, address.port, left.total_seconds(), left)
         store.wait([membership.RANKS_OPEN_KEY])  # a coordinator that just restarted: live members' ranks first
-        return int(store.add(membership.RANK_COUNTER_KEY, 1))
+        return int(store.add(membership.RANK_COUNTER_KEY, 1)), store
     except (RuntimeError, dist.DistError) as e:
         raise unreachable from e
 
@@ -247,14 +251,15 @@ def _etcd_rank(address: EtcdAddress, deadline: float) -> int:
         store.client.close()
 
 
-def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> None:
+def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> dist.Store:
     """With an etcd store, before joining: takes this member's liveness key (held until it exits),
     then drops from the member list every member whose key ended, and frees the group token if one
     of them died holding it. With no process hosting the store, nothing else does that when no other
-    member is joined (a lone server restarting, a whole job started again on its old prefix)."""
+    member is joined (a lone server restarting, a whole job started again on its old prefix).
+    Returns the group's keys as the agent will see them (``membership.agent_store``)."""
     global _etcd, _alive, _agent_view
     store = _etcd = open_store(address, REGISTRY_TIMEOUT_S)
-    _agent_view = membership.agent_store(store)
+    _agent_view = view = membership.agent_store(store)
     # torch's failed join leaves the group through a wait for its own join token, which only this
     # process could release: that wait would last the store's whole timeout (30 s and more).
     never_wait_for(
@@ -269,9 +274,10 @@ def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> None:
         gone = membership.prune_departed(_agent_view, name, lambda: {k.removeprefix(ALIVE_PREFIX) for k in store.keys_under(ALIVE_PREFIX)})
     except (RuntimeError, dist.DistError) as e:
         logger.warning("could not check the group's member list in etcd before joining (%s); joining as it is", e)
-        return
+        return view
     if gone:
         logger.warning("dropped %d members whose processes are gone from the group's member list: %s", len(gone), [peer_text(n) for n in gone])
+    return view
 
 
 def _relist() -> None:

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ _REJOINED_PREFIX = "rpcps_rejoined/"
 (``relist_self``); the store's host adopts it rather than dropping it as a failed join (``tidy``)."""
 _TOKEN_KEY = "RpcGroupManagementToken"
 """Held (compare-and-set) by whoever changes the member list: a join, or the server here."""
+_JOIN_BEAT_PREFIX = "rpcps_join_beat/"
+"""``rpcps_join_beat/<name>``: a counter member ``name`` raises while its join runs (``beating_while_joining``),
+so ``JoinTokenWatch`` tells a slow live join from one that died holding the token."""
+JOIN_BEAT_S = 0.5
 _token_names = itertools.count()
 
 # Keys of the raw store (not prefixed): rpcps's own.
@@ -324,24 +329,77 @@ class JoinTokenWatch:
     """Finds the group's join token held by a process that died holding it.
 
     A process killed in the middle of its join (or whose join failed) never releases the token, and
-    every later join then waits on it forever. A join normally holds it for milliseconds; one held
-    past ``max_age_s`` is taken over (``tidy(..., dead_holder)``) by the caller.
+    every later join then waits on it forever. A holder is dead once it has held the token for
+    ``max_age_s`` without its join beat (``beating_while_joining``) moving; the caller then takes the
+    token over (``tidy(..., dead_holder)``). The beat, not the age alone: a live join slower than
+    ``max_age_s`` (a member slow to answer it, a loaded host) lost its token to the takeover and
+    failed ("does not hold the group's join token", CI's coordinator-restart test). A holder that
+    does not beat (torch's own joins, rpcps's short holds) is judged by its age alone, and one that
+    beats is given ``beating_max_age_s`` at most: the store has no authentication, and a stranger
+    that held the token and beat must not keep every join out for good.
     """
 
-    def __init__(self, max_age_s: float) -> None:
+    def __init__(self, max_age_s: float, beating_max_age_s: float = 60.0) -> None:
         self.max_age_s = max_age_s
+        self.beating_max_age_s = beating_max_age_s
         self._seen: tuple[str, float] | None = None
+        """(holder, when it was first seen holding the token)."""
+        self._beat: tuple[bytes | None, float] | None = None
+        """(its beat, when the beat was first seen at that value)."""
 
     def stale_holder(self, now: float) -> str:
-        """The token's holder when it has held the token past ``max_age_s``; "" otherwise."""
-        holder = api._get_current_rpc_agent().store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
+        """The token's holder when it has held the token past its age (above); "" otherwise."""
+        store = api._get_current_rpc_agent().store
+        holder = store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
         if not holder:
-            self._seen = None
+            self._seen = self._beat = None
             return ""
+        beat = _join_beat(store, holder)
         if self._seen is None or self._seen[0] != holder:
-            self._seen = (holder, now)
+            self._seen, self._beat = (holder, now), (beat, now)
             return ""
-        return holder if now - self._seen[1] >= self.max_age_s else ""
+        if self._beat is None or self._beat[0] != beat:
+            self._beat = (beat, now)
+        silent = now - self._beat[1] >= self.max_age_s
+        return holder if silent or now - self._seen[1] >= self.beating_max_age_s else ""
+
+
+def _join_beat(store: dist.Store, holder: str) -> bytes | None:
+    match = _HOLDER.fullmatch(holder)
+    if match is None:
+        return None
+    key = _JOIN_BEAT_PREFIX + match["name"]
+    return store.get(key) if store.check([key]) else None
+
+
+@contextmanager
+def beating_while_joining(store: dist.Store, name: str) -> Iterator[None]:
+    """While this process joins the group as ``name``: raises its join beat every ``JOIN_BEAT_S``
+    (see ``JoinTokenWatch``). ``store`` is a client of its own (the join's is busy joining), seen as
+    the agent will see it (``agent_store``)."""
+    key = _JOIN_BEAT_PREFIX + name
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(key, 1)
+            except (RuntimeError, dist.DistError) as e:  # the watch then judges this join by its age alone
+                logger.debug("join beat: %s", e)
+            if stop.wait(JOIN_BEAT_S):
+                return
+
+    thread = threading.Thread(target=beat, name="join-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=JOIN_BEAT_S * 4)
+        try:
+            store.delete_key(key)
+        except (RuntimeError, dist.DistError) as e:
+            logger.debug("join beat: could not remove %s: %s", key, e)
 
 
 def my_name() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -80,6 +81,41 @@ def test_the_watch_names_a_holder_only_once_it_has_held_the_token_past_its_age(s
     store.set(_TOKEN_KEY, "Token_for_worker0_r3_join")
     assert watch.stale_holder(7.0) == ""  # a new holder starts its own clock
     assert watch.stale_holder(12.0) == "Token_for_worker0_r3_join"
+
+
+def test_a_holder_whose_join_beats_is_never_stale_and_one_that_stops_beating_is(store: dist.Store) -> None:
+    """A live join slower than the age (a member slow to answer it) kept its token; CI's coordinator-restart
+    test saw a 5 s join lose it to the takeover and fail with 'does not hold the group's join token'."""
+    watch = membership.JoinTokenWatch(max_age_s=5.0)
+    store.set(_TOKEN_KEY, _DEAD)
+    beat_key = "rpcps_join_beat/worker0_r2"
+    for second in range(0, 30, 4):
+        store.add(beat_key, 1)
+        assert watch.stale_holder(float(second)) == "", f"stale at {second}s though it beat"
+    assert watch.stale_holder(32.0) == ""  # its last beat was at 28 s
+    assert watch.stale_holder(33.0) == _DEAD
+
+
+def test_a_holder_that_beats_is_taken_over_after_the_longest_a_join_may_take(store: dist.Store) -> None:
+    """The store has no authentication: a stranger holding the token and beating must not keep joins out for good."""
+    watch = membership.JoinTokenWatch(max_age_s=5.0, beating_max_age_s=60.0)
+    store.set(_TOKEN_KEY, _DEAD)
+    for second in range(0, 60, 2):
+        store.add("rpcps_join_beat/worker0_r2", 1)
+        assert watch.stale_holder(float(second)) == ""
+    store.add("rpcps_join_beat/worker0_r2", 1)
+    assert watch.stale_holder(60.0) == _DEAD
+
+
+def test_a_join_beats_while_it_runs_and_clears_its_beat_after(store: dist.Store) -> None:
+    beat_key = "rpcps_join_beat/worker0_r2"
+    with membership.beating_while_joining(store, "worker0_r2"):
+        first = int(store.get(beat_key))  # waits for the first beat
+        deadline = time.monotonic() + 10
+        while int(store.get(beat_key)) == first:  # polls the beat under test, within a deadline
+            assert time.monotonic() < deadline, "the beat did not move within 10 s"
+            time.sleep(0.05)
+    assert not store.check([beat_key])
 
 
 def test_tidy_removes_failed_joins_while_holding_the_dead_holders_token(store: dist.Store) -> None:
