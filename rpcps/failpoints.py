@@ -15,7 +15,9 @@ inert, so each planned crash happens once per run.
 ``NAME=hold-S@N:MARKER`` holds instead of killing: from the N-th hit, every thread that reaches NAME
 in this process during the next S seconds waits until they have passed (a slow peer, made on
 purpose: a standby that holds its acknowledgements lets its asynchronous primary run ahead of it,
-a moment the scheduler alone gives in some runs and not in others).
+a moment the scheduler alone gives in some runs and not in others), or until a file
+``MARKER.release`` exists: a test that holds a point until something else happened lets it go then,
+rather than betting that S seconds cover that on a loaded machine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 ENV = "RPCPS_FAILPOINTS"
+_RELEASE_POLL_S = 0.05
 POINTS = {
     "server.after_apply": "a server (a standby too) just applied an update: its version is the update's, no worker has "
     "been answered for it and no snapshot holds it yet",
@@ -100,9 +103,8 @@ def hit(name: str) -> None:
     point = _points.get(name)
     if point is None:
         return
-    wait = point.held_until - time.monotonic()
-    if wait > 0:
-        time.sleep(wait)  # the fault itself (a slow peer), not synchronisation
+    if point.held_until > time.monotonic():
+        _hold(point)
         return
     if os.path.exists(point.marker) or point.count() != point.hit_at:
         return
@@ -114,7 +116,17 @@ def hit(name: str) -> None:
     if point.hold_s is not None:
         logger.warning("fail point %s: holding for %.1fs on purpose (%s)", name, point.hold_s, ENV)
         point.held_until = time.monotonic() + point.hold_s
-        time.sleep(point.hold_s)
+        _hold(point)
         return
     logger.warning("fail point %s: killing this process on purpose (%s)", name, ENV)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hold(point: _Point) -> None:
+    """Waits out ``point``'s hold: the fault itself (a slow peer), not synchronisation."""
+    release = f"{point.marker}.release"
+    while not os.path.exists(release):
+        left = point.held_until - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, _RELEASE_POLL_S))

@@ -153,14 +153,18 @@ def test_a_primary_restarted_from_its_snapshot_while_the_coordinator_was_down_fo
     promotes (a fail point: later than the 2 s after which the restarted server may join), yet it
     promotes, and the restarted server, finding no view in a coordinator that just started, waits
     instead of serving the shard from its snapshot, then attaches to it as its standby. The ledger: one
-    history, final version workers x steps, no update lost, nothing resumed from a checkpoint."""
+    history, final version workers x steps, no update lost, nothing resumed from a checkpoint.
+
+    The standby is held at its promotion until the restarted server says it waits (the fail point's
+    release file), not for a fixed 3 s: in CI a 3 s hold ended before the restarted server's join did,
+    so it found the promoted view and the waiting path went untested."""
     _store, port, _ = procs.store("store", "--lease-s", "3")
     audit = tmp_path / "audit.log"
     common = ("--store", f"127.0.0.1:{port}", "--replicas", "2", "--audit-log", str(audit), "--digest-every", "10",
               "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every-updates", "50")
     a, _, ma = procs.ps("ps_a", *common)
     wait_until(lambda: try_scrape(ma).get("rpcps_replica_role", -1) == 2 or not a.alive(), 60, "ps_a to serve as primary")
-    held = f"replication.standby_before_promote=hold-3@1:{tmp_path / 'promote.held'}"
+    held = f"replication.standby_before_promote=hold-60@1:{tmp_path / 'promote.held'}"
     b, _, mb = procs.ps("ps_b", *common, env=child_env(RPCPS_FAILPOINTS=held))
     wait_until(lambda: try_scrape(ma).get("rpcps_replica_standby_in_sync", -1) == 1 or not b.alive(), 60, "ps_b to be in sync")
     workers = [procs.worker(f"w{i}", port, i, 2, "--steps", "800", "--failover-timeout-s", "60", *PACED)[0] for i in range(2)]
@@ -173,11 +177,14 @@ def test_a_primary_restarted_from_its_snapshot_while_the_coordinator_was_down_fo
     wait_until(lambda: "nothing answers at the group's store" in restarted.stderr() or not restarted.alive(), 60,
                "the restarted primary to wait for the store")
     procs.store("store2", "--lease-s", "3", port=port)
-    wait_until(lambda: try_scrape(mb).get("rpcps_replica_role") == 2 or not b.alive(), 60, "ps_b to promote once the coordinator is back")
+    wait_until(lambda: "waiting for a live replica to put it back" in restarted.stderr() or not restarted.alive(), 60,
+               "the restarted server to find no view and wait for a live replica")
     assert (tmp_path / "promote.held").exists(), "the standby was held where it promotes"
+    (tmp_path / "promote.held.release").touch()
+    wait_until(lambda: try_scrape(mb).get("rpcps_replica_role") == 2 or not b.alive(), 60, "ps_b to promote once released")
     wait_until(lambda: try_scrape(mb).get("rpcps_replica_standby_in_sync") == 1 or not restarted.alive(), 90,
                "the restarted server to attach to the promoted standby and catch up")
-    assert "waiting for a live replica to put it back" in restarted.stderr(), restarted.tail()
+    assert "copied shard 0's state from" in restarted.stderr(), restarted.tail()
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert version(mb) == 1600
     for proc in (b, restarted):

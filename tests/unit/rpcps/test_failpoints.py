@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,21 +43,43 @@ def test_a_bad_spec_names_the_points() -> None:
         failpoints._parse("snapshot.after_commit=explode@1:/x")
 
 
+def _timing_hits(point: str, hits: int, spec: str) -> dict[str, Any]:
+    """subprocess arguments: a process that reaches ``point`` ``hits`` times under RPCPS_FAILPOINTS=spec
+    and prints how long each hit took (a JSON list)."""
+    code = (
+        "import json, time; from rpcps import failpoints\n"
+        f"def took():\n    t = time.monotonic(); failpoints.hit({point!r}); return time.monotonic() - t\n"
+        f"print(json.dumps([took() for _ in range({hits})]))\n"
+    )
+    return {"args": [sys.executable, "-c", code], "env": {**os.environ, "PYTHONPATH": str(REPO), failpoints.ENV: spec}}
+
+
 @pytest.mark.timeout(60)
 def test_a_hold_waits_its_seconds_once_then_passes(tmp_path: Path) -> None:
     marker = tmp_path / "fp.fired"
     spec = f"replication.standby_before_ack=hold-0.4@2:{marker}"
-    code = (
-        "import json, time; from rpcps import failpoints\n"
-        "def took():\n    t = time.monotonic(); failpoints.hit('replication.standby_before_ack'); return time.monotonic() - t\n"
-        "print(json.dumps([took() for _ in range(3)]))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO), failpoints.ENV: spec}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(**_timing_hits("replication.standby_before_ack", 3, spec), capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     first, second, third = json.loads(done.stdout)
     assert first < 0.1 and second >= 0.4 and third < 0.1, done.stdout  # hit 2 holds; hits after its 0.4 s pass
     assert marker.exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_hold_ends_early_once_its_release_file_exists(tmp_path: Path) -> None:
+    marker = tmp_path / "fp.fired"
+    spec = f"replication.standby_before_promote=hold-50@1:{marker}"
+    with subprocess.Popen(**_timing_hits("replication.standby_before_promote", 1, spec), stdout=subprocess.PIPE, text=True) as held:
+        try:
+            deadline = time.monotonic() + 30
+            while not marker.exists():  # the point fired: the process holds there
+                assert time.monotonic() < deadline and held.poll() is None, "the point never fired"
+                time.sleep(0.05)
+            (tmp_path / "fp.fired.release").touch()
+            out, _ = held.communicate(timeout=20)
+        finally:
+            held.kill()
+    assert held.returncode == 0 and json.loads(out)[0] < 40, out  # released, not held its 50 s
 
 
 def test_a_hold_needs_seconds_in_range() -> None:
