@@ -435,7 +435,8 @@ class Supervisor:
 
     def _read_server_logs(self) -> None:
         """Follows each server incarnation's log until it serves: says on the console, once, which version
-        and snapshot it resumed from, and learns the version this run started from."""
+        and snapshot it resumed from (the version alone, off /metrics, when its log is kept to
+        warnings), and learns the version this run started from."""
         for server in self.servers:
             if server.serving or server.process is None:
                 continue
@@ -451,8 +452,14 @@ class Supervisor:
                 self.console.say(progress.resume_notice(server.name, *found))
             if progress.serving(tail) or self._health_says_serving(server):
                 server.serving = True
+                if found is None:  # under --log-level WARNING its "resumed from" line never comes: /metrics says it
+                    version = self._resumed_version(server)
+                    found = (version, "") if version > 0 else None
+                    if found is not None and not server.announced:
+                        server.announced = True
+                        self.console.say(progress.resume_notice(server.name, version, None))
                 if server is self.servers[0] and self._start_version is None:
-                    self._start_version = found[0] if found is not None else self._resumed_version(server)
+                    self._start_version = found[0] if found is not None else 0
 
     @staticmethod
     def _health_says_serving(server: Child) -> bool:

@@ -180,7 +180,8 @@ def test_under_log_level_warning_local_still_sees_its_servers_serve_and_counts_a
     procs: ProcessGroup, tmp_path: Path
 ) -> None:
     """The servers' info lines (serving, resumed from) never come at WARNING: local learns both from
-    the server's health and /metrics instead (it used to wait for the line 120 s and fail the run)."""
+    the server's health and /metrics instead (it used to wait for the line 120 s and fail the run),
+    and still tells its console what the run resumed from."""
     checkpoints = tmp_path / "ckpt"
     argv = ["local", "--workers", "1", "--checkpoint-dir", checkpoints, "--log-level", "WARNING"]
     first = procs.start("local", [*argv, "--steps", "20", "--run-dir", tmp_path / "first"])
@@ -191,3 +192,4 @@ def test_under_log_level_warning_local_still_sees_its_servers_serve_and_counts_a
     assert again.wait(90) == 0, again.tail()
     out = again.stdout()
     assert _final_version(out) == 40 and "(20 updates in this run)" in out, out
+    assert "resumed from version 20" in out, "the console says the run resumed, though the server's log kept to warnings"
