@@ -15,6 +15,12 @@ The remedies (``rpcps.staleness``, the functions the server applies; any may be 
 served parameters moved ahead by the delay with Adam's moments), ``--warmup W`` (the first W steps
 fresh), ``--beta1`` (Adam's first-moment decay). Prints one JSON object: the settings, the held-out
 scores at the end (and at each ``--eval-at`` step) and the seconds the training steps took.
+
+``--accumulate K`` is K-async SGD (Dutta et al. 2018, "Slow and Stale Gradients Can Win the Race"):
+one update from the mean of every K gradients, whichever workers sent them, and ``--delay`` counts
+gradients then (the pushes of the other workers between a worker's pull and its push), so a
+gradient is ``floor(t / K) - floor((t - delay) / K)`` updates old. ``--steps`` counts gradients (equal
+samples); K = 1 is the plain run. Of the remedies only ``--predict`` combines with it.
 """
 
 from __future__ import annotations
@@ -56,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=0, help="the first W steps use fresh gradients")
     p.add_argument("--beta1", type=float, help="Adam's beta1 (default: torch's 0.9)")
     p.add_argument("--lr", type=float, help="default: the example's RECIPE")
+    p.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="one update from the mean of every K gradients (K-async SGD; --delay then counts gradients)")
     a = p.parse_args(argv)
     if a.delay < 0:
         p.error("--delay must be >= 0")
+    if a.accumulate < 1 or (a.accumulate > 1 and (a.lr_scale or a.dc_lambda or a.gap_aware or a.warmup)):
+        p.error("--accumulate must be >= 1, and above 1 it combines with --predict only")
     example = examples.load(a.example)
     recipe = example.RECIPE
     steps = a.steps or recipe.steps
@@ -74,26 +84,34 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n, _ in model.named_parameters()]
     step_rms = [staleness.StepRms(p_.detach()) for p_ in params] if a.gap_aware else []
     batches = iter(example.data(0, 1, seed=a.seed))
-    ahead = a.delay if a.predict == -1.0 else a.predict
-    history: deque[dict[str, torch.Tensor]] = deque([_served(model, optimizer, ahead)], maxlen=a.delay + 1)
+    k = a.accumulate
+    lag = -(-a.delay // k)  # the most updates a gradient is old
+    ahead = lag if a.predict == -1.0 else a.predict
+    history: deque[dict[str, torch.Tensor]] = deque([_served(model, optimizer, ahead)], maxlen=lag + 1)
+    """Served states of the newest versions, history[-1] the current one."""
     scores: dict[str, dict[str, float]] = {}
     train_s = 0.0
     for t in range(steps):
         started = time.perf_counter()
         inputs, targets = next(batches)
         fresh = t < a.warmup
-        served = copy.deepcopy(model.state_dict()) if fresh else history[0]
-        tau = 0 if fresh else len(history) - 1
+        version = t // k
+        tau = 0 if fresh else min(version - max(t - a.delay, 0) // k, len(history) - 1)
+        served = copy.deepcopy(model.state_dict()) if fresh else history[len(history) - 1 - tau]
         stale.load_state_dict(served)
-        stale.zero_grad()
+        if t % k == 0:
+            stale.zero_grad()  # gradients add up in the stale copy until their update
         loss_fn(stale(inputs), targets).backward()
         # The stale copy's forward pass updated its buffers (BatchNorm): those become the model's, as
         # a push's buffers become the server's.
+        if (t + 1) % k:
+            train_s += time.perf_counter() - started
+            continue
         with torch.no_grad():
             for (_, b), (_, s) in zip(model.named_buffers(), stale.named_buffers()):
                 b.copy_(s)
             for i, (p_, s_) in enumerate(zip(params, stale.parameters())):
-                g = s_.grad
+                g = s_.grad / k
                 if tau and a.dc_lambda:
                     g = g + staleness.dc_asgd(g, p_, served[names[i]], staleness.adam_view(optimizer, p_), a.dc_lambda)
                 if tau and a.gap_aware:
@@ -113,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     scores[str(steps)] = example.evaluate(model)
     report = {"example": a.example, "delay": a.delay, "steps": steps, "seed": a.seed, "optimizer": recipe.optimizer,
               "lr": lr, "lr_scale": a.lr_scale, "dc_lambda": a.dc_lambda, "gap_aware": a.gap_aware,
-              "predict": ahead, "warmup": a.warmup, "beta1": a.beta1, "train_s": round(train_s, 2),
+              "predict": ahead, "warmup": a.warmup, "beta1": a.beta1, "accumulate": k, "train_s": round(train_s, 2),
               "held_out": scores[str(steps)], "held_out_at": scores}
     emit_json(report)
     return 0
