@@ -447,17 +447,15 @@ class Supervisor:
             except OSError:
                 continue
             found = progress.resumed_from(tail)
+            serving = progress.serving(tail) or self._health_says_serving(server)
+            if found is None and serving:  # under --log-level WARNING its "resumed from" line never comes: /metrics says it
+                version = self._resumed_version(server)
+                found = (version, "") if version > 0 else None
             if found is not None and not server.announced:
                 server.announced = True
                 self.console.say(progress.resume_notice(server.name, *found))
-            if progress.serving(tail) or self._health_says_serving(server):
+            if serving:
                 server.serving = True
-                if found is None:  # under --log-level WARNING its "resumed from" line never comes: /metrics says it
-                    version = self._resumed_version(server)
-                    found = (version, "") if version > 0 else None
-                    if found is not None and not server.announced:
-                        server.announced = True
-                        self.console.say(progress.resume_notice(server.name, version, None))
                 if server is self.servers[0] and self._start_version is None:
                     self._start_version = found[0] if found is not None else 0
 

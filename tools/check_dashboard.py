@@ -15,7 +15,7 @@ Grafana variables ($__rate_interval, $ps_job, ...) are replaced by sample values
 the dashboard does not define is an error.
 
 Usage:
-    python tools/check_dashboard.py [DASHBOARD.json ...] [--rules RULES.yml ...] [--promtool PATH]
+    .venv/bin/python tools/check_dashboard.py [DASHBOARD.json ...] [--rules RULES.yml ...] [--promtool PATH]
 
 Exit status: 0 clean, 1 problems found (each printed with where it is), 2 cannot check (promtool or
 a file missing).

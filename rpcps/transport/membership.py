@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import re
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from torch.distributed.rpc import WorkerInfo, _utils, api
 
 from rpcps.jobsecret import JobSecret, matches
 from rpcps.logsafe import peer_text
+from rpcps.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -378,24 +378,20 @@ def beating_while_joining(store: dist.Store, name: str) -> Iterator[None]:
     (see ``JoinTokenWatch``). ``store`` is a client of its own (the join's is busy joining), seen as
     the agent will see it (``agent_store``)."""
     key = _JOIN_BEAT_PREFIX + name
-    stop = threading.Event()
 
     def beat() -> None:
-        while True:
-            try:
-                store.add(key, 1)
-            except (RuntimeError, dist.DistError) as e:  # the watch then judges this join by its age alone
-                logger.debug("join beat: %s", e)
-            if stop.wait(JOIN_BEAT_S):
-                return
+        try:
+            store.add(key, 1)
+        except (RuntimeError, dist.DistError) as e:  # the watch then judges this join by its age alone
+            logger.debug("join beat: %s", e)
 
-    thread = threading.Thread(target=beat, name="join-beat", daemon=True)
-    thread.start()
+    beat()
+    beats = Periodic("join-beat", JOIN_BEAT_S, beat)
+    beats.start()
     try:
         yield
     finally:
-        stop.set()
-        thread.join(timeout=JOIN_BEAT_S * 4)
+        beats.stop(timeout_s=JOIN_BEAT_S * 4)
         try:
             store.delete_key(key)
         except (RuntimeError, dist.DistError) as e:
