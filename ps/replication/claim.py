@@ -80,20 +80,18 @@ def claim_shard(
     """
     deadline = clock() + timeout_s
     absent_since: dict[str, float] = {}
-    said_held = False
+    said: set[str] = set()
 
-    def held() -> None:
-        nonlocal said_held
-        if not said_held:
-            said_held = True
-            logger.info("shard %d has no view in a coordinator that just started: waiting for a live replica to put "
-                        "it back before serving the shard from the snapshot", shard)
+    def say_once(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            logger.info("%s", message)
 
     while True:
         try:
             claim = _try_claim(
                 registry, shard, me, bootstrap_epoch, members(), absent_since, absent_grace_s, clock(), attach_only,
-                held if from_snapshot else None,
+                from_snapshot, say_once,
             )
         except StoreUnavailable as e:
             logger.warning("reading shard %d's view: %s; retrying", shard, e)
@@ -115,10 +113,10 @@ def _try_claim(
     absent_grace_s: float,
     now: float,
     attach_only: bool,
-    held: Callable[[], None] | None,
+    from_snapshot: bool,
+    say_once: Callable[[str], None],
 ) -> Claim | None:
-    """One look at the view; None: look again. ``held`` (a process with a snapshot to serve) is told
-    when a coordinator that just started keeps it from bootstrapping."""
+    """One look at the view; None: look again. ``say_once`` logs why this process waits (once per reason)."""
     reading = registry.read_view(shard)
     record = reading.record
     if reading.refused is not None:
@@ -129,8 +127,9 @@ def _try_claim(
     if attach_only:
         return Claim(record, attach_to=record.view.primary) if record is not None and record.view.primary in members else None
     if record is None:
-        if held is not None and registry.snapshot_claims_held():
-            held()
+        if from_snapshot and registry.snapshot_claims_held():
+            say_once(f"shard {shard} has no view in a coordinator that just started: waiting for a live replica to put "
+                     "it back before serving the shard from the snapshot")
             return None
         won = registry.change_view(shard, reading, View(bootstrap_epoch, me))
         if won is not None:
@@ -141,7 +140,10 @@ def _try_claim(
     if view.primary in members:
         return Claim(record, attach_to=view.primary)
     if view.standby is not None and view.standby in members:
-        return None  # the primary is gone and its standby is alive: it promotes itself; wait for that
+        # The primary is gone and its standby is alive: it promotes itself; wait for that.
+        say_once(f"shard {shard}'s primary {peer_text(view.primary)} is gone and its standby {peer_text(view.standby)} "
+                 "is alive: waiting for it to promote, then copying its state")
+        return None
     declared = [_declared_gone(registry, name, absent_since, absent_grace_s, now) for name in view.names()]  # every timer starts now
     unclaimed = not declared[0] and registry.claim_ended(shard, view.primary)
     if not all(declared[1:]) or not (declared[0] or unclaimed):

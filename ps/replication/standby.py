@@ -283,7 +283,9 @@ class Standby:
         if view.standby == self.name and view.primary == self.primary:
             self.in_view = True
             self.metrics.role.set(ROLE_STANDBY)
-        elif view.epoch != self.epoch or view.primary != self.primary:
+        elif view.epoch != self.epoch or view.primary != self.primary or self.in_view:
+            # A new epoch or primary, or the same primary that dropped this standby from its view (it
+            # sends no more entries): following on would promote from a state that misses updates.
             self._detach(f"the shard's view moved on without this standby ({view})")
 
     def _leave(self, promoting: bool = False) -> bool:

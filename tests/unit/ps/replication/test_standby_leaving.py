@@ -1,15 +1,19 @@
 """A standby that leaves tells its primary which way: stopping (a shutdown, a restart to claim the
 shard again) drops it from a primary that goes on serving; only a standby that is promoting fences
-the primary. CI once saw a SIGTERM'd standby depose its healthy primary."""
+the primary. CI once saw a SIGTERM'd standby depose its healthy primary. A standby its primary
+dropped from the view leaves too, instead of waiting to promote from a state that misses updates."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from ps.replication.auth import attach_proof
 from ps.replication.primary import Primary
 from ps.replication.standby import Standby
 from rpcps.errors import ServerStopping
 from rpcps.jobsecret import JobSecret
-from rpcps.messages import Ack, ErrorReply, Fenced, Mark
+from rpcps.messages import Ack, ErrorReply, Fenced, Mark, View
+from rpcps.transport.registry import ViewRecord, encode_view
 
 from .fakes import COMPAT, make_primary, make_standby
 
@@ -63,3 +67,26 @@ def test_a_primary_fenced_by_its_standby_steps_down() -> None:
     follower.in_flight = 1
     primary._on_reply(follower, 0.0, Fenced(2, None), None)
     assert primary.server.deposed and primary.metrics.stepdowns._value.get() == 1
+
+
+def _reading(standby: Standby, view: View) -> list[str]:
+    """Has ``standby`` check the shard's view, finding ``view``; returns why it detached (if it did)."""
+    detached: list[str] = []
+    standby._on_detached = detached.append
+    standby.registry = SimpleNamespace(view=lambda shard: ViewRecord(view, encode_view(view)))
+    standby._check_view()
+    return detached
+
+
+def test_a_standby_dropped_from_its_primarys_view_detaches_at_its_next_look() -> None:
+    standby = _following()
+    assert _reading(standby, View(1, "server0", "server1")) == [] and standby.in_view
+    detached = _reading(standby, View(1, "server0", None))  # the same epoch and primary: a drop
+    assert len(detached) == 1 and "moved on without this standby" in detached[0], detached
+    assert standby._leaving.is_set() and not standby._promoting  # it neither promotes nor fences its primary
+
+
+def test_a_standby_still_catching_up_waits_for_the_view_that_adds_it() -> None:
+    standby = _following()
+    assert _reading(standby, View(1, "server0", None)) == []
+    assert not standby.in_view and not standby._leaving.is_set()

@@ -4,6 +4,7 @@ count, dead members; and how a starting server claims its shard from them."""
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,13 +121,16 @@ def test_a_primary_that_vanished_without_dying_is_waited_for_past_its_store_leas
     assert claim.took_over and clock.now >= 11.0, "it may still be alive behind a cut link, applying until its lease ends"
 
 
-def test_a_live_standby_is_left_to_promote_itself(registry: Registry) -> None:
+def test_a_live_standby_is_left_to_promote_itself(registry: Registry, caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     registry.change_view(0, None, View(3, "ps0_r1", "ps0_r2"))
     registry.mark_dead("ps0_r1")
-    with pytest.raises(ClaimTimeout):
+    with caplog.at_level(logging.INFO, logger="ps.replication.claim"), pytest.raises(ClaimTimeout):
         _claim(registry, "ps0_r5", {"ps0_r2", "ps0_r5"}, clock, timeout_s=5.0)
     assert registry.view(0).view == View(3, "ps0_r1", "ps0_r2")  # type: ignore[union-attr]
+    waits = [r.getMessage() for r in caplog.records if "waiting for it to promote" in r.getMessage()]
+    said = "shard 0's primary ps0_r1 is gone and its standby ps0_r2 is alive: waiting for it to promote, then copying its state"
+    assert waits == [said], "said once, naming both, though it looked every 0.2 s for 5 s"
 
 
 def test_a_coordinator_that_just_started_holds_a_snapshot_claim_until_a_live_standby_promoted(
