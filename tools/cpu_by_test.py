@@ -1,0 +1,112 @@
+"""Where a test run's CPU goes: runs a command, samples every process on the host, and sums their
+CPU time by the test that started them (issue 25: "measure where the time goes").
+
+    .venv/bin/python tools/cpu_by_test.py [--interval-s 1] [--top 40] -- .venv/bin/python -m pytest ...
+
+A process is counted under the test whose pytest temporary directory (``popen-gwN/<test>``) its
+command line names (``--run-dir``, ``--summary-json``, ...) or its standard output or error is
+written to (``harness.procs`` logs each process there), else under "(no test directory)" (the xdist
+workers with the unit tests they run in-process, the fork servers, tools whose output a pipe takes). Its CPU is what /proc says at its
+last sample less what it had used when the run began, so a process that lived less than one
+interval is missed or undercounted. Besides the
+table it prints how busy the host was over the run (all CPU time on the host, from /proc/stat,
+divided by the cores and the wall time), the figure that says whether more xdist workers could
+help: at about 100 % only less work makes the run shorter.
+
+Linux only (/proc); measurement, not part of the product or of any test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+_TEST_DIR = re.compile(r"popen-gw\d+/([^/\s]+)")
+_NO_TEST = "(no test directory)"
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _host_busy_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot (/proc/stat's first line)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _test_of(proc: str) -> str:
+    """The test directory named by a process's command line or by where its output goes."""
+    where = [Path(proc, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")]
+    for fd in ("1", "2"):
+        try:
+            where.append(os.readlink(Path(proc, "fd", fd)))
+        except OSError:
+            continue
+    for text in where:
+        if match := _TEST_DIR.search(text):
+            return match.group(1)
+    return _NO_TEST
+
+
+def _sample(seen: dict[tuple[int, int], tuple[str, float]], names: dict[tuple[int, int], str]) -> None:
+    """Records every process's CPU seconds so far, keyed by (pid, start time)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            key = (int(entry.name), int(fields[19]))  # starttime tells a reused pid apart
+            if key not in names:
+                names[key] = _test_of(entry.path)
+            seen[key] = (names[key], (int(fields[11]) + int(fields[12])) / _TICKS)
+        except (OSError, ValueError, IndexError):
+            continue  # it exited while being read
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interval-s", type=float, default=1.0, help="how often every process is sampled")
+    parser.add_argument("--top", type=int, default=40, help="how many tests to list, most CPU first")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    seen: dict[tuple[int, int], tuple[str, float]] = {}
+    names: dict[tuple[int, int], str] = {}
+    _sample(seen, names)
+    before = {key: cpu for key, (_, cpu) in seen.items()}  # what processes older than the run had used
+    busy0, total0 = _host_busy_ticks()
+    started = time.monotonic()
+    child = subprocess.Popen(command)
+    while child.poll() is None:
+        _sample(seen, names)
+        try:
+            child.wait(timeout=args.interval_s)
+        except subprocess.TimeoutExpired:
+            pass
+    wall = time.monotonic() - started
+    busy1, total1 = _host_busy_ticks()
+    by_test: dict[str, float] = defaultdict(float)
+    processes: dict[str, int] = defaultdict(int)
+    for key, (name, cpu) in seen.items():
+        if cpu > before.get(key, 0.0):
+            by_test[name] += cpu - before.get(key, 0.0)
+            processes[name] += 1
+    counted = sum(by_test.values())
+    print(f"\nwall {wall:.0f} s; host busy {100 * (busy1 - busy0) / max(1, total1 - total0):.0f} % of "
+          f"{os.cpu_count()} cores; sampled processes {len(seen)}, {counted:.0f} CPU-s", file=sys.stderr)
+    print(f"{'CPU-s':>8} {'share':>6} {'procs':>5}  test directory", file=sys.stderr)
+    for name, cpu in sorted(by_test.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"{cpu:8.1f} {100 * cpu / max(counted, 1e-9):5.1f}% {processes[name]:5d}  {name}", file=sys.stderr)
+    return child.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
