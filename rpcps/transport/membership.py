@@ -406,6 +406,12 @@ def my_rank() -> int:
     return int(api._get_current_rpc_agent().get_worker_info().id)
 
 
+def highest_known_rank() -> int:
+    """The highest rank this process's agent maps to a process (its own, or a peer's it has not dropped)."""
+    agent = api._get_current_rpc_agent()
+    return max([int(agent.get_worker_info().id), *(int(w.id) for w in agent.get_worker_infos())])
+
+
 def member_names() -> list[str]:
     return [w.name for w in api._get_current_rpc_agent().get_worker_infos()]
 

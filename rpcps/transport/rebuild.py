@@ -4,9 +4,12 @@ The coordinator (``rpcps store``) keeps the store in memory: killed and started 
 port, it serves an empty store. The live members hold what it held, so each one writes its own part
 back as soon as it sees the new store (a new ``INCARNATION_KEY``, ``rpcps.transport.store_client``):
 
-- every member raises the rank counter to at least its own rank (a process joining later must not
-  take a rank a live member holds: its peers would take it for that member; the coordinator hands
-  out no rank for ``REBUILD_GRACE_S`` after it starts, so the members come first), and puts its address
+- every member raises the rank counter to at least the highest rank its RPC agent maps to a process,
+  its own or a peer's (a process joining later must not take such a rank: the member would call the
+  process it maps under it, a live one, or a dead one over a broken connection; seen in a test, where
+  a worker that died while the coordinator was down left its rank to a new standby its primary then
+  could not reach; the coordinator hands out no rank for ``REBUILD_GRACE_S`` after it starts, so the
+  members come first), and puts its address
   and its entry back in torch's member list (``membership.relist_self``), so a process that joins
   later calls it; the coordinator's janitor adopts it into its own agent (``membership.tidy``);
 - a server writes its shard count and its replica record again (``on_restart`` hooks, ``ps.runner``);
@@ -49,9 +52,10 @@ after the store was back, measured in ``tests/integration/store/test_coordinator
 class StoreRebuild:
     """Watches the store's incarnation (every ``interval_s``) and, on a new one, runs this member's rewrites."""
 
-    def __init__(self, store: ReconnectingStore, own_rank: int, interval_s: float = REBUILD_INTERVAL_S) -> None:
+    def __init__(self, store: ReconnectingStore, highest_rank: Callable[[], int], interval_s: float = REBUILD_INTERVAL_S) -> None:
+        """``highest_rank``: the highest rank this member's agent maps to a process, read at each rebuild."""
         self._store = store
-        self._own_rank = own_rank
+        self._highest_rank = highest_rank
         self._hooks: list[Callable[[], None]] = []
         self._seen = ""
         """The incarnation whose store holds this member's part ('' until one was read)."""
@@ -93,7 +97,7 @@ class StoreRebuild:
                 hook()
             # Last: the coordinator's store guard takes a counter above every rank it knows of for
             # tampering, and it knows of this member's rank once the member is listed (a hook).
-            self._store.raise_counter_to(RANK_COUNTER_KEY, self._own_rank)
+            self._store.raise_counter_to(RANK_COUNTER_KEY, self._highest_rank())
             self.rebuilds += 1
             logger.warning("the group's coordinator restarted with an empty store; wrote this member's part back")
         self._seen = now
@@ -107,6 +111,6 @@ def start_rebuild(store: ReconnectingStore | None) -> StoreRebuild | None:
     if store is None or not store.compare_set(INCARNATION_KEY, "", "").decode():
         return None
     address = membership.own_address()  # read now: the store that holds it may be gone when it is needed
-    rebuild = StoreRebuild(store, membership.my_rank())
+    rebuild = StoreRebuild(store, membership.highest_known_rank)
     rebuild.on_restart(lambda: membership.relist_self(address))
     return rebuild.start()

@@ -1,6 +1,6 @@
 """``StoreRebuild`` against a real TCPStore in this process: a member writes its part back once per
-new incarnation of the store (not at the first one it sees), raises the rank counter to its rank, and
-tries again on the next check when a rewrite failed."""
+new incarnation of the store (not at the first one it sees), raises the rank counter to the highest
+rank its agent maps (its own or a peer's), and tries again on the next check when a rewrite failed."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_a_member_writes_its_part_back_once_per_restart_and_again_after_a_failed
     port = free_port()
     master = _coordinator(port, "first")
     store = ReconnectingStore("127.0.0.1", port, timeout_s=2.0)
-    rebuild = StoreRebuild(store, own_rank=5)
+    rebuild = StoreRebuild(store, highest_rank=lambda: 5)  # e.g. its own rank 3, a peer's 5: a joiner must take neither
     rewrites: list[str] = []
     failing = [True]
 
@@ -67,7 +67,7 @@ def test_a_member_writes_its_part_back_once_per_restart_and_again_after_a_failed
         rebuild.check()
     rebuild.check()
     assert not rebuild.store_down
-    assert store.add(RANK_COUNTER_KEY, 0) == 5, "a later joiner must not take a live member's rank"
+    assert store.add(RANK_COUNTER_KEY, 0) == 5, "a later joiner must not take a rank a member maps to another process"
     rebuild.check()
     assert rewrites == ["second"] and rebuild.rebuilds == 1
     del master
