@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.ledger import check_ledger, first_apply_after
-from harness.procs import ProcessGroup, child_env, free_port, start_replica_pair, try_scrape, wait_until
+from harness.procs import Proc, ProcessGroup, child_env, free_port, start_replica_pair, try_scrape, wait_until
 from tests.integration.conftest import model_version as version
 from tests.integration.conftest import read_json, run_ctl
 
@@ -73,7 +73,7 @@ def test_the_coordinator_honours_threads_and_writes_its_summary_at_exit(procs: P
     assert result["members_removed"] == 0 and result["store_repairs"] == {"members": 0, "address": 0, "rank_counter": 0}
 
 
-@pytest.mark.alone  # with another worker's fault tests beside it, a second failover (epoch 3) once came on top of the expected one
+@pytest.mark.alone  # asserts the next update within 5 s of the coordinator's return
 @pytest.mark.timeout(300)
 def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_over_exactly(
     procs: ProcessGroup, tmp_path: Path
@@ -124,10 +124,7 @@ def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_ov
     assert version(mb) == 1600
     assert try_scrape(store_metrics)['rpcps_store_view_epoch{shard="0"}'] == 2, "the view was rebuilt in the new store"
     assert "restarting" not in b.stderr() and "took the shard over" not in b.stderr(), b.tail()
-    for proc in (b, c):
-        proc.send(signal.SIGTERM)
-    assert b.wait(60) == 0, b.tail()
-    c.wait(60)
+    stop_standby_then_primary(standby=c, primary=b)
     report = check_ledger(tmp_path / "audit.log")
     assert report.problems == [], report.problems[:5]
     assert report.final_version == 1600
@@ -187,12 +184,20 @@ def test_a_primary_restarted_from_its_snapshot_while_the_coordinator_was_down_fo
     assert "copied shard 0's state from" in restarted.stderr(), restarted.tail()
     assert [w.wait(180) for w in workers] == [0, 0], procs.tails()
     assert version(mb) == 1600
-    for proc in (b, restarted):
-        proc.send(signal.SIGTERM)
-    assert b.wait(60) == 0, b.tail()
-    restarted.wait(60)
+    stop_standby_then_primary(standby=restarted, primary=b)
     report = check_ledger(audit)
     assert report.problems == [], report.problems[:5]
     assert report.final_version == 1600
     assert report.updates_lost == [] and [p[1] for p in report.promotions] == [2], (report.updates_lost, report.promotions)
     assert report.restarts == 3, "the three replicas' starts only: none from a checkpoint"
+
+
+def stop_standby_then_primary(standby: Proc, primary: Proc) -> None:
+    """SIGTERM to the standby, and once it ended, to the primary. Both at once race: a standby that
+    sees its primary stop gracefully before its own signal is handled promotes (a planned hand-over),
+    and the ledger then holds a second promotion (epoch 3) that the test did not cause (CI and a
+    local run, with the test alone on the machine)."""
+    standby.send(signal.SIGTERM)
+    standby.wait(60)
+    primary.send(signal.SIGTERM)
+    assert primary.wait(60) == 0, primary.tail()

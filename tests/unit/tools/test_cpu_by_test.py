@@ -15,9 +15,9 @@ BUSY = "import time; end = time.process_time() + 1.5\nwhile time.process_time() 
 
 @pytest.mark.timeout(60)
 def test_a_busy_child_is_counted_under_its_test_directory(tmp_path: Path) -> None:
-    named = tmp_path / "popen-gw0" / "test_something_busy0" / "run"
+    named = "/nonexistent/popen-gw0/test_something_busy0/run"  # not under tmp_path, which names its own test
     run = subprocess.run(
-        [sys.executable, str(TOOL), "--interval-s", "0.2", "--", sys.executable, "-c", BUSY, str(named)],
+        [sys.executable, str(TOOL), "--interval-s", "0.2", "--", sys.executable, "-c", BUSY, named],
         capture_output=True, text=True, timeout=50, check=False,
     )
     assert run.returncode == 0, run.stderr
