@@ -9,12 +9,12 @@ Grafana provisioning; once with its defaults and once with each *.env file besid
 `docker compose --env-file` renders it) and the Kubernetes manifests (rendered by kustomize, or the
 base files). Run by deploy/validate.sh:
 
-    python tools/check_deploy.py compose deploy/docker/compose.yaml
-    python tools/check_deploy.py k8s RENDERED.yaml [deploy/k8s/servicemonitor.yaml ...]
-    python tools/check_deploy.py k8s --each A.yaml B.yaml ... --with deploy/k8s/servicemonitor.yaml
-    python tools/check_deploy.py render deploy/k8s/overlays/standby > RENDERED.yaml   # without kubectl
-    python tools/check_deploy.py env-file deploy/bare-metal/rpcps.env.example
-    python tools/check_deploy.py prometheus-without-k8s-sd IN.yml OUT.yml
+    .venv/bin/python tools/check_deploy.py compose deploy/docker/compose.yaml
+    .venv/bin/python tools/check_deploy.py k8s RENDERED.yaml [deploy/k8s/servicemonitor.yaml ...]
+    .venv/bin/python tools/check_deploy.py k8s --each A.yaml B.yaml ... --with deploy/k8s/servicemonitor.yaml
+    .venv/bin/python tools/check_deploy.py render deploy/k8s/overlays/standby > RENDERED.yaml   # without kubectl
+    .venv/bin/python tools/check_deploy.py env-file deploy/bare-metal/rpcps.env.example
+    .venv/bin/python tools/check_deploy.py prometheus-without-k8s-sd IN.yml OUT.yml
 
 Exit status 0 when nothing is wrong, 1 with one line per problem on stderr, 2 on bad usage.
 """

@@ -53,8 +53,8 @@ def _test_of(proc: str) -> str:
     return _NO_TEST
 
 
-def _sample(seen: dict[tuple[int, int], tuple[str, float]], names: dict[tuple[int, int], str]) -> None:
-    """Records every process's CPU seconds so far, keyed by (pid, start time)."""
+def _sample(seen: dict[tuple[int, int], tuple[str, float]]) -> None:
+    """Records every process's test directory and CPU seconds so far, keyed by (pid, start time)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -62,9 +62,8 @@ def _sample(seen: dict[tuple[int, int], tuple[str, float]], names: dict[tuple[in
             stat = Path(entry.path, "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()
             key = (int(entry.name), int(fields[19]))  # starttime tells a reused pid apart
-            if key not in names:
-                names[key] = _test_of(entry.path)
-            seen[key] = (names[key], (int(fields[11]) + int(fields[12])) / _TICKS)
+            name = seen[key][0] if key in seen else _test_of(entry.path)
+            seen[key] = (name, (int(fields[11]) + int(fields[12])) / _TICKS)
         except (OSError, ValueError, IndexError):
             continue  # it exited while being read
 
@@ -79,14 +78,13 @@ def main(argv: list[str]) -> int:
     if not command:
         parser.error("give the command to run after --")
     seen: dict[tuple[int, int], tuple[str, float]] = {}
-    names: dict[tuple[int, int], str] = {}
-    _sample(seen, names)
+    _sample(seen)
     before = {key: cpu for key, (_, cpu) in seen.items()}  # what processes older than the run had used
     busy0, total0 = _host_busy_ticks()
     started = time.monotonic()
     child = subprocess.Popen(command)
     while child.poll() is None:
-        _sample(seen, names)
+        _sample(seen)
         try:
             child.wait(timeout=args.interval_s)
         except subprocess.TimeoutExpired:
