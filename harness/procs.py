@@ -354,7 +354,10 @@ class ProcessGroup:
         return proc, metrics_port
 
     def tails(self) -> str:
-        return "\n".join(p.tail() for p in self.procs.values())
+        """Every process's log tail; those that exited with an error status of their own come last,
+        nearest the assertion: a long failure report is cut from the front (CI's summary keeps its
+        end), and the process that failed is what it must show."""
+        return "\n".join(p.tail() for p in sorted(self.procs.values(), key=lambda p: (p.returncode or 0) > 0))
 
     def reap(self, grace_s: float = 15.0) -> list[str]:
         """Ends every process (and its descendants): SIGTERM, then SIGKILL after ``grace_s``.

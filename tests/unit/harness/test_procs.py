@@ -64,6 +64,22 @@ _STUBBORN = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
+def test_tails_end_with_the_process_that_failed(tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        group.start("failed", ["-c", "import sys; print('why it failed', file=sys.stderr); sys.exit(1)"], script=None)
+        group.start("fine", ["-c", "print('all well')"], script=None)
+        running = group.start("running", ["-c", "import time; time.sleep(600)"], script=None)
+        assert [group[n].wait(30) for n in ("failed", "fine")] == [1, 0]
+        tails = group.tails()
+        assert tails.rstrip().endswith("why it failed"), tails
+        assert tails.index("--- running") < tails.index("--- failed")
+        assert running.alive()
+    finally:
+        group.reap(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
 def test_reap_ends_a_stubborn_tree_and_a_stopped_process(tmp_path: Path) -> None:
     script = tmp_path / "stubborn.py"
     script.write_text(_STUBBORN)
