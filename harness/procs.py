@@ -43,6 +43,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "pid_alive",
+    "pid_stopped",
     "scrape_metrics",
     "try_scrape",
     "wait_until",
@@ -162,6 +163,14 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             queue.append(child)
     return found
+
+
+def pid_stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped (SIGSTOP: a signal waits until it is continued)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:
@@ -358,6 +367,27 @@ class ProcessGroup:
         nearest the assertion: a long failure report is cut from the front (CI's summary keeps its
         end), and the process that failed is what it must show."""
         return "\n".join(p.tail() for p in sorted(self.procs.values(), key=lambda p: (p.returncode or 0) > 0))
+
+    def stacks(self, timeout_s: float = 5.0) -> str:
+        """The Python stacks of every running, not stopped, process of this group started with this
+        interpreter, each sent SIGUSR1 (``cli.main`` has faulthandler print every thread's stack on
+        it): what each one waits for, for a test that timed out. A process without that handler (a
+        helper script) dies of the signal, so only a failed test's teardown calls this, before it reaps."""
+        marks: dict[str, int] = {}
+        for proc in self.procs.values():
+            if proc.alive() and proc.argv[:1] == [sys.executable] and not pid_stopped(proc.pid):
+                marks[proc.name] = proc.stderr_path.stat().st_size
+                proc.send(signal.SIGUSR1)
+
+        def dump(name: str) -> str:
+            with self.procs[name].stderr_path.open("rb") as err:
+                err.seek(marks[name])
+                return err.read().decode(errors="replace")
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all("File " in dump(n) or not self.procs[n].alive() for n in marks):
+            time.sleep(0.05)
+        return "\n".join(f"--- {name} (pid {self.procs[name].pid}) ---\n{dump(name)}" for name in marks)
 
     def reap(self, grace_s: float = 15.0) -> list[str]:
         """Ends every process (and its descendants): SIGTERM, then SIGKILL after ``grace_s``.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -72,6 +73,10 @@ def _environment_restored() -> Iterator[None]:
         os.environ.update(saved)
 
 
+_TIMED_OUT = re.compile(r"timed out after|still running after|Timeout >")
+"""How a timed-out wait fails: ``wait_until``, ``Proc.wait``, pytest-timeout."""
+
+
 @pytest.fixture
 def procs(tmp_path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
     """Processes started by this test; all of them (and their children) are ended at teardown.
@@ -83,10 +88,16 @@ def procs(tmp_path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
     try:
         yield group
     finally:
-        killed = group.reap()
         report = getattr(request.node, "rep_call", None)
-        if report is None or report.failed:
+        failed = report is None or report.failed
+        # A test that timed out waiting (on a process, a condition, or pytest-timeout's limit) shows
+        # what every process still running waited for: a hang leaves no log line of its own.
+        stacks = group.stacks() if failed and report is not None and _TIMED_OUT.search(str(report.longrepr)) else ""
+        killed = group.reap()
+        if failed:
             print(f"\n===== process logs ({group.log_dir}) =====\n{group.tails()}", file=sys.stderr)
+        if stacks:
+            print(f"\n===== Python stacks of the processes still running when it timed out =====\n{stacks}", file=sys.stderr)
         if killed:
             print(f"reaped with SIGKILL: {killed}", file=sys.stderr)
 

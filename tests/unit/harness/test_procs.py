@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from harness.procs import REPO, ProcessGroup, child_env, descendants, free_ports, pid_alive, scrape_metrics, wait_until
+from harness.procs import (
+    REPO,
+    ProcessGroup,
+    child_env,
+    descendants,
+    free_ports,
+    pid_alive,
+    pid_stopped,
+    scrape_metrics,
+    wait_until,
+)
 from tests.pytest_run import run_pytest
 
 
@@ -75,6 +85,37 @@ def test_tails_end_with_the_process_that_failed(tmp_path: Path) -> None:
         assert tails.rstrip().endswith("why it failed"), tails
         assert tails.index("--- running") < tails.index("--- failed")
         assert running.alive()
+    finally:
+        group.reap(grace_s=1.0)
+
+
+_WAITS_IN_A_NAMED_FUNCTION = textwrap.dedent(
+    """
+    import faulthandler, signal, sys, threading
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # as cli.main does
+    def waiting_for_the_moon():
+        threading.Event().wait()
+    print("ready", flush=True)
+    waiting_for_the_moon()
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_stacks_show_where_each_running_process_waits_and_skip_a_stopped_one(tmp_path: Path) -> None:
+    script = tmp_path / "waits.py"
+    script.write_text(_WAITS_IN_A_NAMED_FUNCTION)
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        waiting = group.start("waiting", [], script=script)
+        stopped = group.start("stopped", [], script=script)
+        wait_until(lambda: waiting.stdout() and stopped.stdout(), timeout=20, what="both to start")
+        stopped.freeze()
+        wait_until(lambda: pid_stopped(stopped.pid), timeout=10, what="the stop to take effect")
+        stacks = group.stacks()
+        assert "--- waiting" in stacks and "waiting_for_the_moon" in stacks, stacks
+        assert "--- stopped" not in stacks  # a stopped process would print nothing until continued
+        assert waiting.alive() and stopped.alive()
     finally:
         group.reap(grace_s=1.0)
 
