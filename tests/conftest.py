@@ -92,10 +92,13 @@ def procs(tmp_path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
         failed = report is None or report.failed
         # A test that timed out waiting (on a process, a condition, or pytest-timeout's limit) shows
         # what every process still running waited for: a hang leaves no log line of its own.
-        stacks = group.stacks() if failed and report is not None and _TIMED_OUT.search(str(report.longrepr)) else ""
+        # Their logs are read first: the stacks go to the same files, and would fill the tails.
+        hung = failed and report is not None and _TIMED_OUT.search(str(report.longrepr)) is not None
+        tails = group.tails() if hung else ""
+        stacks = group.stacks() if hung else ""
         killed = group.reap()
         if failed:
-            print(f"\n===== process logs ({group.log_dir}) =====\n{group.tails()}", file=sys.stderr)
+            print(f"\n===== process logs ({group.log_dir}) =====\n{tails or group.tails()}", file=sys.stderr)
         if stacks:
             print(f"\n===== Python stacks of the processes still running when it timed out =====\n{stacks}", file=sys.stderr)
         if killed:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from rpcps.address import ETCD_SCHEME, EtcdAddress
 from rpcps.etcd.client import EtcdClient, EtcdUnavailable, absent, get_op, modified_at, prefix_end, put_op, value_is
+from rpcps.store_waits import hopeless
 
 RENDEZVOUS_SCHEME = "rpcps-etcd"
 """The scheme of the ``init_method`` torch RPC is given for an etcd store (``rendezvous_url``)."""
@@ -144,9 +145,8 @@ class EtcdStore(dist.Store):
         return all(r.response_range.kvs for r in reply.responses)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        hopeless = [why for name, why in _never_waited.items() if any(k == name or k.endswith("/" + name) for k in keys)]
-        if hopeless:
-            raise dist.DistStoreError(hopeless[0])
+        if (why := hopeless(keys)) is not None:
+            raise dist.DistStoreError(why)
         for _ in self._polling(keys, timeout):
             if self.check(keys):
                 return
@@ -193,18 +193,6 @@ def rendezvous_url(address: EtcdAddress) -> str:
 def open_store(address: EtcdAddress, timeout_s: float) -> EtcdStore:
     """A store client of the job's keys in etcd; each call bounded by ``timeout_s``."""
     return EtcdStore(EtcdClient(address.endpoints, timeout_s, address.tls), address.prefix, timedelta(seconds=timeout_s))
-
-
-_never_waited: dict[str, str] = {}
-"""Keys whose ``wait`` fails at once in this process, with the error to raise (``never_wait_for``)."""
-
-
-def never_wait_for(key: str, why: str) -> None:
-    """Makes this process's ``wait`` for ``key`` (under any prefix: torch's ``PrefixStore``) fail at
-    once with ``why``: a key only this process would ever set, so waiting for it could end only at the
-    store's timeout (torch's failed join leaves the group through a wait for its own join token:
-    ``rpcps.transport.group``)."""
-    _never_waited[key] = why
 
 
 _agent_stores: list[EtcdStore] = []

@@ -29,9 +29,10 @@ from torch.distributed import rpc
 from rpcps.address import Address, EtcdAddress, StoreAddress
 from rpcps.etcd.client import modified_at
 from rpcps.etcd.lease import HeldKey
-from rpcps.etcd.store import EtcdStore, never_wait_for, open_store, register_rendezvous, rendezvous_url
+from rpcps.etcd.store import EtcdStore, open_store, register_rendezvous, rendezvous_url
 from rpcps.jobsecret import JobSecret
 from rpcps.logsafe import peer_text
+from rpcps.store_waits import never_wait_for
 from rpcps.transport import membership, protection, request_filter
 from rpcps.transport.config import TransportOptions
 from rpcps.transport.membership import RANK_COUNTER_KEY
@@ -199,6 +200,12 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
         raise TransportError(f"the server at {address} has handed out {rank} ranks; restart it to reset the counter")
     # torch parses its member list as "name-rank,": a '-' in a name breaks every later join.
     name = f"{base_name}_r{rank}"
+    # torch's failed join leaves the group through a wait for its own join token, which only this
+    # process could release: that wait would last the store's whole timeout (rpcps.store_waits).
+    never_wait_for(membership.join_token(name), "a member listed in the group did not answer this join (" + (
+        f"one that died stays listed until its liveness key in etcd ends, {ALIVE_TTL_S} s after its last renewal)"
+        if isinstance(address, EtcdAddress) else "one that died stays listed until the group's janitor removes it, within seconds)"
+    ))
     beat_view = _announce_alive(address, name, deadline) if rank_client is None else membership.agent_store(rank_client)
     try:
         with membership.beating_while_joining(beat_view, name):
@@ -260,13 +267,6 @@ def _announce_alive(address: EtcdAddress, name: str, deadline: float) -> dist.St
     global _etcd, _alive, _agent_view
     store = _etcd = open_store(address, REGISTRY_TIMEOUT_S)
     _agent_view = view = membership.agent_store(store)
-    # torch's failed join leaves the group through a wait for its own join token, which only this
-    # process could release: that wait would last the store's whole timeout (30 s and more).
-    never_wait_for(
-        membership.join_token(name),
-        f"a member listed in the group did not answer this join (one that died stays listed until its liveness key in etcd ends, "
-        f"{ALIVE_TTL_S} s after its last renewal)",
-    )
     _alive = HeldKey(store.client, store.key(ALIVE_KEY.format(name)), name, ALIVE_TTL_S, on_retaken=_relist).start()
     if not _alive.wait_taken(max(deadline - time.monotonic(), REGISTRY_TIMEOUT_S)):
         raise TransportError(f"could not take this process's liveness key in the etcd cluster {address}; is every member reachable?")

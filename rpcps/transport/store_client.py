@@ -42,6 +42,8 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 
+from rpcps.store_waits import hopeless
+
 logger = logging.getLogger(__name__)
 
 INCARNATION_KEY = "rpcps/store_incarnation"
@@ -193,6 +195,8 @@ class ReconnectingStore(dist.Store):
         return self._run(lambda c: c.get(key))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if (why := hopeless(keys)) is not None:
+            raise dist.DistStoreError(why)
         self._run(lambda c: c.wait(keys, timeout or self.timeout))
 
     def delete_key(self, key: str) -> bool:

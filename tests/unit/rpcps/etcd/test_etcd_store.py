@@ -1,4 +1,4 @@
-"""``EtcdStore.wait`` for a key only this process could set fails at once (``never_wait_for``):
+"""``EtcdStore.wait`` for a key only this process could set fails at once (``rpcps.store_waits.never_wait_for``):
 torch's failed join waits for its own join token that way, for the store's whole timeout."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from rpcps import store_waits
 from rpcps.address import Address
 from rpcps.etcd import store as etcd_store
 from rpcps.etcd.client import EtcdClient
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_a_wait_for_a_key_only_this_process_could_set_fails_at_once_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(etcd_store, "_never_waited", {})
-    etcd_store.never_wait_for("Token_for_worker0_r2_join", "a listed member did not answer this join")
+    monkeypatch.setattr(store_waits, "_never_waited", {})
+    store_waits.never_wait_for("Token_for_worker0_r2_join", "a listed member did not answer this join")
     # Nothing listens there: a wait that reached etcd would poll it for the store's whole timeout.
     store = etcd_store.EtcdStore(EtcdClient([Address("127.0.0.1", free_port())], timeout_s=1.0), "job")
     started = time.monotonic()

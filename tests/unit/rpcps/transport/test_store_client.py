@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from harness.procs import wait_until
+from rpcps import store_waits
 from rpcps.ports import free_port
 from rpcps.transport.registry import Registry, StoreUnavailable
 from rpcps.transport.store_client import ReconnectingStore, host_store, open_client
@@ -217,3 +218,18 @@ def test_a_connect_left_retrying_when_the_store_died_is_given_up_and_the_store_r
     took = time.monotonic() - back
     assert took < 1.0, f"reached the store {took:.2f}s after it was back"
     del master
+
+
+def test_a_wait_for_a_key_only_this_process_could_set_fails_at_once_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's failed join waits for its own join token on leaving: with the store's 30 s timeout,
+    and once more after a reconnect, while every other join waited behind it (CI, 2026-12-03)."""
+    monkeypatch.setattr(store_waits, "_never_waited", {})
+    store_waits.never_wait_for("Token_for_ps0_r5_join", "a member listed in the group did not answer this join")
+    master = _master(free_port())
+    client = ReconnectingStore("127.0.0.1", master.port, timeout_s=30.0)
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="did not answer this join"):
+        client.wait(["rpc_prefix_0/Token_for_ps0_r5_join"])
+    assert time.monotonic() - started < 1.0
+    master.set("rpc_prefix_0/Token_for_ps0_r6_join", "Done")
+    client.wait(["rpc_prefix_0/Token_for_ps0_r6_join"])  # any other key is waited for as before
