@@ -197,6 +197,10 @@ class ShardLink:
     reply to push t brings them as of step t + 1, a pull made for step t as of step t."""
     last_reply: float = 0.0
     """time.monotonic() of the latest push reply (the server saw us then: no heartbeat needed)."""
+    unleased_since: float | None = None
+    """time.monotonic() of the first of the window's pushes that the primary the view still names
+    answered ``NotPrimary`` (None since a push was answered): the worker asks it again until
+    ``failover_timeout_s`` has passed since."""
 
 
 @dataclass
@@ -744,6 +748,23 @@ class Trainer:
             peer_text(link.client.view.primary), link.client.view.epoch, 1000 * took, resent,
         )
 
+    def _ask_unleased_again(self, link: ShardLink, error: Exception) -> None:
+        """The window's oldest push to ``link`` was answered ``NotPrimary`` by the primary the view still
+        names (a promoted standby whose claim is not granted yet, a primary stepping down): after
+        ``_LEASE_RETRY_S`` the shard's pushes in the window are sent to it again, as ``_call_after_loss``
+        does for a call. Raises ``error`` once ``failover_timeout_s`` has passed (the worker restarts to
+        rejoin) or when this worker was told to stop. Before, the same answered push was read again at
+        once, for good: a worker whose server stepped down while the store was gone spun a core and
+        never stopped."""
+        now = time.monotonic()
+        if link.unleased_since is None:
+            link.unleased_since = now
+        if now - link.unleased_since >= self.config.failover_timeout_s or self._stop.wait(_LEASE_RETRY_S):
+            raise error
+        for item in self._in_flight:
+            if item.shard == link.index:
+                self._push(link, item)
+
     def _recompute_lost(self, link: ShardLink) -> None:
         """After a failover: steps of this worker acknowledged by the old primary that the new one
         lacks (asynchronous replication, ``worker.acked``) are recomputed, and the parameters, which
@@ -844,7 +865,10 @@ class Trainer:
         except _PRIMARY_LOST as e:
             self._in_flight.appendleft(item)  # resent with the rest of the shard's window
             self.metrics.in_flight.set(len(self._in_flight))
+            client = link.client
             self._fail_over(link, e)
+            if link.client is client:  # not switched: the view still names a primary that holds no lease
+                self._ask_unleased_again(link, e)
             return
         except transport.PeerTimeout:
             if item.attempts > self.config.max_retries:
@@ -868,6 +892,7 @@ class Trainer:
             return
         self.metrics.push_seconds.observe(time.perf_counter() - item.sent)
         link.last_reply = time.monotonic()
+        link.unleased_since = None
         if reply.pulled is not None:
             self._take_pushed_params(link, item.seq, reply.pulled)
         if reply.status == PushStatus.PAUSED:  # not applied and not recorded: send it again once resumed

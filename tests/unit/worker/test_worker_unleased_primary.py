@@ -1,0 +1,80 @@
+"""A push answered ``NotPrimary`` by the primary the view still names (``Trainer._complete_oldest``):
+the worker asks that primary again every ``_LEASE_RETRY_S``, up to ``failover_timeout_s``, and gives up
+at once when told to stop. Before, it read the same answered push again at once, for good: a worker
+whose server stepped down as local was killed spun a core and never stopped (found by
+tests/integration/cli/test_local_signals.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from types import MethodType, SimpleNamespace
+
+import pytest
+
+from rpcps.errors import NotPrimary
+from worker import trainer as trainer_module
+from worker.trainer import Trainer, _InFlight
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Answered:
+    """A push already answered with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> object:
+        raise self.error
+
+
+def _trainer(failover_timeout_s: float) -> SimpleNamespace:
+    """The part of a Trainer that ``_complete_oldest`` uses, the view never moving (``_fail_over`` keeps the client)."""
+    sent: list[int] = []
+    fake = SimpleNamespace(
+        config=SimpleNamespace(failover_timeout_s=failover_timeout_s),
+        metrics=SimpleNamespace(in_flight=SimpleNamespace(set=lambda _: None)),
+        _stop=threading.Event(),
+        _in_flight=deque(),
+        _moved=set(),
+        sent=sent,
+    )
+    fake.shards = [SimpleNamespace(index=0, client=object(), unleased_since=None)]
+    fake._fail_over = lambda link, error: None  # the store still names the same primary
+    fake._push = lambda link, item: (sent.append(item.seq), setattr(item, "future", _Answered(NotPrimary("no lease"))))
+    for name in ("_complete_oldest", "_result", "_ask_unleased_again"):
+        setattr(fake, name, MethodType(getattr(Trainer, name), fake))
+    fake._in_flight.extend(
+        _InFlight(seq=s, shard=0, base_version=0, buffers=[], loss=None, batch=None, future=_Answered(NotPrimary("no lease")))
+        for s in (7, 8)
+    )
+    return fake
+
+
+def test_the_window_is_sent_again_after_a_pause_and_given_up_after_the_failover_timeout() -> None:
+    fake = _trainer(failover_timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(NotPrimary):
+        while True:
+            fake._complete_oldest()
+    took = time.monotonic() - started
+    assert 0.5 <= took < 5.0
+    rounds = len(fake.sent) // 2
+    assert fake.sent == [7, 8] * rounds, "each retry sends the shard's whole window again, in step order"
+    assert 2 <= rounds <= 0.5 / trainer_module._LEASE_RETRY_S + 1, "paced by _LEASE_RETRY_S, not read again at once"
+    assert [i.seq for i in fake._in_flight] == [7, 8], "nothing is dropped from the window"
+
+
+def test_a_worker_told_to_stop_gives_up_at_once() -> None:
+    fake = _trainer(failover_timeout_s=60.0)
+    fake._stop.set()
+    started = time.monotonic()
+    with pytest.raises(NotPrimary):
+        fake._complete_oldest()
+    assert time.monotonic() - started < 1.0
+    assert fake.sent == []
