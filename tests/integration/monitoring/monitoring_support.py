@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from harness.procs import dies_with_us
+from harness.procs import descendants, dies_with_us
 from rpcps.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class LocalRun:
         """SIGTERM the supervisor (it stops workers, then the server) and reap it; kill what is left."""
         if self.process is None:
             return None
-        children = _children(self.process.pid)
+        children = descendants(self.process.pid)  # its children, forked by its fork server, are grandchildren
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -128,18 +128,6 @@ class LocalRun:
     def diagnostics(self) -> str:
         logs = [self.output, *sorted(self.run_dir.glob("*.log"))]
         return "\n".join(f"--- {p.name} (last lines)\n{tail(p)}" for p in logs)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def _is_ours(pid: int) -> bool:

@@ -25,7 +25,7 @@ REPORT = textwrap.dedent(
         "argv": sys.argv, "orig_argv": sys.orig_argv, "name": __name__, "cwd": os.getcwd(), "path0": sys.path[0], "path": sys.path,
         "secret": os.environ.get("RPCPS_SOMETHING"), "log_level": os.environ.get("TORCH_CPP_LOG_LEVEL"),
         "tmp": tempfile.gettempdir(), "preloaded": "torch" in sys.modules, "ours": "rpcps.options" in sys.modules,
-        "session": os.getsid(0) == os.getpid(),
+        "session": os.getsid(0) == os.getpid(), "title": open("/proc/self/cmdline", "rb").read().decode(),
     }))
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[1]))
@@ -69,6 +69,7 @@ def test_a_child_runs_its_script_as_main_with_its_own_argv_environment_streams_a
     assert seen["tmp"] == str(tmp_path)
     assert seen["preloaded"] and not seen["ours"]
     assert seen["session"]
+    assert seen["title"].rstrip("\0").split(" ")[1:] == [str(script), "3", "--flag"]  # ps shows what it runs
     assert (tmp_path / "err").read_text() == "to stderr\n"
 
 
