@@ -22,6 +22,7 @@ rather than betting that S seconds cover that on a loaded machine.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -60,15 +61,20 @@ class _Point:
     """Monotonic end of this process's hold (0 before it fired here)."""
 
     def count(self) -> int:
-        """This hit's number across the run (the count lives beside the marker, so it survives restarts)."""
-        path = f"{self.marker}.count"
+        """This hit's number across the run (the count lives beside the marker, so it survives restarts).
+
+        Read and written under an exclusive lock on the file: two servers of a sharded run reach the
+        same point side by side, and a read between another's truncate and write took the count back
+        to 1, so a point counted over both shards never reached its hit (CI's two-shard chaos run)."""
+        fd = os.open(f"{self.marker}.count", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            with open(path) as f:
-                hits = int(f.read() or 0) + 1
-        except FileNotFoundError:
-            hits = 1
-        with open(path, "w") as f:
-            f.write(str(hits))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            hits = int(os.read(fd, 32) or 0) + 1
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.ftruncate(fd, 0)
+            os.write(fd, str(hits).encode())
+        finally:
+            os.close(fd)  # and the lock with it
         return hits
 
 

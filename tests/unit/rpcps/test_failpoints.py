@@ -36,6 +36,19 @@ def test_the_nth_hit_across_processes_kills_once(tmp_path: Path) -> None:
     assert _reach("finish.after_snapshot", spec) == 0  # other points are not armed
 
 
+@pytest.mark.timeout(120)
+def test_processes_reaching_a_point_side_by_side_count_every_hit(tmp_path: Path) -> None:
+    """Two shards' servers reach server.after_apply at once: each of their hits counts. Before, a read
+    between another process's truncate and write took the count back to 1 (a 2-shard local run with
+    the point armed at 54 ended with a count of 1 and no crash)."""
+    marker = tmp_path / "fp.fired"
+    code = "from rpcps import failpoints\nfor _ in range(300): failpoints.hit('server.after_apply')"
+    env = {**os.environ, "PYTHONPATH": str(REPO), failpoints.ENV: f"server.after_apply=kill@100000:{marker}"}
+    racers = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
+    assert [r.wait(60) for r in racers] == [0, 0, 0]
+    assert Path(f"{marker}.count").read_text() == "900"
+
+
 def test_a_bad_spec_names_the_points() -> None:
     with pytest.raises(ValueError, match="expected NAME=kill@N:MARKER or NAME=hold-SECONDS@N:MARKER with NAME in"):
         failpoints._parse("snapshot.whenever=kill@1:/x")
