@@ -85,8 +85,9 @@ _fork_servers: dict[int, ForkServer] = {}
 
 
 def _fork_server() -> ForkServer | None:
-    """This test process's fork server for ``trainer_entry.py`` children (``rpcps.prefork``): each then
-    starts without importing torch again, 1.5-3.5 CPU-s saved per process on 2 shared cores.
+    """This test process's fork server for the Python scripts it starts (``rpcps.prefork``:
+    ``trainer_entry.py``, the own-loop example, the hostile peers): each then starts without
+    importing torch again, 1.5-3.5 CPU-s saved per process on 2 shared cores.
 
     Started on the main thread only, where ``dies_with_us`` ties it (and, through it, its children) to
     the test process; ``None`` elsewhere, and when ``RPCPS_TEST_FORK_SERVER=off``.
@@ -300,11 +301,11 @@ class ProcessGroup:
         out = open(self.log_dir / f"{name}.out", "ab")  # noqa: SIM115 - closed by reap
         err = open(self.log_dir / f"{name}.err", "ab")  # noqa: SIM115 - closed by reap
         env = dict(env) if env is not None else child_env(extra_pythonpath)
-        forks = _fork_server() if program is None and script == ENTRY else None
+        forks = _fork_server() if program is None and script is not None else None
         popen: subprocess.Popen | ForkedProcess
         if forks is not None and forks.can_run(env, REPO):
             with open(os.devnull, "rb") as devnull:
-                popen = forks.spawn(ENTRY, argv[2:], env, stdin=devnull.fileno(), stdout=out.fileno(), stderr=err.fileno())
+                popen = forks.spawn(script, argv[2:], env, stdin=devnull.fileno(), stdout=out.fileno(), stderr=err.fileno())
         else:
             popen = subprocess.Popen(
                 dies_with_us(argv), cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
