@@ -44,7 +44,8 @@ def test_local_stops_cleanly_on_sigint(procs: ProcessGroup, tmp_path: Path) -> N
 
 @pytest.mark.timeout(150)
 def test_a_killed_local_takes_its_children_with_it(procs: ProcessGroup, tmp_path: Path) -> None:
-    """kill -9 of local: its fork server dies with it and each child gets SIGTERM and stops in order."""
+    """kill -9 of local: its fork server dies with it and each child gets SIGTERM and stops in order (all at
+    once: a worker may find its server gone first)."""
     run_dir = tmp_path / "run"
     local = procs.start("local", ["local", "--workers", "2", "--steps", "1000000", "--run-dir", run_dir])
     targets = wait_until(lambda: _targets(run_dir), timeout=30, what="local's Prometheus targets file")
@@ -56,8 +57,9 @@ def test_a_killed_local_takes_its_children_with_it(procs: ProcessGroup, tmp_path
     local.send(signal.SIGKILL)
     wait_until(lambda: not any(pid_alive(pid) for pid in children), 60, "local's children to stop")
     assert "ps.runner: stopping" in (run_dir / "ps.log").read_text()
-    for i in range(2):
-        assert "worker.api: done:" in (run_dir / f"worker{i}.log").read_text()
+    for i in range(2):  # each ended in order: its steps so far done, or stopped while its server went first
+        log = (run_dir / f"worker{i}.log").read_text()
+        assert "worker.api: done:" in log or "worker.api: stopped by signal while the server went away" in log, log[-2000:]
 
 
 def _targets(run_dir: Path) -> list[dict] | None:
