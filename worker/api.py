@@ -39,6 +39,7 @@ from rpcps import memory, replica_endpoints, rpc_policy, signals, threads, trans
 from rpcps.errors import (
     NotPrimary,
     RegistrationRefused,
+    ServerStarting,
     ServerStopping,
     SignatureMismatch,
     UnknownWorker,
@@ -60,11 +61,15 @@ from worker.metrics import WorkerMetrics
 from worker.step import Step, StepEnded
 from worker.trainer import NotDurable, ServerBehind, TooManyRejects, Trainer, WorkerStats
 
-REJOIN_ON = (transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind, WorkerRemoved, NotPrimary)
+REJOIN_ON = (
+    transport.PeerUnreachable, transport.PeerTimeout, ServerStopping, ServerBehind, WorkerRemoved, NotPrimary, ServerStarting,
+)
 """Errors after which a worker restarts in place and rejoins, as for a lost server. WorkerRemoved:
 the server dropped this slot's registration (silent past its lease). NotPrimary with no successor
 named: a server restarting from its snapshot answered before it claimed its shard again (CI saw a
-worker exit 1 on it after a server re-executed itself, test_stray_connections_to_every_port...)."""
+worker exit 1 on it after a server re-executed itself, test_stray_connections_to_every_port...).
+ServerStarting: the server withdrew its API (a primary fenced by its etcd claim, stepping down to
+restart) past the failover timeout (CI saw a worker exit 1 on it, test_etcd.py's lone primary)."""
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +351,7 @@ class Training:
         try:
             if isinstance(error, REJOIN_ON):
                 if self._stopping:
-                    logger.info("stopped by signal while the server went away (%s)", error)
+                    logger.info("stopped by signal while the server went away (%s)", str(error) or type(error).__name__)
                     code = EXIT_OK
                 else:
                     carry = {RECONNECTS_ENV: str(self._reconnects + 1), STATS_ENV: self._stats.to_carry()}

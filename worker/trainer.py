@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from rpcps import failpoints, plugins, threads, transport
-from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected
+from rpcps.errors import CheckpointFailed, NotPrimary, PushRejected, ServerStarting
 from rpcps.logsafe import MESSAGE_LIMIT, peer_text
 from rpcps.messages import FinishReply, Mode, PullReply, PushReply, PushStatus, Registration, View
 from rpcps.partition import partition, partition_digest
@@ -70,7 +70,11 @@ logger = logging.getLogger(__name__)
 _LOSS_WINDOW = 10
 """Losses averaged for a summary's initial_loss (the first ones) and final_loss (the latest ones)."""
 
-_PRIMARY_LOST = (transport.PeerUnreachable, NotPrimary)
+_NOT_SERVING = (NotPrimary, ServerStarting)
+"""What the primary the view names answers while it does not serve: it holds no lease yet, or it has
+withdrawn its API (stepping down, about to restart: CI saw a worker exit 1 on ServerStarting from a
+lone primary fenced by its etcd claim)."""
+_PRIMARY_LOST = (transport.PeerUnreachable, *_NOT_SERVING)
 """What a call to a shard's primary raises when that process is gone or no longer serves the shard."""
 _MOVED_POLL_S = 0.05
 """How often a worker waiting for a reply checks whether the shard's primary was replaced meanwhile."""
@@ -199,7 +203,7 @@ class ShardLink:
     """time.monotonic() of the latest push reply (the server saw us then: no heartbeat needed)."""
     unleased_since: float | None = None
     """time.monotonic() of the first of the window's pushes that the primary the view still names
-    answered ``NotPrimary`` (None since a push was answered): the worker asks it again until
+    answered ``NotPrimary`` or ``ServerStarting`` (None since a push was answered): the worker asks it again until
     ``failover_timeout_s`` has passed since."""
 
 
@@ -716,7 +720,7 @@ class Trainer:
             # The coordinator is down too: the view in use says whether a standby will promote once
             # it is back (the new client below waits for that, up to failover_timeout_s).
             now = old
-        if isinstance(error, NotPrimary) and now is not None and now.epoch == old.epoch and now.primary == old.primary:
+        if isinstance(error, _NOT_SERVING) and now is not None and now.epoch == old.epoch and now.primary == old.primary:
             return  # the store still names it: it serves without a lease for now (_call_after_loss calls it again)
         if now is None or (now.epoch == old.epoch and now.standby is None):
             raise error  # nobody to take over: the shard comes back from its snapshot
@@ -749,8 +753,9 @@ class Trainer:
         )
 
     def _ask_unleased_again(self, link: ShardLink, error: Exception) -> None:
-        """The window's oldest push to ``link`` was answered ``NotPrimary`` by the primary the view still
-        names (a promoted standby whose claim is not granted yet, a primary stepping down): after
+        """The window's oldest push to ``link`` was answered ``NotPrimary`` or ``ServerStarting`` by the
+        primary the view still names (a promoted standby whose claim is not granted yet, a primary
+        stepping down): after
         ``_LEASE_RETRY_S`` the shard's pushes in the window are sent to it again, as ``_call_after_loss``
         does for a call. Raises ``error`` once ``failover_timeout_s`` has passed (the worker restarts to
         rejoin) or when this worker was told to stop. Before, the same answered push was read again at
@@ -800,14 +805,15 @@ class Trainer:
     def _call_after_loss(self, link: ShardLink, call: Callable[[], Any], error: Exception) -> Any:
         """After ``call`` lost its shard's primary with ``error``: fails over, then calls again. While the
         primary the view names answers that it holds no lease yet (a promoted standby whose claim etcd
-        has not granted, during an etcd election), calls it again every ``_LEASE_RETRY_S`` up to
+        has not granted, during an etcd election) or does not serve (``ServerStarting``: it withdrew its
+        API to step down and restart), calls it again every ``_LEASE_RETRY_S`` up to
         ``failover_timeout_s``; then raises as before (the worker restarts to rejoin)."""
         deadline = time.monotonic() + self.config.failover_timeout_s
         while True:
             self._fail_over(link, error)
             try:
                 return call()
-            except NotPrimary as e:
+            except _NOT_SERVING as e:
                 if time.monotonic() >= deadline:
                     raise
                 error = e

@@ -1,4 +1,4 @@
-"""A push answered ``NotPrimary`` by the primary the view still names (``Trainer._complete_oldest``):
+"""A push answered ``NotPrimary`` (or ``ServerStarting``) by the primary the view still names (``Trainer._complete_oldest``):
 the worker asks that primary again every ``_LEASE_RETRY_S``, up to ``failover_timeout_s``, and gives up
 at once when told to stop. Before, it read the same answered push again at once, for good: a worker
 whose server stepped down as local was killed spun a core and never stopped (found by
@@ -13,7 +13,7 @@ from types import MethodType, SimpleNamespace
 
 import pytest
 
-from rpcps.errors import NotPrimary
+from rpcps.errors import NotPrimary, ServerStarting
 from worker import trainer as trainer_module
 from worker.trainer import Trainer, _InFlight
 
@@ -33,7 +33,7 @@ class _Answered:
         raise self.error
 
 
-def _trainer(failover_timeout_s: float) -> SimpleNamespace:
+def _trainer(failover_timeout_s: float, error: type[Exception] = NotPrimary) -> SimpleNamespace:
     """The part of a Trainer that ``_complete_oldest`` uses, the view never moving (``_fail_over`` keeps the client)."""
     sent: list[int] = []
     fake = SimpleNamespace(
@@ -46,20 +46,22 @@ def _trainer(failover_timeout_s: float) -> SimpleNamespace:
     )
     fake.shards = [SimpleNamespace(index=0, client=object(), unleased_since=None)]
     fake._fail_over = lambda link, error: None  # the store still names the same primary
-    fake._push = lambda link, item: (sent.append(item.seq), setattr(item, "future", _Answered(NotPrimary("no lease"))))
+    fake._push = lambda link, item: (sent.append(item.seq), setattr(item, "future", _Answered(error("not serving"))))
     for name in ("_complete_oldest", "_result", "_ask_unleased_again"):
         setattr(fake, name, MethodType(getattr(Trainer, name), fake))
     fake._in_flight.extend(
-        _InFlight(seq=s, shard=0, base_version=0, buffers=[], loss=None, batch=None, future=_Answered(NotPrimary("no lease")))
+        _InFlight(seq=s, shard=0, base_version=0, buffers=[], loss=None, batch=None, future=_Answered(error("not serving")))
         for s in (7, 8)
     )
     return fake
 
 
-def test_the_window_is_sent_again_after_a_pause_and_given_up_after_the_failover_timeout() -> None:
-    fake = _trainer(failover_timeout_s=0.5)
+@pytest.mark.parametrize("error", [NotPrimary, ServerStarting])
+def test_the_window_is_sent_again_after_a_pause_and_given_up_after_the_failover_timeout(error: type[Exception]) -> None:
+    """ServerStarting: a primary that withdrew its API to step down (CI: a worker exited 1 on it)."""
+    fake = _trainer(failover_timeout_s=0.5, error=error)
     started = time.monotonic()
-    with pytest.raises(NotPrimary):
+    with pytest.raises(error):
         while True:
             fake._complete_oldest()
     took = time.monotonic() - started
