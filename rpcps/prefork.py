@@ -3,10 +3,10 @@
 An rpcps process spends 1.5-2.5 CPU-seconds importing torch before it does anything, and a server
 about 1 more in ``torch._dynamo`` (its first optimizer step imports it). Whoever starts many of them
 on one host can start them from a ``ForkServer`` instead: one process that imported those libraries
-once and forks a child for each request. ``rpcps local`` starts its children and restarts them this
-way (measured: a server's start 4.6 CPU-s fresh, 0.7 forked; a worker's 2.7 and 0.4), and so does the
-test harness (some 500 processes a run). The child takes the request's standard streams, working
-directory, environment, session and ``sys.argv``, then runs the script as ``__main__``, as
+once and forks a child for each request (measured: a server's start 4.6 CPU-s fresh, 0.7 forked; a
+worker's 2.7 and 0.4); the test harness starts some 500 processes a run this way. The child takes
+the request's standard streams, working directory, environment, session and ``sys.argv``, then
+runs the script as ``__main__``, as
 ``python SCRIPT ARGS...`` would, under that command line as its process title (``ps``, ``top`` and
 ``/proc/PID/cmdline`` show what it runs, not the fork server's command).
 
@@ -176,14 +176,6 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-    def kill(self) -> None:
-        """Ends the server at once, preloading or not; for a starter whose children are all reaped
-        (one still running gets its ``pdeathsig``)."""
-        self._control.close()
-        self.process.kill()
-        self.process.wait()
 
 
 # --- the server's side -------------------------------------------------------------------------------
