@@ -6,9 +6,9 @@ on one host can start them from a ``ForkServer`` instead: one process that impor
 once and forks a child for each request (measured: a server's start 4.6 CPU-s fresh, 0.7 forked; a
 worker's 2.7 and 0.4); the test harness starts some 500 processes a run this way. The child takes
 the request's standard streams, working directory, environment, session and ``sys.argv``, then
-runs the script as ``__main__``, as
-``python SCRIPT ARGS...`` would, under that command line as its process title (``ps``, ``top`` and
-``/proc/PID/cmdline`` show what it runs, not the fork server's command).
+runs the script as ``__main__``, as ``python SCRIPT ARGS...`` would, under that command line as its
+process title (``ps``, ``top`` and ``/proc/PID/cmdline`` show what it runs, not the fork server's
+command).
 
 What a fork cannot give a child is its own start of the preloaded libraries: the variables they
 read when they load (``OMP_*``, ``TORCH_*``, ``LD_*``, ...) are the fork server's. So a request may

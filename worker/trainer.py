@@ -203,8 +203,8 @@ class ShardLink:
     """time.monotonic() of the latest push reply (the server saw us then: no heartbeat needed)."""
     unleased_since: float | None = None
     """time.monotonic() of the first of the window's pushes that the primary the view still names
-    answered ``NotPrimary`` or ``ServerStarting`` (None since a push was answered): the worker asks it again until
-    ``failover_timeout_s`` has passed since."""
+    answered ``NotPrimary`` or ``ServerStarting`` (None since a push was answered): the worker asks
+    it again until ``failover_timeout_s`` has passed since."""
 
 
 @dataclass
@@ -738,11 +738,7 @@ class Trainer:
             raise error from e
         self._moved.discard(link.index)
         self._recompute_lost(link)
-        resent = 0
-        for item in self._in_flight:
-            if item.shard == link.index:
-                self._push(link, item)
-                resent += 1
+        resent = self._resend_window(link)
         took = time.monotonic() - started
         self.metrics.failovers.inc()
         self.metrics.failover_seconds.set(took)
@@ -752,23 +748,27 @@ class Trainer:
             peer_text(link.client.view.primary), link.client.view.epoch, 1000 * took, resent,
         )
 
+    def _resend_window(self, link: ShardLink) -> int:
+        """Sends every push of ``link``'s shard still in the window again, in step order; returns how many."""
+        items = [item for item in self._in_flight if item.shard == link.index]
+        for item in items:
+            self._push(link, item)
+        return len(items)
+
     def _ask_unleased_again(self, link: ShardLink, error: Exception) -> None:
         """The window's oldest push to ``link`` was answered ``NotPrimary`` or ``ServerStarting`` by the
         primary the view still names (a promoted standby whose claim is not granted yet, a primary
-        stepping down): after
-        ``_LEASE_RETRY_S`` the shard's pushes in the window are sent to it again, as ``_call_after_loss``
-        does for a call. Raises ``error`` once ``failover_timeout_s`` has passed (the worker restarts to
-        rejoin) or when this worker was told to stop. Before, the same answered push was read again at
-        once, for good: a worker whose server stepped down while the store was gone spun a core and
-        never stopped."""
+        stepping down): after ``_LEASE_RETRY_S`` the shard's window is sent to it again, as
+        ``_call_after_loss`` does for a call. Raises ``error`` once ``failover_timeout_s`` has passed
+        (the worker restarts to rejoin) or when this worker was told to stop. Before, the same answered
+        push was read again at once, for good: a worker whose server stepped down while the store was
+        gone spun a core and never stopped."""
         now = time.monotonic()
         if link.unleased_since is None:
             link.unleased_since = now
         if now - link.unleased_since >= self.config.failover_timeout_s or self._stop.wait(_LEASE_RETRY_S):
             raise error
-        for item in self._in_flight:
-            if item.shard == link.index:
-                self._push(link, item)
+        self._resend_window(link)
 
     def _recompute_lost(self, link: ShardLink) -> None:
         """After a failover: steps of this worker acknowledged by the old primary that the new one
@@ -873,7 +873,7 @@ class Trainer:
             self.metrics.in_flight.set(len(self._in_flight))
             client = link.client
             self._fail_over(link, e)
-            if link.client is client:  # not switched: the view still names a primary that holds no lease
+            if link.client is client:  # not switched: the view still names a primary that does not serve
                 self._ask_unleased_again(link, e)
             return
         except transport.PeerTimeout:

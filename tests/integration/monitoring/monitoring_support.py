@@ -110,7 +110,7 @@ class LocalRun:
         """SIGTERM the supervisor (it stops workers, then the server) and reap it; kill what is left."""
         if self.process is None:
             return None
-        children = descendants(self.process.pid)  # its children, forked by its fork server, are grandchildren
+        children = descendants(self.process.pid)
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

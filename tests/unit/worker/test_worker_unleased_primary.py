@@ -1,8 +1,8 @@
 """A push answered ``NotPrimary`` (or ``ServerStarting``) by the primary the view still names (``Trainer._complete_oldest``):
 the worker asks that primary again every ``_LEASE_RETRY_S``, up to ``failover_timeout_s``, and gives up
 at once when told to stop. Before, it read the same answered push again at once, for good: a worker
-whose server stepped down as local was killed spun a core and never stopped (found by
-tests/integration/cli/test_local_signals.py)."""
+whose server stepped down while every process of a killed ``local`` was stopping spun a core and
+never stopped."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _trainer(failover_timeout_s: float, error: type[Exception] = NotPrimary) -> 
     fake.shards = [SimpleNamespace(index=0, client=object(), unleased_since=None)]
     fake._fail_over = lambda link, error: None  # the store still names the same primary
     fake._push = lambda link, item: (sent.append(item.seq), setattr(item, "future", _Answered(error("not serving"))))
-    for name in ("_complete_oldest", "_result", "_ask_unleased_again"):
+    for name in ("_complete_oldest", "_result", "_ask_unleased_again", "_resend_window"):
         setattr(fake, name, MethodType(getattr(Trainer, name), fake))
     fake._in_flight.extend(
         _InFlight(seq=s, shard=0, base_version=0, buffers=[], loss=None, batch=None, future=_Answered(error("not serving")))
