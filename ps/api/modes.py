@@ -50,8 +50,8 @@ class ConsistencyMode(Protocol):
         fp32 form, ``buffers`` the model buffers it carried. The future gives its PushReply once the
         update is applied.
 
-        ``sparse`` (sparse tables' rows) is applied in the same update as ``grads``, in this process
-        only: a server with sparse tables refuses to start with a standby, and in sync mode.
+        ``sparse`` (sparse tables' rows) is applied in the same update as ``grads`` (its log entry
+        carries them to a standby); a server with sparse tables refuses sync mode.
         ``absent``: the parameters the push has no gradient for (``ps.core.presence``)."""
         ...
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from rpcps.messages import LogEntry, Update
+from rpcps.messages import Control, LogEntry, Update
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,8 @@ class ReplicationLog:
         """A follower still needs entries from this index on (it has not acknowledged them yet)."""
         self.pending: dict[tuple[int, int], Sequenced] = {}
         """(slot, step) of every update sequenced and not yet applied: a retry joins the original."""
+        self._last_control: Control | None = None
+        """The newest pause or resume sequenced (or received), applied or not (``unapplied_control``)."""
         self.unwatched = False
         """Set by a primary that no standby ever attached to: every entry commits at once and the thread
         that sequenced it applies it, so appends and applies need to wake nobody. (Each notify woke the
@@ -116,12 +118,21 @@ class ReplicationLog:
                 self.last_version = entry.version
                 for slot, seq, _, _ in entry.contributions:
                     self.pending[(slot, seq)] = sequenced
+            elif isinstance(entry, Control):
+                self._last_control = entry
             if not self.unwatched:
                 self.cond.notify_all()
 
     @property
     def next_index(self) -> int:
         return self.last_index + 1
+
+    @property
+    def unapplied_control(self) -> str | None:
+        """The action of a pause or resume sequenced and not applied yet (it waits for the standby), or
+        None. Until it applies, the serving state it sets is already the one the next entry follows."""
+        control = self._last_control
+        return control.action if control is not None and control.index > self.applied_index else None
 
     # ---- commit and apply ------------------------------------------------------------------------
 
@@ -214,6 +225,7 @@ class ReplicationLog:
         with self.cond:
             self._entries.clear()
             self.pending.clear()
+            self._last_control = None
             self.last_index = self.applied_index = applied_index
             self.last_version = version
             self.cond.notify_all()

@@ -418,6 +418,30 @@ def test_a_pause_behind_an_unacknowledged_push_returns_once_both_applied_at_the_
     assert reply.wait().status == "applied"
 
 
+@pytest.mark.timeout(30)
+def test_a_push_sequenced_after_a_pause_the_standby_does_not_hold_yet_is_paused_not_applied_after_it(server: ParameterServer) -> None:
+    """The state the newest pause or resume sets holds for the next push as soon as it is sequenced:
+    a push that came between a pause's sequencing and its acknowledgement was applied after it, one
+    version past the one the pause reported (CI: a standby at 33 while the pause said 32)."""
+    incarnation = _register(server)
+    server.log.acked_index = server.log.last_index  # a standby attached: commits wait for its acknowledgement
+    assert server.pause(timeout_s=0.05) is False and not server.paused  # sequenced, not applied
+    early = server.submit(0, incarnation, 0, 0, _good_chunks(server))
+    assert early.done() and early.wait().status == "paused"
+    assert server.log.last_index == server.log.applied_index + 1  # the push was not sequenced
+    server.log.acknowledged(server.log.last_index, retain=True)
+    with server.lock:
+        answer(server.apply_committed_locked())
+    assert server.paused and server.version == 0
+    assert server.resume(timeout_s=0.05) is False and server.paused  # sequenced, not applied
+    reply = server.submit(0, incarnation, 0, 0, _good_chunks(server))  # follows the resume: sequenced
+    assert server.log.last_version == 1
+    server.log.acknowledged(server.log.last_index, retain=True)
+    with server.lock:
+        answer(server.apply_committed_locked())
+    assert reply.done() and reply.wait().status == "applied" and not server.paused and server.version == 1
+
+
 @pytest.mark.timeout(60)
 def test_concurrent_pushes_lose_no_update() -> None:
     """4 threads x N pushes with SGD lr=1 and constant gradients: every update lands exactly once.
