@@ -4,7 +4,8 @@ new primary tells workers. One function each, forwarding to the object the proce
 - on a primary: ``replica_attach`` (a standby asks to follow; it gets the state's size and the log
   index it continues from), ``replica_snapshot`` (one piece of that state), ``replica_ready`` (the
   standby restored it: start shipping the log);
-- on a standby: ``replica_append`` (log entries in index order, acknowledged on receipt);
+- on a standby: ``replica_append`` (log entries in index order, acknowledged on receipt, and whether
+  the shard's view names that standby yet);
 - on a primary, for its standby: ``replica_watch``, a long-poll that never completes: its caller
   learns within tens of milliseconds that this process died (the call fails with end-of-file);
 - on a worker: ``view_changed``, a shard's new view (a failover), so it need not wait to notice.
@@ -92,8 +93,8 @@ def replica_ready(attach_id: str) -> Any:
     return _reply(lambda: _api().ready(attach_id))
 
 
-def replica_append(attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Any:
-    return _reply(lambda: _api().append(attach_id, epoch, sender, entries, sent_at))
+def replica_append(attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float, in_view: bool) -> Any:
+    return _reply(lambda: _api().append(attach_id, epoch, sender, entries, sent_at, in_view))
 
 
 @transport.async_endpoint

@@ -385,7 +385,8 @@ class Primary:
         try:
             pending = transport.call_async(
                 follower.name, replica_endpoints.replica_append,
-                (follower.attach_id, self.record.view.epoch, self.name, entries, sent_at),
+                # in_sync: the view names it (the hand-over wrote it before any entry that waits for its ack).
+                (follower.attach_id, self.record.view.epoch, self.name, entries, sent_at, follower.in_sync),
                 timeout_s=max(5.0, 4 * self.config.standby_timeout_s),
             )
         except transport.CallFailed as e:

@@ -20,6 +20,11 @@
   moves on from.
 - A standby that is not in the view (still catching up, or dropped) cannot promote; it detaches and
   its process restarts to attach again (or to take the shard over from snapshots if nobody serves it).
+  It learns that the view names it from its primary's appends (each says so once the hand-over wrote
+  the view, before any entry waits for this standby), not only from reading the view every
+  ``_VIEW_CHECK_S``: a primary that died with the coordinator between the hand-over and that read
+  left a standby holding every acknowledged entry that, finding the restarted store empty, could
+  not tell it was the view's and detached (the shard then came back from an older snapshot).
 """
 
 from __future__ import annotations
@@ -183,7 +188,8 @@ class Standby:
 
     # ---- following -------------------------------------------------------------------------------
 
-    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Ack | Fenced:
+    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float, in_view: bool) -> Ack | Fenced:
+        """``in_view``: the sender's view names this standby (its acknowledgements now commit entries)."""
         del sent_at
         self.gate.check_attach_id(self.attach_id, attach_id, f"append from '{peer_text(sender)}'")  # before any state is told
         if self._leaving.is_set():
@@ -194,6 +200,8 @@ class Standby:
             return ErrorReply(ServerStopping.__name__, f"standby {self.name} stopped following; drop it")
         if epoch != self.epoch or sender != self.primary:
             return Fenced(self.epoch, None)
+        if in_view and not self.in_view:
+            self._named_in_view()
         log = self.log
         with self._receive:
             for entry in self._buffer.add(entries):
@@ -281,12 +289,15 @@ class Standby:
             return
         view = record.view
         if view.standby == self.name and view.primary == self.primary:
-            self.in_view = True
-            self.metrics.role.set(ROLE_STANDBY)
+            self._named_in_view()
         elif view.epoch != self.epoch or view.primary != self.primary or self.in_view:
             # A new epoch or primary, or the same primary that dropped this standby from its view (it
             # sends no more entries): following on would promote from a state that misses updates.
             self._detach(f"the shard's view moved on without this standby ({view})")
+
+    def _named_in_view(self) -> None:
+        self.in_view = True
+        self.metrics.role.set(ROLE_STANDBY)
 
     def _leave(self, promoting: bool = False) -> bool:
         """Stops following; True for the one caller that did it (the monitor, the watch callback and a

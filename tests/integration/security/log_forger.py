@@ -62,7 +62,7 @@ def main() -> int:
         "slot": attempt(on_server(endpoints.register, ref, f"0{FORGED[1:]} slot", "forger", signature, made_up)),
         "leave": attempt(on_server(membership.forget_me, f"{FORGED} leave", "not a proof")),
         "attach": attempt(on_server(replica_endpoints.replica_attach, f"{FORGED} attach", {}, "", 0.0, "")),
-        "append": attempt(on_server(replica_endpoints.replica_append, "0" * 32, f"9{FORGED[1:]} epoch", f"{FORGED} sender", [], 0.0)),
+        "append": attempt(on_server(replica_endpoints.replica_append, "0" * 32, f"9{FORGED[1:]} epoch", f"{FORGED} sender", [], 0.0, False)),
         "ghost": attempt(register_as_a_ghost),
     }
     print(json.dumps(results), flush=True)

@@ -125,7 +125,7 @@ def main() -> int:
         "snapshot piece": on_server(replica_endpoints.replica_snapshot, guessed, 0),
         "ready": on_server(replica_endpoints.replica_ready, guessed),
         "watch": on_server(replica_endpoints.replica_watch, guessed),
-        "append": on_server(replica_endpoints.replica_append, guessed, 99, "stranger", [], 0.0),
+        "append": on_server(replica_endpoints.replica_append, guessed, 99, "stranger", [], 0.0, False),
     }
     results["replication"] = {name: attempt(run) for name, run in replication.items()}
 

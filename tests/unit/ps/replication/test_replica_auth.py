@@ -115,13 +115,13 @@ def test_a_standby_takes_appends_only_with_its_attach_id() -> None:
     standby = make_standby(SECRET)
     standby.primary, standby.epoch, standby.attach_id = "server0", 1, "a" * 32
     with pytest.raises(ReplicaRefused):
-        standby.append("b" * 32, 1, "server0", [Mark(1, 1, 0, 0)], 0.0)
+        standby.append("b" * 32, 1, "server0", [Mark(1, 1, 0, 0)], 0.0, False)
     with pytest.raises(ReplicaRefused):
-        standby.append(None, 1, "server0", [], 0.0)  # type: ignore[arg-type]
+        standby.append(None, 1, "server0", [], 0.0, False)  # type: ignore[arg-type]
     assert _refused(standby.metrics, "bad_attach_id") == 2
     assert standby.log.last_index == 0  # nothing forged was taken in
-    assert isinstance(standby.append("a" * 32, 1, "server0", [], 0.0), Ack)
-    assert isinstance(standby.append("a" * 32, 2, "server0", [], 0.0), Fenced)  # right id, another epoch
+    assert isinstance(standby.append("a" * 32, 1, "server0", [], 0.0, False), Ack)
+    assert isinstance(standby.append("a" * 32, 2, "server0", [], 0.0, False), Fenced)  # right id, another epoch
     for call in (standby.watch, standby.ready, lambda a: standby.snapshot_piece(a, 0)):
         with pytest.raises(RpcpsError, match="is a standby"):
             call("a" * 32)  # nobody attaches to a standby
@@ -132,7 +132,7 @@ def test_a_standby_takes_appends_only_with_its_attach_id() -> None:
 def test_a_standby_that_never_attached_refuses_every_append() -> None:
     standby = make_standby(None)
     with pytest.raises(ReplicaRefused):
-        standby.append("", 0, "", [], 0.0)
+        standby.append("", 0, "", [], 0.0, False)
 
 
 # ---- view_changed --------------------------------------------------------------------------------

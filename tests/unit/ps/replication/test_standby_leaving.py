@@ -24,14 +24,14 @@ ATTACH_ID = "a" * 32
 def _following() -> Standby:
     standby = make_standby(SECRET)
     standby.primary, standby.epoch, standby.attach_id = "server0", 1, ATTACH_ID
-    assert isinstance(standby.append(ATTACH_ID, 1, "server0", [Mark(1, 1, 0, 0)], 0.0), Ack)
+    assert isinstance(standby.append(ATTACH_ID, 1, "server0", [Mark(1, 1, 0, 0)], 0.0, False), Ack)
     return standby
 
 
 def test_a_stopped_standby_asks_to_be_dropped_and_does_not_fence_its_primary() -> None:
     standby = _following()
     standby.stop()
-    reply = standby.append(ATTACH_ID, 1, "server0", [Mark(2, 1, 0, 0)], 0.0)
+    reply = standby.append(ATTACH_ID, 1, "server0", [Mark(2, 1, 0, 0)], 0.0, False)
     assert isinstance(reply, ErrorReply) and reply.kind == ServerStopping.__name__, reply
     assert standby.log.last_index == 1  # nothing taken in after it stopped
 
@@ -39,9 +39,9 @@ def test_a_stopped_standby_asks_to_be_dropped_and_does_not_fence_its_primary() -
 def test_a_promoting_standby_fences_its_old_primary() -> None:
     standby = _following()
     assert standby._leave(promoting=True)
-    assert standby.append(ATTACH_ID, 1, "server0", [Mark(2, 1, 0, 0)], 0.0) == Fenced(2, None)
+    assert standby.append(ATTACH_ID, 1, "server0", [Mark(2, 1, 0, 0)], 0.0, False) == Fenced(2, None)
     standby.stop()  # a shutdown after the promotion began changes nothing
-    assert standby.append(ATTACH_ID, 1, "server0", [], 0.0) == Fenced(2, None)
+    assert standby.append(ATTACH_ID, 1, "server0", [], 0.0, False) == Fenced(2, None)
 
 
 def _with_follower() -> Primary:

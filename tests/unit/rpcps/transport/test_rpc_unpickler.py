@@ -113,7 +113,7 @@ def test_every_record_a_replica_sends_is_allowed() -> None:
             Mark(5, 2, 1, 6),
             Registered(6, 2, 1, "worker1_r4", "inc"),
         ]
-        assert pickling.unwrap(roundtrip(call(replica_endpoints.replica_append, "a" * 32, 2, "ps0_r3", entries, 1.0)).func) is replica_endpoints.replica_append
+        assert pickling.unwrap(roundtrip(call(replica_endpoints.replica_append, "a" * 32, 2, "ps0_r3", entries, 1.0, True)).func) is replica_endpoints.replica_append
         for reply in [Ack(2, 6, 5), Fenced(3, "ps0_r5"), Attached("a", 2, 6, 9, 1024, 1), View(3, "ps0_r5", "ps0_r3")]:
             assert repr(roundtrip(reply)) == repr(reply)
         assert seen == []
