@@ -330,9 +330,9 @@ class Primary:
             self.log.cond.notify_all()
         logger.info("%s restored the state; streaming the log from index %d", peer_text(follower.name), follower.index + 1)
 
-    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float) -> Fenced:
+    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float, in_view: bool) -> Fenced:
         """Only a replaced primary sends here; the answer tells it so (nothing here changes)."""
-        del attach_id, entries, sent_at
+        del attach_id, entries, sent_at, in_view
         logger.warning(  # anyone may call this: sender and epoch are whatever the caller sent
             "%s (epoch %s) sent log entries to this primary (epoch %d): it was replaced", peer_text(sender), peer_text(epoch),
             self.record.view.epoch,
