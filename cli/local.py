@@ -5,6 +5,13 @@ The supervisor restarts a crashed child (up to --max-restarts, with backoff), pr
 from the children's own /metrics endpoints, and on Ctrl-C or SIGTERM stops the workers, then the
 server, and reaps every child before it returns.
 
+Children running rpcps itself are forked from a fork server (``rpcps.prefork``) that imported torch
+once, so a start or a restart costs a server 0.7 CPU-s instead of 4.6 (a worker 0.4 instead of 2.7)
+and comes up seconds sooner on a busy host; each still shows its own command line in ``ps``. An
+own-loop ``--worker-script`` starts as a fresh interpreter: it may set up its environment before it
+imports torch. If local itself dies, the fork server gets SIGTERM and so do the children, which stop
+as on Ctrl-C instead of training on unsupervised.
+
 With ``--replicas 2`` it also starts the group's coordinator (``rpcps store``) first and two server
 processes per shard with the same command line: the first to claim the shard serves it, the other
 follows it as a hot standby. A restarted replica attaches to whichever one serves by then. With
@@ -37,6 +44,7 @@ from rpcps import plugins
 from rpcps.address import Address, StoreAddress
 from rpcps.messages import Mode
 from rpcps.ports import free_port
+from rpcps.prefork import ForkedProcess, ForkServer
 from rpcps.process import ProcessOptions
 from rpcps.scrape import try_scrape
 from rpcps.secret_files import create_secret_file
@@ -69,7 +77,7 @@ class Child:
     control_port: int | None = None
     """A server's control-plane port (None for workers)."""
     restarts: int = 0
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | ForkedProcess | None = None
     done: bool = False
     next_start: float = 0.0
     log_file: Any = field(default=None, repr=False)
@@ -82,15 +90,22 @@ class Child:
     serving: bool = False
     """Whether this incarnation serves (servers): restored, its version the model's."""
 
-    def start(self) -> None:
+    def start(self, forks: ForkServer | None) -> None:
+        """Starts this child: forked from ``forks`` when it runs rpcps and can, else as a subprocess."""
         if self.log_file is None:
             self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         self.log_file.flush()
         self.log_offset = self.log_path.stat().st_size
         self.announced = self.serving = False
-        self.process = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
-        )
+        env = self.env if self.env is not None else dict(os.environ)
+        if forks is not None and self.argv[1] == str(_ENTRY) and forks.can_run(env, Path.cwd()):
+            with open(os.devnull, "rb") as devnull:
+                out = self.log_file.fileno()
+                self.process = forks.spawn(_ENTRY, self.argv[2:], env, stdin=devnull.fileno(), stdout=out, stderr=out)
+        else:
+            self.process = subprocess.Popen(
+                self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         logger.info("started %s (pid %d), log %s", self.name, self.process.pid, self.log_path)
 
     def alive(self) -> bool:
@@ -106,8 +121,10 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, config: LocalConfig) -> None:
+    def __init__(self, config: LocalConfig, forks: ForkServer | None = None) -> None:
+        """``forks``: where the children that run rpcps are forked from (None: each a fresh subprocess)."""
         self.config = config
+        self._forks = forks
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="rpcps-local-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.port = config.port or free_port()
@@ -275,12 +292,8 @@ class Supervisor:
             f"rpcps local: {where}, {len(self.workers)} workers, logs in {self.run_dir}; "
             f"control: rpcps ctl status --addr 127.0.0.1:{self.control_port}"
         )
-        if self.coordinator is not None:
-            self.coordinator.start()
-        for server in self.servers:
-            server.start()
-        for w in [*self.workers, *self.evaluators]:
-            w.start()
+        for child in self.children:
+            child.start(self._forks)
         self.write_children()
         failed = False
         last_progress = 0.0
@@ -398,7 +411,7 @@ class Supervisor:
                 self.console.say(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "
                                  f"restart {child.restarts}/{max_restarts} in {delay:.1f}s")
             if now >= child.next_start:
-                child.start()
+                child.start(self._forks)
                 self.write_children()
         return True
 
@@ -540,6 +553,18 @@ def _thread_shares(config: LocalConfig) -> tuple[ProcessOptions, ProcessOptions]
 
 
 def run_local(config: LocalConfig) -> int:
+    # The fork server imports torch in a process of its own while this one checks the configuration
+    # (its own torch import included), so the children fork from it as soon as they start. It is
+    # started on the thread that runs the job: when local ends, even killed, the fork server gets
+    # SIGTERM and so does every child still running (pdeathsig), instead of training on unsupervised.
+    forks = ForkServer(os.environ, Path.cwd(), pdeathsig=signal.SIGTERM)
+    try:
+        return _check_and_run(config, forks)
+    finally:
+        forks.kill()  # every child is reaped by now
+
+
+def _check_and_run(config: LocalConfig, forks: ForkServer) -> int:
     # A directory of another --shards would be refused by every server, each restarted until local
     # gives up: say it once, before starting anything (ResumeRefused names what to do). The same for
     # a --model, --data or --loss that names nothing usable, or returns what the workers cannot train
@@ -556,7 +581,7 @@ def run_local(config: LocalConfig) -> int:
         print(CHECKPOINTING_OFF, flush=True)
     else:
         print(f"rpcps local: checkpoints in {config.server.checkpoint.directory}", flush=True)
-    supervisor = Supervisor(config)
+    supervisor = Supervisor(config, forks)
 
     def on_signal(*_: object) -> None:
         supervisor.interrupted = True

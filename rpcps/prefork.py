@@ -3,12 +3,12 @@
 An rpcps process spends 1.5-2.5 CPU-seconds importing torch before it does anything, and a server
 about 1 more in ``torch._dynamo`` (its first optimizer step imports it). Whoever starts many of them
 on one host can start them from a ``ForkServer`` instead: one process that imported those libraries
-once and forks a child for each request (measured: a server's start 4.6 CPU-s fresh, 0.7 forked; a
-worker's 2.7 and 0.4); the test harness starts some 500 processes a run this way. The child takes
-the request's standard streams, working directory, environment, session and ``sys.argv``, then
-runs the script as ``__main__``, as ``python SCRIPT ARGS...`` would, under that command line as its
-process title (``ps``, ``top`` and ``/proc/PID/cmdline`` show what it runs, not the fork server's
-command).
+once and forks a child for each request. ``rpcps local`` starts its children and restarts them this
+way (measured: a server's start 4.6 CPU-s fresh, 0.7 forked; a worker's 2.7 and 0.4), and so does the
+test harness (some 500 processes a run). The child takes the request's standard streams, working
+directory, environment, session and ``sys.argv``, then runs the script as ``__main__``, as
+``python SCRIPT ARGS...`` would, under that command line as its process title (``ps``, ``top`` and
+``/proc/PID/cmdline`` show what it runs, not the fork server's command).
 
 What a fork cannot give a child is its own start of the preloaded libraries: the variables they
 read when they load (``OMP_*``, ``TORCH_*``, ``LD_*``, ...) are the fork server's. So a request may
@@ -176,6 +176,14 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+    def kill(self) -> None:
+        """Ends the server at once, preloading or not; for a starter whose children are all reaped
+        (one still running gets its ``pdeathsig``)."""
+        self._control.close()
+        self.process.kill()
+        self.process.wait()
 
 
 # --- the server's side -------------------------------------------------------------------------------
