@@ -47,7 +47,9 @@ def samples(text: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """child name -> the text of its /metrics, once the run has trained for a while."""
+    """child name -> the text of its /metrics, once the run has trained for a while. The run stops
+    once they are read: kept to the module's end, it trained on beside whatever other tests its
+    xdist worker ran meanwhile (44 CPU-s, the most of any test directory)."""
     with LocalRun(tmp_path_factory.mktemp("promtool") / "run", workers=2, steps=STEPS) as run:
         addresses = run.endpoints()
 
@@ -63,8 +65,9 @@ def endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
             pushes = [samples(t[w]).get("rpcps_worker_push_latency_seconds_count", 0) for w in ("worker0", "worker1")]
             return samples(t["ps"]).get("rpcps_server_updates_applied_total", 0) > 0 and min(pushes) > 0
 
-        yield wait_for(texts, busy, 60, "the server and both workers to serve metrics with updates applied",
-                       run.diagnostics)
+        read = wait_for(texts, busy, 60, "the server and both workers to serve metrics with updates applied",
+                        run.diagnostics)
+    yield read
 
 
 @pytest.mark.parametrize("child", ["ps", "worker0", "worker1"])
