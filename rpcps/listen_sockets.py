@@ -56,10 +56,20 @@ def _still_listening(fd: int, inode: int) -> bool:
     """Whether descriptor ``fd`` still holds socket ``inode`` in LISTEN state (a copy of it is asked,
     so another thread closing ``fd`` meanwhile cannot make this close someone else's socket)."""
     try:
-        with socket.socket(fileno=os.dup(fd)) as copy:
-            return os.fstat(copy.fileno()).st_ino == inode and bool(copy.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        duplicate = os.dup(fd)
     except OSError:
         return False
+    try:
+        if os.fstat(duplicate).st_ino != inode:  # closed and its number reused meanwhile
+            return False
+        with socket.socket(fileno=duplicate) as copy:  # closes the copy, whatever it answers
+            duplicate = -1
+            return bool(copy.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return False
+    finally:
+        if duplicate >= 0:
+            os.close(duplicate)
 
 
 class ListenerWatch:

@@ -3,12 +3,14 @@ listening, with real sockets (Linux /proc)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
-from rpcps.listen_sockets import ListenerWatch, listening_sockets
+from rpcps.listen_sockets import ListenerWatch, _still_listening, listening_sockets
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -48,3 +50,15 @@ def test_a_listener_shut_down_but_not_closed_is_reported() -> None:
         assert port in watch.lost()
     finally:
         listener.close()
+
+
+def test_a_descriptor_reused_by_something_else_is_no_listener_and_its_copy_is_closed(tmp_path: Path) -> None:
+    """Between the look at /proc/self/fd and the check, a closed listener's number may be reused (by a
+    file here): it is not listening, and the copy the check made is closed again (checked every
+    second, a leaked copy would pile up)."""
+    with open(tmp_path / "f", "wb") as f:
+        fd = f.fileno()
+        before = len(os.listdir("/proc/self/fd"))
+        assert not _still_listening(fd, os.fstat(fd).st_ino)  # the inode matches; it is no socket
+        assert not _still_listening(fd, os.fstat(fd).st_ino + 1)  # another inode
+        assert len(os.listdir("/proc/self/fd")) == before
