@@ -17,6 +17,7 @@ Nothing here sleeps to synchronise: callers poll a predicate with ``wait_until``
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,11 @@ T = TypeVar("T")
 # (so its pid is the one Popen returned). A wrapper rather than Popen(preexec_fn=...), which can
 # deadlock in a multi-threaded parent. If the parent is already gone by the time prctl runs, no
 # signal would ever come, so it exits instead.
+_DUMP_ENDED = re.compile(r" in (<module>|_run_module_as_main)\n")
+"""The last line of a faulthandler dump of every thread: the main thread comes last (CPython lists
+the newest thread first) and its outermost frame is the script's or ``-m``'s. Read as soon as a
+first frame showed, a dump was cut mid-way on a loaded machine (the test of this saw "File " alone)."""
+
 _PDEATHSIG_WRAPPER = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
@@ -386,7 +392,7 @@ class ProcessGroup:
                 return err.read().decode(errors="replace")
 
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not all("File " in dump(n) or not self.procs[n].alive() for n in marks):
+        while time.monotonic() < deadline and not all(_DUMP_ENDED.search(dump(n)) or not self.procs[n].alive() for n in marks):
             time.sleep(0.05)
         return "\n".join(f"--- {name} (pid {self.procs[name].pid}) ---\n{dump(name)}" for name in marks)
 

@@ -112,8 +112,10 @@ soak's), so a longer wait means a worker is stuck outside any test's timeout."""
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    """Under pytest-xdist (pyproject's addopts start two workers), a test marked ``alone`` or ``slow``
-    runs while no other test runs; the others run side by side.
+    """Under pytest-xdist (pyproject's addopts start four workers), a test marked ``alone`` or ``slow``
+    runs while no other test runs; the others run side by side. The default run selects neither
+    (CI runs them in one process, ``-m "slow or alone" -n 0``): this holds for a run that selects
+    them with workers, e.g. ``pytest -m alone``.
 
     Those tests assert wall-clock bounds (a recovery within 1 s, a gap of at most 1.5 s, an error
     within 5 s) or compare throughput, measured with the machine to themselves; a second test's
