@@ -40,6 +40,7 @@ from evaluator.config import EvaluatorRunConfig
 from evaluator.scoring import check_model_spec
 from ps.checkpoints.checkpointer import shard_checkpoint_config
 from ps.config import ServerRunConfig
+from ps.lifecycle.supervisor import RestartBackoff
 from rpcps import plugins
 from rpcps.address import Address, StoreAddress
 from rpcps.messages import Mode
@@ -80,6 +81,8 @@ class Child:
     process: subprocess.Popen | ForkedProcess | None = None
     done: bool = False
     next_start: float = 0.0
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
+    """The delay before a restart after a crash (the same rule as a hand-started server's supervisor)."""
     log_file: Any = field(default=None, repr=False)
     env: dict[str, str] | None = None
     """The child's environment (None: this process's)."""
@@ -405,7 +408,7 @@ class Supervisor:
                     self.exit_code = code if code in exits.FINAL_EXITS else 1
                     return False
                 child.restarts += 1
-                delay = min(0.5 * 2.0 ** (child.restarts - 1), 30.0)
+                delay = child.backoff.after_crash(now)
                 child.next_start = now + delay
                 cause = f": {why[-1]}" if why else ""
                 self.console.say(f"rpcps local: {child.name} {exits.describe(code)}{cause}; "

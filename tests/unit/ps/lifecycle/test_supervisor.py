@@ -17,7 +17,7 @@ import pytest
 
 from harness.procs import pid_alive, wait_until
 from ps.lifecycle import supervisor
-from ps.lifecycle.supervisor import Supervisor
+from ps.lifecycle.supervisor import QUICK_CRASH_S, RestartBackoff, Supervisor
 
 CHILD = textwrap.dedent(
     """
@@ -107,3 +107,12 @@ def test_the_serving_child_sees_its_supervisor(tmp_path: Path, monkeypatch: pyte
     supervisor.note_serving()
     assert supervisor.is_child() and supervisor.crash_restarts() == 3
     assert (tmp_path / supervisor.READY_FILE).read_text() == str(os.getpid())
+
+
+def test_the_restart_delay_doubles_while_crashes_come_quickly_and_starts_over_after_a_quiet_spell() -> None:
+    backoff = RestartBackoff()
+    quick = [backoff.after_crash(100.0 + i) for i in range(8)]
+    assert quick == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    # A crash a quiet minute after the last one (a coordinator killed every few minutes) waits 0.5 s again.
+    assert backoff.after_crash(107.0 + QUICK_CRASH_S + 1.0) == 0.5
+    assert backoff.after_crash(107.0 + QUICK_CRASH_S + 2.0) == 1.0
