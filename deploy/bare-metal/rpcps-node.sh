@@ -452,18 +452,26 @@ if ((${#names[@]} == 1)); then
 fi
 
 pids=()
+interrupted=0
+trap 'interrupted=1; ((${#pids[@]})) && kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
 for k in "${!names[@]}"; do
     supervise "$k" &
     pids+=($!)
 done
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
+# A signal that came while they started reached only the supervisors started before it.
+((interrupted)) && kill -TERM "${pids[@]}" 2>/dev/null
 status=0
 for pid in "${pids[@]}"; do
     while :; do
         wait "$pid"
         rc=$?
-        # Interrupted by the trap above: wait again until that supervisor has stopped its process.
-        if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then continue; fi
+        # The trap above interrupts wait (status > 128) whether or not that supervisor has ended
+        # meanwhile, and its own status is still there to collect: wait again. (Asking whether it
+        # still ran took the interruption's 143 for the status of one that had just stopped: CI.)
+        if ((rc > 128 && interrupted)); then
+            interrupted=0
+            continue
+        fi
         break
     done
     ((rc != 0 && status == 0)) && status=$rc
