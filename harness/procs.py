@@ -56,15 +56,15 @@ LOG_TAIL_LINES = 40
 
 T = TypeVar("T")
 
-# Sets PR_SET_PDEATHSIG (1), which survives exec, then execs the real command in the same process
-# (so its pid is the one Popen returned). A wrapper rather than Popen(preexec_fn=...), which can
-# deadlock in a multi-threaded parent. If the parent is already gone by the time prctl runs, no
-# signal would ever come, so it exits instead.
 _DUMP_ENDED = re.compile(r" in (<module>|_run_module_as_main)\n")
 """The last line of a faulthandler dump of every thread: the main thread comes last (CPython lists
 the newest thread first) and its outermost frame is the script's or ``-m``'s. Read as soon as a
 first frame showed, a dump was cut mid-way on a loaded machine (the test of this saw "File " alone)."""
 
+# Sets PR_SET_PDEATHSIG (1), which survives exec, then execs the real command in the same process
+# (so its pid is the one Popen returned). A wrapper rather than Popen(preexec_fn=...), which can
+# deadlock in a multi-threaded parent. If the parent is already gone by the time prctl runs, no
+# signal would ever come, so it exits instead.
 _PDEATHSIG_WRAPPER = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"

@@ -68,6 +68,8 @@ class RestartBackoff:
         self.streak = self.streak + 1 if now - self.last_crash < QUICK_CRASH_S else 0
         self.last_crash = now
         return min(0.5 * 2.0**self.streak, 30.0)
+
+
 _PR_SET_PDEATHSIG = 1
 
 
