@@ -182,7 +182,8 @@ def run_server(config: ServerRunConfig) -> int:
     # view: its keeper; its membership: the transport).
     if (rebuild := transport.store_rebuild()) is not None:
         rebuild.on_restart(lambda: registry.claim_shard_count(config.core.shard_count))
-        rebuild.on_restart(lambda: registry.put_replica(name, own_record))
+        # held_state: a server starting from a snapshot waits for this one to put the view back (ps.replication.claim).
+        rebuild.on_restart(lambda: registry.put_replica(name, {**own_record, "held_state": True}))
     trimmer = memory.start_trimming(config.process.malloc_trim_s)  # after start-up, which leaves the most behind
     listener = ListenerWatch(exclude_ports={config.listen.port, metrics_port, control.port})
     recovery = ListenerRecovery(time.monotonic(), transport.membership.ranks_handed_out)

@@ -6,7 +6,12 @@ A starting server has joined the group under a fresh name and reads its shard's 
   its newest snapshot (or fresh). A process with a snapshot to resume first waits while a
   coordinator that just started holds such claims (``Registry.snapshot_claims_held``): the store
   may be a restarted one, and a live standby whose primary died meanwhile is about to promote from
-  the view it followed, holding every update after that snapshot;
+  the view it followed, holding every update after that snapshot. After that grace it still waits
+  while a live member of the group served this shard before the store restarted (its replica
+  record says ``held_state``, written back by ``ps.runner``'s rebuild hook): that replica puts the
+  view back (a primary's keeper within a heartbeat, a standby by promoting). The grace alone lost
+  updates when a restarted primary's first join failed and its retry found the grace over while
+  its standby was still to promote (CI, ``tests/integration/store/test_coordinator.py``);
 - a view whose primary is a live member: it attaches to that primary as a standby and copies its
   state (``ps.replication.catchup``); it never resumes from disk while a live primary exists;
 - a view whose replicas are gone: it takes the shard over, ``{e, P, S} -> {e+1, me, -}``, from its
@@ -29,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rpcps.endpoints import server_name
 from rpcps.logsafe import peer_text
 from rpcps.messages import View
 from rpcps.transport.registry import Registry, StoreUnavailable, ViewRecord
@@ -103,6 +109,13 @@ def claim_shard(
         sleep(_POLL_S)
 
 
+def _live_state_holders(registry: Registry, shard: int, me: str, members: set[str]) -> list[str]:
+    """The live members that served ``shard`` before the group's store restarted (sorted)."""
+    prefix = f"{server_name(shard)}_r"
+    candidates = sorted(m for m in members if m.startswith(prefix) and m != me)
+    return [m for m in candidates if (record := registry.replica(m)) is not None and record.get("held_state") and record.get("shard") == shard]
+
+
 def _try_claim(
     registry: Registry,
     shard: int,
@@ -130,6 +143,11 @@ def _try_claim(
         if from_snapshot and registry.snapshot_claims_held():
             say_once(f"shard {shard} has no view in a coordinator that just started: waiting for a live replica to put "
                      "it back before serving the shard from the snapshot")
+            return None
+        holders = _live_state_holders(registry, shard, me, members) if from_snapshot else []
+        if holders:
+            say_once(f"shard {shard} has no view but {peer_text(holders[0])} served it before the group's store restarted "
+                     "and is alive: waiting for a live replica to put it back before serving the shard from the snapshot")
             return None
         won = registry.change_view(shard, reading, View(bootstrap_epoch, me))
         if won is not None:

@@ -168,3 +168,51 @@ def test_a_held_snapshot_claim_is_served_once_the_coordinator_releases_it_and_a_
     claim = claim_shard(registry, 0, "ps0_r5", 2, lambda: {"ps0_r5"}, absent_grace_s=11.0, timeout_s=30.0,
                         from_snapshot=True, clock=clock, sleep=released_after_6s)
     assert claim.attach_to is None and claim.record.view == View(2, "ps0_r5") and clock.now >= 6.0
+
+
+def test_past_the_grace_a_live_replica_that_served_the_shard_before_the_store_restarted_is_waited_for(
+    registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The coordinator's grace is over (CI: the restarted primary's first join failed and its retry
+    came 8 s after the store), but the standby that followed the shard before the store restarted
+    is alive and wrote its record back (``held_state``): the restarted server waits for it to
+    promote and attaches, instead of serving its older snapshot."""
+    registry.put_replica("ps0_r2", {"shard": 0, "held_state": True})
+    clock = Clock()
+
+    def standby_promotes_after_3s(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= 3.0 and registry.view(0) is None:
+            registry.change_view(0, None, View(2, "ps0_r2"))
+
+    with caplog.at_level(logging.INFO, logger="ps.replication.claim"):
+        claim = claim_shard(registry, 0, "ps0_r5", 2, lambda: {"ps0_r2", "ps0_r5"}, absent_grace_s=11.0, timeout_s=30.0,
+                            from_snapshot=True, clock=clock, sleep=standby_promotes_after_3s)
+    assert claim.attach_to == "ps0_r2" and not claim.took_over and clock.now >= 3.0
+    assert any("ps0_r2 served it before the group's store restarted" in r.getMessage() for r in caplog.records)
+
+
+def test_a_holder_that_left_the_group_is_waited_for_no_longer(registry: Registry) -> None:
+    registry.put_replica("ps0_r6", {"shard": 0, "held_state": True})
+    members = {"ps0_r6", "ps0_r7"}
+    clock = Clock()
+
+    def holder_leaves_after_2s(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= 2.0:
+            members.discard("ps0_r6")  # the janitor removed it: it died, or restarted under a new name
+
+    claim = claim_shard(registry, 0, "ps0_r7", 2, lambda: set(members), absent_grace_s=11.0, timeout_s=30.0,
+                        from_snapshot=True, clock=clock, sleep=holder_leaves_after_2s)
+    assert claim.attach_to is None and claim.record.view == View(2, "ps0_r7") and clock.now >= 2.0
+
+
+def test_replicas_that_all_start_from_the_snapshot_do_not_wait_for_each_other(registry: Registry) -> None:
+    """A whole job restarted from its snapshots: the other replica of the shard holds no state (no
+    ``held_state``), and another shard's holder is not this shard's."""
+    registry.put_replica("ps0_r2", {"shard": 0})
+    registry.put_replica("ps1_r3", {"shard": 1, "held_state": True})
+    clock = Clock()
+    claim = claim_shard(registry, 0, "ps0_r5", 2, lambda: {"ps0_r2", "ps1_r3", "ps0_r5"}, absent_grace_s=11.0,
+                        timeout_s=30.0, from_snapshot=True, clock=clock, sleep=clock.sleep)
+    assert claim.attach_to is None and claim.record.view == View(2, "ps0_r5") and clock.now == 0.0
