@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -37,7 +36,10 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     began = time.time()
     yield
     if path is not None:
-        line = {"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid, "began": began, "ended": time.time()}
+        # xdist hands each worker its id in workerinput; the PYTEST_XDIST_WORKER variable would also name
+        # the outer worker in a pytest run started by a test.
+        worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
+        line = {"worker": worker, "test": item.nodeid, "began": began, "ended": time.time()}
         with open(path, "a") as out:  # one short append per line: the workers' lines do not interleave
             out.write(json.dumps(line) + "\n")
 
