@@ -34,7 +34,7 @@ PACE_S = "0.02"
 def test_requests_other_than_python_calls_are_refused_counted_logged_and_training_goes_on(
     procs: ProcessGroup, tmp_path: Path
 ) -> None:
-    script_call_sender.load()  # the stranger's native half: compiled once per machine, before anything starts
+    script_call_sender.load()  # the stranger's native half: compiled once per checkout, before anything starts
     job_secret = tmp_path / "job-secret"
     create_secret_file(job_secret)
     secret_bytes = job_secret.read_bytes()
