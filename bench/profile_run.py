@@ -5,6 +5,7 @@
     python -m bench.profile_run --model mlp_25m --steps 40 --seconds 8
     python -m bench.profile_run --model tiny --steps 3000 --optimizer sgd   # bench.vs_example's tiny preset
     python -m bench.profile_run --replicas 2                       # a primary and its synchronous standby
+    python -m bench.profile_run --model tiny --steps 400 --also "--mode local-steps --local-steps 8"
 
 Runs ``local`` (bench.common.run_local) and, once its processes are up, records ``--seconds`` of
 py-spy samples (``pip install py-spy``; active threads only, native frames off) of shard 0 (both of its
@@ -19,6 +20,7 @@ import argparse
 import collections
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,8 @@ def main() -> int:
     p.add_argument("--delay", type=float, default=4.0, help="seconds after the processes are up before recording")
     p.add_argument("--replicas", type=int, default=1, choices=[1, 2])
     p.add_argument("--replication", default="sync", choices=["sync", "async"], help="with --replicas 2")
+    p.add_argument("--also", default="", metavar="FLAGS",
+                   help="more `rpcps local` flags, e.g. '--mode local-steps --local-steps 8' (--steps counts rounds then)")
     args = p.parse_args()
     profiled = ["ps", "ps_b", "worker0"] if args.replicas == 2 else ["ps", "worker0"]
     extra = ["--replicas", str(args.replicas)] + (["--replication", args.replication] if args.replicas == 2 else [])
@@ -111,6 +115,7 @@ def main() -> int:
         data, loss = f"{model}_data", "mse"
     if args.optimizer:
         extra += ["--optimizer", args.optimizer, *(["--lr", str(SGD_LR)] if args.optimizer == "sgd" else [])]
+    extra += shlex.split(args.also)
     argv = local_argv(run_dir, model=model, data=data, loss=loss, workers=args.workers, steps=args.steps, extra=extra)
     r = run_local(argv, run_dir)
     done.set()

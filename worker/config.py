@@ -65,7 +65,9 @@ class WorkerConfig:
         None, help=f"with a server in --mode local-steps: inner steps per push (default {DEFAULT_LOCAL_STEPS})", metavar="H"
     )
     inner_optimizer: str = setting(
-        "adamw", help="with --mode local-steps: the worker's inner optimizer (its state stays in this process)",
+        "adamw",
+        help="with --mode local-steps: the worker's inner optimizer, on its fused kernel where the device has one "
+        "(its state stays in this process)",
         choices=lambda: sorted(INNER_OPTIMIZERS),
     )
     inner_lr: float = setting(1e-3, help="with --mode local-steps: the inner optimizer's learning rate")

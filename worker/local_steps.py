@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rpcps.optim_kernels import fast_kernel
 from worker.config import INNER_OPTIMIZERS, WorkerConfig
 
 
@@ -35,7 +36,8 @@ class RoundStart:
 
 
 def inner_optimizer(config: WorkerConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """The CLI loop's inner optimizer (``--inner-optimizer``, ``--inner-lr``; torch's other defaults)."""
+    """The CLI loop's inner optimizer (``--inner-optimizer``, ``--inner-lr``; torch's other defaults,
+    stepped with its fused kernel where the device has one: ``rpcps.optim_kernels``)."""
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[config.inner_optimizer]
     assert config.inner_optimizer in INNER_OPTIMIZERS
-    return cls(params, lr=config.inner_lr)
+    return cls(params, lr=config.inner_lr, **fast_kernel(config.inner_optimizer, params))

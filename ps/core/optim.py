@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rpcps.optim_kernels import FAST_KERNELS
 from rpcps.settings import setting
 
 DEFAULT_LR = 3e-3
@@ -35,21 +36,6 @@ SCHEDULES: dict[str, type[torch.optim.lr_scheduler.LRScheduler]] = {
 # flat-chunk equivalence, are refused rather than silently ignored.
 _REFUSED_KWARGS = {"params", "differentiable", "capturable"}
 
-FAST_KERNELS: dict[str, dict[str, bool]] = {
-    "sgd": {"fused": True},
-    "adam": {"fused": True},
-    "adamw": {"fused": True},
-    "adagrad": {"fused": True},
-}
-"""The kernel each optimizer steps with unless ``--optimizer-args`` names one (``fused``/``foreach``).
-
-On the CPU torch.optim defaults to its single-tensor loop: a 5M-parameter Adam step took 26 ms on one
-thread, 87 % of a server's time. The fused CPU kernels (torch >= 2.4) make one vectorised pass over
-each flat chunk with the process's intra-op threads: 3.4 ms (docs/BENCHMARKS.md). RMSprop has no
-fused kernel, and its foreach one measured no faster than the loop, so it keeps torch's default.
-Fused results differ from the loop's in the last bit (Adam, AdamW, Adagrad; not SGD), and equal the
-fused kernel stepped on the model's own tensors bit for bit (tests/unit/ps/core/test_server_optim.py).
-"""
 _KERNEL_KWARGS = ("fused", "foreach")
 
 
@@ -64,7 +50,7 @@ def check_kwargs(cls: type, kwargs: dict[str, Any], what: str) -> None:
 
 def torch_kwargs(config: OptimizerConfig) -> dict[str, Any]:
     """What the torch.optim class is built with: the configured arguments, plus the fast kernel
-    (``FAST_KERNELS``) when they name none."""
+    (``rpcps.optim_kernels``; the server steps flat fp32 chunks on the CPU) when they name none."""
     kwargs = config.optimizer_kwargs
     if any(k in kwargs for k in _KERNEL_KWARGS):
         return kwargs

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from harness.inprocess import grads_like, make_model, make_server, pack
-from ps.core.optim import FAST_KERNELS, OPTIMIZERS, SCHEDULES, OptimizerConfig, torch_kwargs
+from ps.core.optim import OPTIMIZERS, SCHEDULES, OptimizerConfig, torch_kwargs
+from rpcps.optim_kernels import FAST_KERNELS
 
 STEPS = 25
 
