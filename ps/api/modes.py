@@ -221,7 +221,8 @@ class LocalStepsMode(AsyncMode):
         buffers: list[torch.Tensor] | None = None, sparse: CheckedPush | None = None, absent: int = 0,
     ) -> Future:
         # Outside the lock: the norm is for operators (a diverging worker pushes a growing delta), not part of the step.
-        self.server.metrics.delta_norm.set(math.sqrt(sum(float(g.square().sum()) for g in grads)))
+        # vector_norm reads each chunk once and allocates nothing (g.square() made a copy of the delta).
+        self.server.metrics.delta_norm.set(math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in grads)))
         return super().submit(record, seq, loss, base_version, chunks, grads, buffers, sparse, absent)
 
 

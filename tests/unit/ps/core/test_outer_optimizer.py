@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -44,6 +46,8 @@ def test_each_delta_is_one_nesterov_step_once_per_round() -> None:
     assert sum(float((got[n] - start[n]).abs().sum()) for n in got) > 0.1, "nothing moved: the comparison would prove nothing"
     assert server.stats.rounds == 3
     assert server.status().optimizer == OUTER_NAME
+    newest = math.sqrt(sum(float(d.double().square().sum()) for d in deltas[2]))
+    assert server.core.metrics.registry.get_sample_value("rpcps_server_local_steps_delta_norm") == pytest.approx(newest, rel=1e-5)
 
 
 @pytest.mark.parametrize("expected_workers", [1, 4])
