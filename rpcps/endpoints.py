@@ -84,7 +84,13 @@ class WorkerApi(Protocol):
     def observe(self, have_version: int, proof: RegistrationProof | None = None) -> Observation: ...
 
 
+STARTING = "the parameter server is still starting (no model loaded yet); retry shortly"
+WITHDRAWN = "the parameter server withdrew its API (it is stopping, or restarting itself after stepping down); retry shortly"
+"""What a call hears while nothing is published: before the first publication, and after ``withdraw``
+(the same ``ServerStarting`` kind, which a worker retries; the text is for whoever reads its log)."""
+
 _published: tuple[WorkerApi, ServerRef] | None = None
+_unpublished = STARTING
 
 
 def publish(api: WorkerApi) -> None:
@@ -94,14 +100,14 @@ def publish(api: WorkerApi) -> None:
 
 
 def withdraw() -> None:
-    global _published
-    _published = None
+    global _published, _unpublished
+    _published, _unpublished = None, WITHDRAWN
 
 
 def _api(ref: Any) -> WorkerApi:
     published = _published
     if published is None:
-        raise ServerStarting("the parameter server is still starting (no model loaded yet); retry shortly")
+        raise ServerStarting(_unpublished)
     api, token = published
     if not isinstance(ref, str) or not hmac.compare_digest(ref, token):
         raise UnknownWorker("the call named a server object this process does not serve; fetch it with server_ref")
@@ -121,7 +127,7 @@ def _reply(run: Any) -> Any:
 def server_ref() -> ServerRef | ErrorReply:
     published = _published
     if published is None:
-        return ErrorReply("ServerStarting", "the parameter server is still starting (no model loaded yet); retry shortly")
+        return ErrorReply("ServerStarting", _unpublished)
     return published[1]
 
 

@@ -39,7 +39,18 @@ def test_every_publication_has_its_own_token(published: Any) -> None:
     assert isinstance(endpoints.shard_count(published), ErrorReply)  # a restarted server's old token is void
 
 
-def test_before_publication_calls_hear_the_server_is_starting() -> None:
+def test_before_publication_calls_hear_the_server_is_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoints, "_published", None)
+    monkeypatch.setattr(endpoints, "_unpublished", endpoints.STARTING)  # as a fresh process begins
+    for reply in (endpoints.server_ref(), endpoints.shard_count("x")):
+        assert isinstance(reply, ErrorReply) and reply.kind == "ServerStarting"
+        assert "still starting" in reply.message
+
+
+def test_after_withdrawal_calls_hear_it_withdrew_not_that_it_is_starting(published: Any) -> None:
+    """A primary stepping down withdraws its API before it restarts itself: its workers' logs said
+    "still starting (no model loaded yet)" of a server that had served for hours."""
     endpoints.withdraw()
-    assert endpoints.server_ref().kind == "ServerStarting"  # type: ignore[union-attr]
-    assert endpoints.shard_count("x").kind == "ServerStarting"  # type: ignore[union-attr]
+    for reply in (endpoints.server_ref(), endpoints.shard_count(published)):
+        assert isinstance(reply, ErrorReply) and reply.kind == "ServerStarting"  # what a worker retries
+        assert "withdrew its API" in reply.message and "still starting" not in reply.message
