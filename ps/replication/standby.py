@@ -230,7 +230,10 @@ class Standby:
         raise RpcpsError(f"{self.name} is a standby; no attach {attach_id} here")
 
     def _apply_loop(self) -> None:
-        """Applies what arrived, in order; ends once this process stopped following and applied it all."""
+        """Applies what arrived, in order; ends once this process stopped following and applied it all,
+        or serves: what a promoted process sequences is its primary's to apply, because only that
+        loop answers the callers (here entries have none, so what this loop applies it answers to
+        nobody: a push sequenced before the new primary held its lease lost its reply, CI)."""
         log, server = self.log, self.server
         while True:
             with log.cond:
@@ -240,6 +243,8 @@ class Standby:
                         return
                     log.cond.wait(0.1)
             with server.lock:
+                if not server.mirroring:  # promoted (set after the drain applied every received entry)
+                    return
                 server.apply_committed_locked()
             with log.cond:
                 log.cond.notify_all()
