@@ -180,6 +180,17 @@ def pid_stopped(pid: int) -> bool:
         return False
 
 
+def every_thread_stopped(pid: int) -> bool:
+    """True once every thread of ``pid`` is stopped. SIGSTOP stops each thread when it next returns
+    to user space: ``os.kill`` returns before, and a thread inside a system call (a snapshot's rename
+    after its fsync) finishes that call first. What a test reads after a SIGSTOP waits for this."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        return bool(tasks) and all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t") for t in tasks)
+    except OSError:
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness.faults import ChaosPlan, KillAfterFinish, run_chaos
-from harness.procs import ProcessGroup, wait_until
+from harness.procs import ProcessGroup, every_thread_stopped, wait_until
 from tests.integration.conftest import read_json
 
 pytestmark = pytest.mark.integration
@@ -65,6 +65,11 @@ def test_local_runs_a_finished_slot_again_when_its_checkpoint_was_lost(procs: Pr
     slot = int(first.removeprefix("worker"))
     ps_pid = read_json(run / "children.json")["ps"]["pid"]
     os.kill(ps_pid, signal.SIGSTOP)  # no snapshot may be written while we damage the ones there are
+    # Only once every thread is stopped: os.kill returns before they are, and a snapshot's commit
+    # under way then still lands. CI saw step-522 renamed into place at the moment of the signal,
+    # missed by the damage below (its state.pt never read here), and the restarted server resume
+    # from it with every step: no slot to run again.
+    wait_until(lambda: every_thread_stopped(ps_pid), 30, "every thread of the server stopped")
     damaged = [path for path in (run / "ck").glob("step-*") if _holds_all_steps(path, slot, 300)]
     assert damaged, "the finished worker's steps must be in a committed snapshot"
     for path in damaged:  # bit rot in every checkpoint that holds all of its steps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from harness.procs import (
     ProcessGroup,
     child_env,
     descendants,
+    every_thread_stopped,
     free_ports,
     pid_alive,
     pid_stopped,
@@ -181,3 +183,22 @@ def test_processes_die_with_a_test_process_that_exits_without_teardown(tmp_path:
     output = run.stdout + run.stderr
     assert "Timeout" in output and "===== process logs" not in output, output[-3000:]
     wait_until(lambda: not pid_alive(pid), timeout=10, what=f"the orphaned child {pid} to be gone")
+
+
+@pytest.mark.timeout(60)
+def test_every_thread_stopped_waits_for_each_thread_not_only_the_main_one() -> None:
+    """A process with a second thread: stopped once both are, running again once continued."""
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(600,)).start(); print('up', flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        assert len(list(Path(f"/proc/{proc.pid}/task").iterdir())) >= 2
+        assert not every_thread_stopped(proc.pid)
+        proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: every_thread_stopped(proc.pid), timeout=10, what="every thread stopped")
+        proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: not every_thread_stopped(proc.pid), timeout=10, what="the threads running again")
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert not every_thread_stopped(proc.pid)  # gone: not "stopped"
