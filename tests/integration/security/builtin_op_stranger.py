@@ -48,8 +48,8 @@ def main() -> int:
             return rpc.rpc_sync(SERVER, endpoints.shard_count, args=(ref, torch.ones(1, requires_grad=True)), timeout=TIMEOUT_S)
 
     def remote_builtin() -> Any:
-        # Two requests: the SCRIPT_REMOTE_CALL, then to_here()'s SCRIPT_RREF_FETCH_CALL, whose refusal is
-        # what raises here (a refused creation alone never completes the RRef's own future).
+        # Two requests: the SCRIPT_REMOTE_CALL, then to_here()'s SCRIPT_RREF_FETCH_CALL. to_here() raises
+        # the fetch's refusal, or the creation's when that came back first (the two race; CI saw both).
         return rpc.remote(SERVER, torch.add, args=(torch.ones(1), 1), timeout=TIMEOUT_S).to_here(timeout=TIMEOUT_S)
 
     attempts: dict[str, Callable[[], Any]] = {

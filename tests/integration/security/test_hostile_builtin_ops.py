@@ -59,27 +59,38 @@ def test_requests_other_than_python_calls_are_refused_counted_logged_and_trainin
     assert job_secret.read_bytes() == secret_bytes, "the job secret was overwritten"
     assert list(targets.iterdir()) == [], "a file was written"
     refused = {name: result for name, result in results.items() if name != "allowed"}
+    # The remote call is SCRIPT_REMOTE_CALL and then to_here()'s SCRIPT_RREF_FETCH_CALL: to_here() raises
+    # the fetch's refusal, or, when torch holds the creation's refusal first, raises that and sends no
+    # fetch (CI saw both). Either is a refusal; a fetch sent is counted and logged like any other.
     expected_types = {
-        "aten::save over the job secret": "SCRIPT_CALL", "aten::save to a new file": "SCRIPT_CALL", "torch.from_file": "SCRIPT_CALL",
-        "rpc.remote of a builtin": "SCRIPT_RREF_FETCH_CALL", "autograd-wrapped worker API call": "FORWARD_AUTOGRAD_REQ",
-        "undefined type": "type 0x1ff", "RREF_USER_DELETE": "RREF_USER_DELETE",
+        "aten::save over the job secret": ("SCRIPT_CALL",), "aten::save to a new file": ("SCRIPT_CALL",), "torch.from_file": ("SCRIPT_CALL",),
+        "rpc.remote of a builtin": ("SCRIPT_RREF_FETCH_CALL", "SCRIPT_REMOTE_CALL"),
+        "autograd-wrapped worker API call": ("FORWARD_AUTOGRAD_REQ",), "undefined type": ("type 0x1ff",), "RREF_USER_DELETE": ("RREF_USER_DELETE",),
     }
     assert set(refused) == set(expected_types)
     for name, result in refused.items():
         assert result["outcome"] == "raised", (name, result)
-        assert f"rpcps refused a {expected_types[name]} message" in result["error"], (name, result)
+        assert any(f"rpcps refused a {kind} message" in result["error"] for kind in expected_types[name]), (name, result)
     assert results["allowed"] == {"outcome": "returned", "value": "1"}, "the worker API itself still answers"
 
-    # Two more requests than attempts: the remote call's fetch, and the autograd context's clean-up
-    # (sent when the stranger's context closed). The server may count the last one a moment after
-    # the stranger heard its answer.
-    expected = len(refused) + 2
-    wait_until(lambda: scrape_metrics(ps_metrics)['rpcps_transport_refused_total{kind="message_type"}'] >= expected, 10, "the refusals counted")
-    assert scrape_metrics(ps_metrics)['rpcps_transport_refused_total{kind="message_type"}'] == expected
+    # One request per attempt, the autograd context's clean-up (sent when the stranger's context
+    # closed; the server may count it a moment after the stranger heard its answer), and the fetch
+    # once it was sent. Each refusal is logged before it is counted, so the count is polled until it
+    # matches the log (the fetch, when raised here, was refused already).
+    refusals = 'rpcps_transport_refused_total{kind="message_type"}'
+    fetch_line = "refused a torch RPC SCRIPT_RREF_FETCH_CALL request from a peer"
+
+    def counted_as_logged() -> bool:
+        fetches = ps.stderr().count(fetch_line)
+        return scrape_metrics(ps_metrics)[refusals] == len(refused) + 1 + fetches
+
+    wait_until(counted_as_logged, 10, "every refusal counted")
     log = ps.stderr()
+    fetched = log.count(fetch_line)
+    assert fetched == 1 or ("SCRIPT_REMOTE_CALL" in refused["rpc.remote of a builtin"]["error"] and fetched == 0), fetched
     # Logged, once per type within the window: three SCRIPT_CALLs are one line.
     assert log.count("refused a torch RPC SCRIPT_CALL request from a peer") == 1, log[-3000:]
-    for kind in ("SCRIPT_REMOTE_CALL", "SCRIPT_RREF_FETCH_CALL", "FORWARD_AUTOGRAD_REQ", "CLEANUP_AUTOGRAD_CONTEXT_REQ", "RREF_USER_DELETE", "type 0x1ff"):
+    for kind in ("SCRIPT_REMOTE_CALL", "FORWARD_AUTOGRAD_REQ", "CLEANUP_AUTOGRAD_CONTEXT_REQ", "RREF_USER_DELETE", "type 0x1ff"):
         assert log.count(f"refused a torch RPC {kind} request from a peer") == 1, kind
     assert "request_callback_no_python.cpp" not in log, "torch's own callback saw a refused request"
     # Training goes on after the attacks, to the exact final version.
