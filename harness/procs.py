@@ -172,12 +172,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _state(stat_file: Path) -> str | None:
+    """The state letter of a /proc ``stat`` file (a process's or one thread's), None once it is gone."""
+    try:
+        return stat_file.read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+_STOPPED = ("T", "t")
+
+
 def pid_stopped(pid: int) -> bool:
     """True while ``pid`` is stopped (SIGSTOP: a signal waits until it is continued)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
+    return _state(Path(f"/proc/{pid}/stat")) in _STOPPED
 
 
 def every_thread_stopped(pid: int) -> bool:
@@ -186,18 +194,15 @@ def every_thread_stopped(pid: int) -> bool:
     after its fsync) finishes that call first. What a test reads after a SIGSTOP waits for this."""
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        return bool(tasks) and all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t") for t in tasks)
     except OSError:
         return False
+    return bool(tasks) and all(_state(t / "stat") in _STOPPED for t in tasks)
 
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    state = _state(Path(f"/proc/{pid}/stat"))
+    return state is not None and state != "Z"
 
 
 def child_env(extra_pythonpath: Iterable[Path | str] = (), **overrides: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ for bit (tests/unit/ps/core/test_server_optim.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -28,8 +28,9 @@ FAST_KERNELS: dict[str, dict[str, bool]] = {
 """The keyword arguments that select each optimizer's fast kernel (none: torch's default)."""
 
 
-def fast_kernel(name: str, params: Iterable[torch.Tensor]) -> dict[str, bool]:
-    """``FAST_KERNELS[name]`` when every parameter lives on a device with fused kernels, else nothing."""
+def fast_kernel(name: str, params: Sequence[torch.Tensor]) -> dict[str, bool]:
+    """``FAST_KERNELS[name]`` when every parameter lives on a device with fused kernels, else nothing.
+    A sequence, not any iterable: the optimizer built with the result reads the same parameters."""
     supported = set(_get_fused_kernels_supported_devices())
     if all(p.device.type in supported and p.is_floating_point() for p in params):
         return FAST_KERNELS.get(name, {})

@@ -73,8 +73,9 @@ def test_local_runs_a_finished_slot_again_when_its_checkpoint_was_lost(procs: Pr
     # A snapshot written again under its own version (on demand right after a periodic one) replaces
     # the old copy by deleting it first: stopped in between (CI), its directory has lost files
     # already, which a restarted server refuses as it refuses any damaged one.
-    half_deleted = [path for path in (run / "ck").glob("step-*") if not (path / "state.pt").exists()]
-    damaged = [path for path in (run / "ck").glob("step-*") if path not in half_deleted and _holds_all_steps(path, slot, 300)]
+    snapshots = list((run / "ck").glob("step-*"))
+    half_deleted = [path for path in snapshots if not (path / "state.pt").exists()]
+    damaged = [path for path in snapshots if path not in half_deleted and _holds_all_steps(path, slot, 300)]
     assert damaged or half_deleted, "the finished worker's steps must be in a committed snapshot"
     for path in damaged:  # bit rot in every checkpoint that holds all of its steps
         with open(path / "state.pt", "r+b") as f:
