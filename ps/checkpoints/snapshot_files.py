@@ -126,7 +126,8 @@ def write_snapshot(
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist (was it removed or unmounted?)")
     final = directory / snapshot_name(version)
-    tmp = directory / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp = _tmp_path(final)
+    replaced: Path | None = None
     try:
         tmp.mkdir()
         files = {}
@@ -145,14 +146,28 @@ def write_snapshot(
         fsync_dir(tmp)
         if before_commit is not None:
             before_commit()
-        if final.exists():  # same version written again (e.g. on-demand right after periodic)
-            shutil.rmtree(final)
+        if final.exists():  # same version written again (e.g. on demand right after a periodic one)
+            # Renamed aside, deleted only once the new copy is in place: a reader, a crash or a failed
+            # rename between the two renames finds the old copy whole or no step-V at all (so the
+            # snapshot before it), never one half-deleted (deleting it in place did: CI run 34).
+            replaced = _tmp_path(final)
+            os.rename(final, replaced)
         os.rename(tmp, final)
         fsync_dir(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if replaced is not None and not final.exists():
+            os.rename(replaced, final)
         raise
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)  # a leftover is the purge's (it is named like a dead writer's)
     return SnapshotInfo(final, version, created, sum(f["size"] for f in files.values()))
+
+
+def _tmp_path(final: Path) -> Path:
+    """A unique temporary name beside ``final``, holding this process's pid (the purge leaves a live
+    writer's alone)."""
+    return final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{time.monotonic_ns()}"
 
 
 def _save(path: Path, obj: Any) -> dict[str, Any]:

@@ -12,7 +12,14 @@ import torch
 from harness.inprocess import InProcessServer
 from harness.snapshots import verify_all
 from ps.checkpoints.checkpointer import Checkpointer, ResumeRefused, find_resume_point
-from ps.checkpoints.snapshot_files import InvalidSnapshot, list_snapshots, load_snapshot, read_manifest
+from ps.checkpoints.snapshot_files import (
+    InvalidSnapshot,
+    leftover_tmp_dirs,
+    list_snapshots,
+    load_snapshot,
+    read_manifest,
+    write_snapshot,
+)
 from ps.config import CheckpointConfig
 from ps.core.config import ServerCoreConfig
 from ps.core.optim import OptimizerConfig
@@ -161,6 +168,37 @@ def test_a_failed_write_leaves_earlier_snapshots_intact_and_is_counted(tmp_path:
     assert verify_all(directory) == {Path(first): None}
     path, version = cp.checkpoint_now()  # the next attempt works again
     assert version == 2 and Path(path).exists()
+
+
+def test_writing_a_version_again_replaces_it_whole(tmp_path: Path) -> None:
+    write_snapshot(tmp_path, 7, {"x": torch.zeros(2)}, {"reason": "periodic"})
+    write_snapshot(tmp_path, 7, {"x": torch.ones(2)}, {"reason": "final"})
+    [path] = list_snapshots(tmp_path)
+    assert read_manifest(path)["reason"] == "final"
+    assert torch.equal(load_snapshot(path)[1]["x"], torch.ones(2))
+    assert leftover_tmp_dirs(tmp_path) == []
+
+
+def test_a_rewrite_of_a_version_that_fails_at_its_commit_keeps_the_old_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old copy was deleted in place before the new one was renamed in (CI run 34 read one
+    half-deleted); a failure at that rename then lost version 7 altogether."""
+    write_snapshot(tmp_path, 7, {"x": torch.zeros(2)}, {"reason": "periodic"})
+    real_rename, failed = os.rename, []
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        if Path(dst).name == "step-000000000007" and not failed:
+            failed.append(src)
+            raise OSError(28, "No space left on device")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="No space left"):
+        write_snapshot(tmp_path, 7, {"x": torch.ones(2)}, {"reason": "final"})
+    assert failed, "the commit's rename was attempted"
+    [path] = list_snapshots(tmp_path)
+    assert read_manifest(path)["reason"] == "periodic"
+    assert torch.equal(load_snapshot(path)[1]["x"], torch.zeros(2))
+    assert leftover_tmp_dirs(tmp_path) == []
 
 
 def test_manifest_records_config_signature_and_checksums(tmp_path: Path) -> None:
