@@ -7,7 +7,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -105,6 +105,23 @@ def procs(tmp_path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
             print(f"reaped with SIGKILL: {killed}", file=sys.stderr)
 
 
+@pytest.fixture
+def wall_clock_bound() -> Callable[[float, float], float]:
+    """The bound a ``timed`` test asserts: ``alone_s``, the product's promise, where it has the host
+    to itself (no xdist worker runs beside it: CI's serial pass, any ``-n 0`` run); ``shared_s`` in
+    the default run, where three other tests' processes share the 2 cores. The shared bound is looser
+    but still fails a hang or a missed wake-up (those cost an RPC timeout, 30 s). Run alone, these
+    tests held the other workers idle while they waited their turn: 95 s of a 528 s run."""
+    shared = "PYTEST_XDIST_WORKER" in os.environ
+
+    def bound(alone_s: float, shared_s: float) -> float:
+        chosen = shared_s if shared else alone_s
+        print(f"wall-clock bound {chosen} s ({'beside other tests' if shared else 'alone'})")
+        return chosen
+
+    return bound
+
+
 _ALONE_WAIT_S = 1800.0
 """How long a test waits for its turn: the running tests end within their own timeouts (at most a
 soak's), so a longer wait means a worker is stuck outside any test's timeout."""
@@ -112,30 +129,30 @@ soak's), so a longer wait means a worker is stuck outside any test's timeout."""
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    """Under pytest-xdist (pyproject's addopts start four workers), a test marked ``alone`` or ``slow``
-    runs while no other test runs; the others run side by side. The default run selects neither
-    (CI runs them in one process, ``-m "slow or alone" -n 0``): this holds for a run that selects
-    them with workers, e.g. ``pytest -m alone``.
+    """Under pytest-xdist (pyproject's addopts start four workers), a test marked ``slow`` runs while
+    no other test runs; the others run side by side. The default run selects none (CI runs them in
+    one process, ``-m "slow or timed" -n 0``): this holds for a run that selects them with workers,
+    e.g. ``pytest -m slow``.
 
-    Those tests assert wall-clock bounds (a recovery within 1 s, a gap of at most 1.5 s, an error
-    within 5 s) or compare throughput, measured with the machine to themselves; a second test's
-    processes on the same cores would make them fail for a reason that is not theirs. Every test
-    holds a shared lock on one file of this run, an ``alone`` test an exclusive one, from before its
-    first fixture starts a process until its last one ended.
+    Those tests assert wall-clock bounds (a recovery within 1 s) or compare throughput, measured with
+    the machine to themselves; a second test's processes on the same cores would make them fail for a
+    reason that is not theirs. Every test holds a shared lock on one file of this run, a ``slow`` test
+    an exclusive one, from before its first fixture starts a process until its last one ended. (A
+    ``timed`` test runs beside the others and asserts its looser bound: ``wall_clock_bound``.)
 
     A hook wrapped around the whole protocol, outermost (tryfirst), not a fixture: the wait for a turn
     is then outside pytest-timeout's timer, which starts inside. As a fixture it counted against the
-    test's own timeout, and a 30 s unit test queued behind an ``alone`` test that waited for a 100 s
+    test's own timeout, and a 30 s unit test queued behind a test run alone that waited for a 100 s
     test on the other worker timed out in its setup (CI, stop 36).
     """
     basetemp = item.config.option.basetemp
     if "PYTEST_XDIST_WORKER" not in os.environ or basetemp is None:
         yield
         return
-    alone = item.get_closest_marker("alone") or item.get_closest_marker("slow")
+    alone = item.get_closest_marker("slow") is not None
     # Each worker's basetemp is <run's base>/popen-gwN: the parent is this run's, shared by all workers.
     # A plain flock lets the other workers' back-to-back shared holds starve an exclusive waiter (it
-    # timed out so on 3 workers), so a gate comes first: an alone test holds it while it waits for
+    # timed out so on 3 workers), so a gate comes first: a slow test holds it while it waits for
     # the running tests to end, and no test starts meanwhile.
     base = Path(basetemp).parent
     mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH

@@ -1,6 +1,6 @@
 """When each test of a run ran, and the stretches where fewer ran side by side than there are workers
 (issue 25: "measure where the time goes"). ``tools/cpu_by_test.py`` says what each test costs; this
-says whether the workers were kept busy: a test that needs the host to itself (``alone``) or one long
+says whether the workers were kept busy: a test that needs the host to itself (``slow``) or one long
 test left at the end holds the others idle whatever the host's CPU says.
 
     PYTHONPATH=tools .venv/bin/python -m pytest -p run_timeline --timeline /tmp/timeline.jsonl

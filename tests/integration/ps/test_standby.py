@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -229,9 +230,11 @@ def test_ten_kills_of_the_primary_in_one_run_lose_nothing_and_recover_within_a_s
     assert median <= 1.0 and worst <= 2.0
 
 
-@pytest.mark.alone  # asserts the longest stall after the kill
+@pytest.mark.timed  # the longest stall after the kill
 @pytest.mark.timeout(240)
-def test_a_killed_standby_is_dropped_and_a_new_one_catches_up(procs: ProcessGroup, tmp_path: Path) -> None:
+def test_a_killed_standby_is_dropped_and_a_new_one_catches_up(
+    procs: ProcessGroup, tmp_path: Path, wall_clock_bound: Callable[[float, float], float]
+) -> None:
     """kill -9 of the standby: the primary drops it from the view and goes on alone (training pauses
     for at most about a second); a standby started afresh copies the live state, follows the log
     while the workers train, and is handed into the view again; digests agree from then on.
@@ -277,7 +280,7 @@ def test_a_killed_standby_is_dropped_and_a_new_one_catches_up(procs: ProcessGrou
     alone = [t for t, v in report.applies if t > killed_at and v <= held_at]
     gaps = [second - first for first, second in itertools.pairwise(alone)]
     print(f"longest gap between applied updates after the standby's kill: {max(gaps):.3f}s")
-    assert max(gaps) <= 1.5
+    assert max(gaps) <= wall_clock_bound(1.5, 10.0)
 
 
 @pytest.mark.slow  # 7 processes on 2 cores: over 40 s

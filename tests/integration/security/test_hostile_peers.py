@@ -14,6 +14,7 @@ import random
 import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -127,9 +128,11 @@ def test_a_worker_without_the_job_secret_is_refused_with_exit_5(procs: ProcessGr
     assert metrics["rpcps_server_worker_registrations_total"] == 0
 
 
-@pytest.mark.alone  # asserts the repair within 2 s
+@pytest.mark.timed  # the repair within 2 s
 @pytest.mark.timeout(240)
-def test_store_tampering_is_repaired_within_2s_and_a_new_worker_still_joins(procs: ProcessGroup, tmp_path: Path) -> None:
+def test_store_tampering_is_repaired_within_2s_and_a_new_worker_still_joins(
+    procs: ProcessGroup, tmp_path: Path, wall_clock_bound: Callable[[float, float], float]
+) -> None:
     job_secret = secret(tmp_path)
     ps, port, ps_metrics = procs.ps("ps", "--job-secret-file", job_secret)
     first, _ = procs.worker("first", port, 0, 2, "--steps", "100000", "--job-secret-file", job_secret)
@@ -149,8 +152,9 @@ def test_store_tampering_is_repaired_within_2s_and_a_new_worker_still_joins(proc
             and int(store.add(membership.RANK_COUNTER_KEY, 0)) == ranks
         )
 
-    wait_until(repaired, 5, "the server to put the store back")
-    assert time.monotonic() - tampered <= 2.0 + 0.5, "repaired within 2 s (plus this poll's own latency)"
+    bound = wall_clock_bound(2.0 + 0.5, 10.0)  # alone: 2 s plus this poll's own latency
+    wait_until(repaired, bound + 5, "the server to put the store back")
+    assert time.monotonic() - tampered <= bound, "repaired within the bound"
     metrics = scrape_metrics(ps_metrics)
     for what in ("members", "address", "rank_counter"):
         assert metrics[f'rpcps_server_store_repairs_total{{what="{what}"}}'] == 1, what

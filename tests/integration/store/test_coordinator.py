@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,10 @@ def test_the_coordinator_honours_threads_and_writes_its_summary_at_exit(procs: P
     assert result["members_removed"] == 0 and result["store_repairs"] == {"members": 0, "address": 0, "rank_counter": 0}
 
 
-@pytest.mark.alone  # asserts the next update within 5 s of the coordinator's return
+@pytest.mark.timed  # the next update after the coordinator's return
 @pytest.mark.timeout(300)
 def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_over_exactly(
-    procs: ProcessGroup, tmp_path: Path
+    procs: ProcessGroup, tmp_path: Path, wall_clock_bound: Callable[[float, float], float]
 ) -> None:
     """kill -9 of the coordinator while a replicated shard trains: the workers and both replicas train
     on. kill -9 of the primary while the coordinator is down: the standby notices at once and waits
@@ -136,7 +137,7 @@ def test_a_restarted_coordinator_lets_a_primary_killed_while_it_was_down_fail_ov
     print(f"coordinator down {back_at - store_killed_at:.2f}s; "
           f"coordinator serving again -> promotion {promoted - back_at:.3f}s, -> next applied update {applied - back_at:.3f}s; "
           f"restart launched -> next update {applied - restarted_at:.3f}s; primary kill -> next update {applied - killed_at:.3f}s")
-    assert applied - back_at <= 5.0
+    assert applied - back_at <= wall_clock_bound(5.0, 15.0)
 
 
 @pytest.mark.slow
