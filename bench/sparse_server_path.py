@@ -13,8 +13,9 @@ the calls per step of each:
     python -m bench.sparse_server_path                    # row-wise Adagrad, 60 + 40 steps
     python -m bench.sparse_server_path --fused-index       # also: 26 indices against one
 
-The process computes with the intra-op threads ``rpcps local`` gives its server when 1 server and
-2 workers share this machine's cores (``rpcps.threads.split_cores``), as in bench/sparse_ctr.py.
+The process computes with the intra-op threads the product's host budget gives a server that keeps
+about one core busy beside two CPU workers on this machine's cores (``rpcps.threads.share``, the
+rule every rpcps process follows, however it was started).
 
 ``--fused-index`` answers "would one index for all tables be faster than one per table": the same
 ids in 26 ``IdIndex``es and in one ``IdIndex`` keyed by a hash of (table, id) (not an exact key: a
@@ -25,6 +26,7 @@ lookup (what a pull and a push do), timed the same way.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,9 +40,10 @@ from ps.sparse.index import IdIndex
 from ps.sparse.store import SPARSE_OPTIMIZERS, SparseConfig, SparseStore
 from ps.sparse.table import SparseTable
 from rpcps.examples import ctr
+from rpcps.host_registry import Entry
 from rpcps.sparse.hashing import keyed_hash
 from rpcps.sparse.spec import SparsePull
-from rpcps.threads import split_cores, usable_cores
+from rpcps.threads import share, usable_cores
 
 
 @dataclass
@@ -132,6 +135,14 @@ def _lookup_insert_lookup(index: IdIndex, ids: torch.Tensor) -> None:
     index.lookup(ids)
 
 
+def server_threads(cores: int) -> int:
+    """The product's share (``rpcps.threads.share``) for a server using one core beside two CPU workers."""
+    now = time.time()
+    me = Entry(os.getpid(), "server", "light", now, use=1.0, threads=1)
+    workers = [Entry(0, "worker", "compute", now, use=1.0, threads=1) for _ in range(2)]
+    return share(cores, me, workers, None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--optimizer", default="rowwise_adagrad", choices=sorted(SPARSE_OPTIMIZERS))
@@ -142,9 +153,9 @@ def main() -> None:
     args = p.parse_args()
     if args.warmup < 0 or args.steps < 1 or args.push_lag < 0:
         p.error(f"--warmup and --push-lag must be >= 0 and --steps >= 1, got {args.warmup}, {args.push_lag} and {args.steps}")
-    server_threads, _ = split_cores(usable_cores(), servers=1, workers=2)
-    torch.set_num_threads(server_threads)
-    print(f"intra-op threads: {server_threads} (what rpcps local gives its server with 2 workers here)")
+    threads = server_threads(usable_cores())
+    torch.set_num_threads(threads)
+    print(f"intra-op threads: {threads} (what the host budget gives a busy server beside 2 CPU workers here)")
     server_path(args.optimizer, args.warmup, args.steps, args.push_lag)
     if args.fused_index:
         fused_index(args.warmup, args.steps)

@@ -411,19 +411,3 @@ class BudgetGauges:
         self.intra_op.set(budget.intra_op)
         self.host_processes.set(budget.sharing)
         self.usable_cores.set(budget.usable)
-
-
-def split_cores(cores: int, servers: int, workers: int, *, gpu_workers: bool = False) -> tuple[int, int]:
-    """(threads per server, threads per worker) for ``servers`` + ``workers`` processes on ``cores``.
-
-    For benchmarks that start their own processes outside rpcps's roles (bench/sparse_server_path.py).
-    Every process gets an equal share, at least one thread; the cores an equal split leaves over go
-    to the workers. GPU workers keep at most ``GPU_WORKER_THREADS`` and the servers share the rest.
-    """
-    if servers < 1 or workers < 1 or cores < 1:
-        raise ValueError(f"servers, workers and cores must be >= 1, got {servers}, {workers}, {cores}")
-    if gpu_workers:
-        worker = min(GPU_WORKER_THREADS, max(1, cores // (servers + workers)))
-        return max(1, (cores - workers * worker) // servers), worker
-    server = max(1, cores // (servers + workers))
-    return server, max(1, (cores - servers * server) // workers)

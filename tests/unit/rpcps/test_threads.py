@@ -16,7 +16,7 @@ from harness.procs import wait_until
 from rpcps import threads
 from rpcps.cpu_limits import UsableCores
 from rpcps.host_registry import Entry, HostRegistry
-from rpcps.threads import GPU_WORKER_THREADS, HostBudget, omp_num_threads, pinned, share, split_cores
+from rpcps.threads import GPU_WORKER_THREADS, HostBudget, omp_num_threads, pinned, share
 
 
 @pytest.fixture(autouse=True)
@@ -221,11 +221,6 @@ def test_the_problems_counter_has_every_problem_from_the_start() -> None:
         assert registry.get_sample_value("rpcps_worker_thread_budget_problems_total", {"problem": problem}) == 0.0
     count("registry")
     assert registry.get_sample_value("rpcps_worker_thread_budget_problems_total", {"problem": "registry"}) == 1.0
-
-
-def test_split_cores_for_benchmarks_that_start_their_own_processes() -> None:
-    assert split_cores(2, 1, 2) == (1, 1)
-    assert split_cores(16, 1, 4, gpu_workers=True) == (8, 2)
 
 
 def test_the_setting_is_validated_like_every_other() -> None:
