@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,6 +39,8 @@ from typing import IO, Any
 import torch
 
 from rpcps.model_file import fsync_dir
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "rpcps-snapshot-v1"
 STATE_FILE = "state.pt"
@@ -150,18 +153,36 @@ def write_snapshot(
             # Renamed aside, deleted only once the new copy is in place: a reader, a crash or a failed
             # rename between the two renames finds the old copy whole or no step-V at all (so the
             # snapshot before it), never one half-deleted (deleting it in place did: CI run 34).
+            # A crash in the microseconds between the two renames still loses version V (resumed from
+            # the one before; docs/FAULT_TOLERANCE.md, "Crash consistency").
             replaced = _tmp_path(final)
             os.rename(final, replaced)
-        os.rename(tmp, final)
-        fsync_dir(directory)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            if replaced is not None:
+                _put_back(replaced, final)
+            raise
+        try:
+            fsync_dir(directory)
+        finally:  # committed: the old copy goes even when the fsync fails (else each failure kept one more)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if replaced is not None and not final.exists():
-            os.rename(replaced, final)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already once committed
         raise
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)  # a leftover is the purge's (it is named like a dead writer's)
     return SnapshotInfo(final, version, created, sum(f["size"] for f in files.values()))
+
+
+def _put_back(replaced: Path, final: Path) -> None:
+    """Renames a version's old copy back after its replacement failed to commit. If even that fails,
+    says where it is and lets the commit's own error through: the purge of a later process would
+    take the copy for a dead writer's leftover."""
+    try:
+        os.rename(replaced, final)
+    except OSError as e:
+        logger.error("could not rename the old snapshot %s back to %s (%s): rename it by hand before the server "
+                     "restarts, or this version is lost", replaced, final, e)
 
 
 def _tmp_path(final: Path) -> Path:

@@ -11,6 +11,7 @@ import torch
 
 from harness.inprocess import InProcessServer
 from harness.snapshots import verify_all
+from ps.checkpoints import snapshot_files
 from ps.checkpoints.checkpointer import Checkpointer, ResumeRefused, find_resume_point
 from ps.checkpoints.snapshot_files import (
     InvalidSnapshot,
@@ -199,6 +200,46 @@ def test_a_rewrite_of_a_version_that_fails_at_its_commit_keeps_the_old_copy(tmp_
     assert read_manifest(path)["reason"] == "periodic"
     assert torch.equal(load_snapshot(path)[1]["x"], torch.zeros(2))
     assert leftover_tmp_dirs(tmp_path) == []
+
+
+def test_a_rewrite_whose_directory_fsync_fails_after_the_commit_leaves_no_old_copy_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new copy is in place; the old one must not stay under a name this process's purge skips
+    (its own pid): each such failure kept one more full snapshot."""
+    write_snapshot(tmp_path, 7, {"x": torch.zeros(2)}, {"reason": "periodic"})
+    real_fsync_dir = snapshot_files.fsync_dir
+
+    def fsync_dir(path: Path) -> None:
+        if Path(path) == tmp_path:
+            raise OSError(5, "Input/output error")
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(snapshot_files, "fsync_dir", fsync_dir)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_snapshot(tmp_path, 7, {"x": torch.ones(2)}, {"reason": "final"})
+    [path] = list_snapshots(tmp_path)
+    assert read_manifest(path)["reason"] == "final"
+    assert leftover_tmp_dirs(tmp_path) == []
+
+
+def test_when_the_old_copy_cannot_be_put_back_the_commit_error_comes_through_and_the_copy_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_snapshot(tmp_path, 7, {"x": torch.zeros(2)}, {"reason": "periodic"})
+    real_rename = os.rename
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        if Path(dst).name == "step-000000000007":
+            raise OSError(28, "No space left on device")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="No space left"):
+        write_snapshot(tmp_path, 7, {"x": torch.ones(2)}, {"reason": "final"})
+    [aside] = leftover_tmp_dirs(tmp_path)
+    assert read_manifest(aside)["reason"] == "periodic", "the old copy is whole under its temporary name"
+    assert f"could not rename the old snapshot {aside} back" in caplog.text
 
 
 def test_manifest_records_config_signature_and_checksums(tmp_path: Path) -> None:
