@@ -39,9 +39,15 @@ def _host_busy_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def _test_of(proc: str) -> str:
-    """The test directory named by a process's command line or by where its output goes."""
-    where = [Path(proc, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")]
+_COMMAND_CHARS = 110
+"""How much of a process's command line ``--unassigned`` shows."""
+
+
+def _test_of(proc: str) -> tuple[str, str]:
+    """The test directory named by a process's command line or by where its output goes, and the
+    command line itself (shortened)."""
+    command = " ".join(Path(proc, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split())
+    where = [command]
     for fd in ("1", "2"):
         try:
             where.append(os.readlink(Path(proc, "fd", fd)))
@@ -49,11 +55,15 @@ def _test_of(proc: str) -> str:
             continue
     for text in where:
         if match := _TEST_DIR.search(text):
-            return match.group(1)
-    return _NO_TEST
+            return match.group(1), command[:_COMMAND_CHARS]
+    return _NO_TEST, command[:_COMMAND_CHARS]
 
 
-def _sample(seen: dict[tuple[int, int], tuple[str, float]]) -> None:
+Seen = dict[tuple[int, int], tuple[str, float, str]]
+"""Per (pid, start time): test directory, CPU seconds so far, command line."""
+
+
+def _sample(seen: Seen) -> None:
     """Records every process's test directory and CPU seconds so far, keyed by (pid, start time)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -62,8 +72,8 @@ def _sample(seen: dict[tuple[int, int], tuple[str, float]]) -> None:
             stat = Path(entry.path, "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()
             key = (int(entry.name), int(fields[19]))  # starttime tells a reused pid apart
-            name = seen[key][0] if key in seen else _test_of(entry.path)
-            seen[key] = (name, (int(fields[11]) + int(fields[12])) / _TICKS)
+            name, command = (seen[key][0], seen[key][2]) if key in seen else _test_of(entry.path)
+            seen[key] = (name, (int(fields[11]) + int(fields[12])) / _TICKS, command)
         except (OSError, ValueError, IndexError):
             continue  # it exited while being read
 
@@ -72,14 +82,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval-s", type=float, default=1.0, help="how often every process is sampled")
     parser.add_argument("--top", type=int, default=40, help="how many tests to list, most CPU first")
+    parser.add_argument("--unassigned", type=int, default=0, metavar="N",
+                        help=f"also list the N processes counted under {_NO_TEST!r} that used the most CPU, with their command lines")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
-    seen: dict[tuple[int, int], tuple[str, float]] = {}
+    seen: Seen = {}
     _sample(seen)
-    before = {key: cpu for key, (_, cpu) in seen.items()}  # what processes older than the run had used
+    before = {key: cpu for key, (_, cpu, _) in seen.items()}  # what processes older than the run had used
     busy0, total0 = _host_busy_ticks()
     started = time.monotonic()
     child = subprocess.Popen(command)
@@ -93,16 +105,23 @@ def main(argv: list[str]) -> int:
     busy1, total1 = _host_busy_ticks()
     by_test: dict[str, float] = defaultdict(float)
     processes: dict[str, int] = defaultdict(int)
-    for key, (name, cpu) in seen.items():
+    unassigned: list[tuple[float, int, str]] = []
+    for key, (name, cpu, command) in seen.items():
         if cpu > before.get(key, 0.0):
             by_test[name] += cpu - before.get(key, 0.0)
             processes[name] += 1
+            if name == _NO_TEST:
+                unassigned.append((cpu - before.get(key, 0.0), key[0], command))
     counted = sum(by_test.values())
     print(f"\nwall {wall:.0f} s; host busy {100 * (busy1 - busy0) / max(1, total1 - total0):.0f} % of "
           f"{os.cpu_count()} cores; sampled processes {len(seen)}, {counted:.0f} CPU-s", file=sys.stderr)
     print(f"{'CPU-s':>8} {'share':>6} {'procs':>5}  test directory", file=sys.stderr)
     for name, cpu in sorted(by_test.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{cpu:8.1f} {100 * cpu / max(counted, 1e-9):5.1f}% {processes[name]:5d}  {name}", file=sys.stderr)
+    if args.unassigned:
+        print(f"\n{'CPU-s':>8} {'pid':>7}  command line of a process under {_NO_TEST}", file=sys.stderr)
+        for cpu, pid, command in sorted(unassigned, reverse=True)[: args.unassigned]:
+            print(f"{cpu:8.1f} {pid:7d}  {command}", file=sys.stderr)
     return child.returncode
 
 

@@ -29,3 +29,14 @@ def test_a_busy_child_is_counted_under_its_test_directory(tmp_path: Path) -> Non
 def test_a_command_is_required() -> None:
     run = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, timeout=30, check=False)
     assert run.returncode == 2 and "give the command to run after --" in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unassigned_lists_the_busiest_processes_without_a_test_directory_with_their_command_lines() -> None:
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--interval-s", "0.2", "--unassigned", "3", "--", sys.executable, "-c", BUSY, "no-test-here"],
+        capture_output=True, text=True, timeout=50, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    listed = re.findall(r"^\s*([\d.]+)\s+\d+\s+(.* -c import time; end = .*)$", run.stderr, re.MULTILINE)
+    assert listed and float(listed[0][0]) >= 1.0, run.stderr
