@@ -95,7 +95,9 @@ def main() -> int:
     rpc_policy.protect()
     name = transport.join(address, "worker0", transport.TransportOptions(rpc_timeout_s=20, connect_timeout_s=30))
     try:
-        print(json.dumps(scenario(ServerClient(20.0), name)), flush=True)
+        # The harness starts this once the server's metrics answer, which comes before it claims its
+        # shard: wait for the view as a worker does (a run once found none yet and exited 1).
+        print(json.dumps(scenario(ServerClient(20.0, wait_s=60.0), name)), flush=True)
     finally:
         transport.leave(name, transport.store_host())
         transport.shutdown()
