@@ -107,11 +107,12 @@ def main(argv: list[str]) -> int:
     processes: dict[str, int] = defaultdict(int)
     unassigned: list[tuple[float, int, str]] = []
     for key, (name, cpu, command) in seen.items():
-        if cpu > before.get(key, 0.0):
-            by_test[name] += cpu - before.get(key, 0.0)
+        used = cpu - before.get(key, 0.0)
+        if used > 0:
+            by_test[name] += used
             processes[name] += 1
             if name == _NO_TEST:
-                unassigned.append((cpu - before.get(key, 0.0), key[0], command))
+                unassigned.append((used, key[0], command))
     counted = sum(by_test.values())
     print(f"\nwall {wall:.0f} s; host busy {100 * (busy1 - busy0) / max(1, total1 - total0):.0f} % of "
           f"{os.cpu_count()} cores; sampled processes {len(seen)}, {counted:.0f} CPU-s", file=sys.stderr)

@@ -171,6 +171,21 @@ def test_a_failed_write_leaves_earlier_snapshots_intact_and_is_counted(tmp_path:
     assert version == 2 and Path(path).exists()
 
 
+def _fail_renames_onto(name: str, monkeypatch: pytest.MonkeyPatch, times: int | None = None) -> list[str | Path]:
+    """Makes ``os.rename`` onto a path named ``name`` fail with ENOSPC, the first ``times`` attempts
+    (None: every one); returns the failed attempts' sources."""
+    real_rename, failed = os.rename, []
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        if Path(dst).name == name and (times is None or len(failed) < times):
+            failed.append(src)
+            raise OSError(28, "No space left on device")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    return failed
+
+
 def test_writing_a_version_again_replaces_it_whole(tmp_path: Path) -> None:
     write_snapshot(tmp_path, 7, {"x": torch.zeros(2)}, {"reason": "periodic"})
     write_snapshot(tmp_path, 7, {"x": torch.ones(2)}, {"reason": "final"})
@@ -184,15 +199,7 @@ def test_a_rewrite_of_a_version_that_fails_at_its_commit_keeps_the_old_copy(tmp_
     """The old copy was deleted in place before the new one was renamed in (CI run 34 read one
     half-deleted); a failure at that rename then lost version 7 altogether."""
     write_snapshot(tmp_path, 7, {"x": torch.zeros(2)}, {"reason": "periodic"})
-    real_rename, failed = os.rename, []
-
-    def rename(src: str | Path, dst: str | Path) -> None:
-        if Path(dst).name == "step-000000000007" and not failed:
-            failed.append(src)
-            raise OSError(28, "No space left on device")
-        real_rename(src, dst)
-
-    monkeypatch.setattr(os, "rename", rename)
+    failed = _fail_renames_onto("step-000000000007", monkeypatch, times=1)
     with pytest.raises(OSError, match="No space left"):
         write_snapshot(tmp_path, 7, {"x": torch.ones(2)}, {"reason": "final"})
     assert failed, "the commit's rename was attempted"
@@ -227,14 +234,7 @@ def test_when_the_old_copy_cannot_be_put_back_the_commit_error_comes_through_and
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     write_snapshot(tmp_path, 7, {"x": torch.zeros(2)}, {"reason": "periodic"})
-    real_rename = os.rename
-
-    def rename(src: str | Path, dst: str | Path) -> None:
-        if Path(dst).name == "step-000000000007":
-            raise OSError(28, "No space left on device")
-        real_rename(src, dst)
-
-    monkeypatch.setattr(os, "rename", rename)
+    _fail_renames_onto("step-000000000007", monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         write_snapshot(tmp_path, 7, {"x": torch.ones(2)}, {"reason": "final"})
     [aside] = leftover_tmp_dirs(tmp_path)
