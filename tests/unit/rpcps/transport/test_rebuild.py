@@ -37,7 +37,7 @@ def _answers(store: ReconnectingStore) -> bool:
 def test_a_member_writes_its_part_back_once_per_restart_and_again_after_a_failed_rewrite(caplog: pytest.LogCaptureFixture) -> None:
     port = free_port()
     master = _coordinator(port, "first")
-    store = ReconnectingStore("127.0.0.1", port, timeout_s=2.0)
+    store = ReconnectingStore("127.0.0.1", port, timeout_s=2.0, connect_timeout_s=20.0)  # past a dropped DNS query's 5 s
     rebuild = StoreRebuild(store, highest_rank=lambda: 5)  # e.g. its own rank 3, a peer's 5: a joiner must take neither
     rewrites: list[str] = []
     failing = [True]
