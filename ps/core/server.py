@@ -165,7 +165,10 @@ class ParameterServer:
         self.pull_bytes = sum(self.layout.chunk_numels) * self.wire.itemsize
         """Parameter bytes a full pull sends (buffers aside)."""
         self._pull_copies = PullCopies(self.wire)
-        predicting = config.mode != Mode.SYNC and config.optimizer.name in PREDICTED_OPTIMIZERS and config.predict_ahead > 0
+        # Local steps step the outer SGD, not --optimizer: its last step is one worker's delta, no
+        # smoothed direction to extrapolate.
+        predicting = (config.mode in (Mode.ASYNC, Mode.BOUNDED) and config.optimizer.name in PREDICTED_OPTIMIZERS
+                      and config.predict_ahead > 0)
         self.prediction = WeightPrediction(self._masters, config.predict_ahead) if predicting else None
         """Pulls get the parameters moved ahead by the expected staleness (``ps.core.prediction``), or None."""
         self._observe_copies = PullCopies(self.wire)

@@ -49,13 +49,17 @@ def test_the_masters_and_the_digest_are_those_of_a_server_that_does_not_predict(
     assert plain.prediction is None
 
 
-def test_no_prediction_without_staleness_in_sync_mode_or_without_adam() -> None:
+def test_no_prediction_without_staleness_in_sync_or_local_steps_mode_or_without_adam() -> None:
+    """Local steps step the outer SGD over deltas whatever --optimizer says: its last step is one
+    worker's delta, which a pull must not be moved along (it was, at 1 x the staleness, until 2026-12-05)."""
     server, incarnation, _, after = _pushed(2.0, [0, 0])
     assert all(torch.equal(got, now) for got, now in zip(server.pull(0, incarnation, -1).chunks, after))
     sgd, _ = make_server(OptimizerConfig(name="sgd", kwargs={"lr": 0.1}), predict_ahead=2.0)
     assert sgd.prediction is None
     sync, _ = make_server(ADAM, predict_ahead=2.0, mode="sync", round_timeout_s=30)
     assert sync.prediction is None
+    local_steps, _ = make_server(ADAM, predict_ahead=2.0, mode="local-steps")
+    assert local_steps.prediction is None
 
 
 def test_after_a_restore_pulls_are_the_masters_until_the_next_step() -> None:
