@@ -101,15 +101,15 @@ LOCAL_STEPS = 8
 LOCAL_STEPS_SIDE = f"rpcps --mode local-steps --local-steps {LOCAL_STEPS} (batches/s)"
 
 
-def rpcps_local_steps(p: Preset, workers: int, root: Path, tag: str) -> float:
+def rpcps_local_steps(p: Preset, workers: int, root: Path, tag: str, side: str, more: list[str]) -> float:
     """Equal samples: steps / H rounds of H batches each. Returns batches/s (updates/s x H), the
-    unit of the other sides' updates/s (one batch each); records the workers' final loss."""
+    unit of the other sides' updates/s (one batch each); records the workers' final loss under ``side``."""
     run_dir = root / tag
-    extra = ["--mode", "local-steps", "--local-steps", str(LOCAL_STEPS)]
+    extra = ["--mode", "local-steps", "--local-steps", str(LOCAL_STEPS), *more]
     argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps // LOCAL_STEPS, extra=extra)
     run = run_local(argv, run_dir, interval_s=0.5, scrape_workers=False)
     losses = [w["final_loss"] for w in run.summary["workers"]]
-    FINAL_LOSS.setdefault(LOCAL_STEPS_SIDE, []).append(sum(losses) / len(losses))
+    FINAL_LOSS.setdefault(side, []).append(sum(losses) / len(losses))
     return run.steady_updates_per_s() * LOCAL_STEPS
 
 
@@ -123,12 +123,13 @@ def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str
 
 
 SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "local-adam-args", "hand", "hand-setsid",
-         "local-steps")
+         "local-steps", "local-steps-args")
 """What ``--sides`` may name: the one process, the example design (each of --example-transports),
 ``local`` with SGD, with its defaults, with its defaults but weight prediction off (what the
 default staleness remedy costs), with its defaults and ``--local-args`` (what another setting
 costs), rpcps started by hand with SGD (``hand-setsid``: its server in a session of its own), and
-``local`` in local-steps mode (H inner AdamW steps per push, equal samples)."""
+``local`` in local-steps mode (H inner AdamW steps per push, equal samples), on its defaults and with
+``--local-args``."""
 
 
 def main() -> int:
@@ -139,7 +140,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--example-transports", default="default,uv", help="the example design's TensorPipe options: default, uv")
     parser.add_argument("--sides", default="one,example,local-sgd,local-adam", help=f"comma-separated, of {','.join(SIDES)}")
-    parser.add_argument("--local-args", default="", help="`rpcps local` flags of the local-adam-args side, e.g. '--max-in-flight 1'")
+    parser.add_argument("--local-args", default="", help="`rpcps local` flags of the local-adam-args or local-steps-args side, "
+                        "e.g. '--max-in-flight 1'")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     if args.steps:
@@ -147,8 +149,8 @@ def main() -> int:
     wanted = args.sides.split(",")
     if not set(wanted) <= set(SIDES) or not {"example", "one"} & set(wanted):
         parser.error(f"--sides must name the example or the one process (what the others are compared with), of {','.join(SIDES)}")
-    if ("local-adam-args" in wanted) != bool(args.local_args):
-        parser.error("--sides local-adam-args and --local-args go together (the side runs `local` with those flags)")
+    if bool({"local-adam-args", "local-steps-args"} & set(wanted)) != bool(args.local_args):
+        parser.error("--sides local-adam-args or local-steps-args and --local-args go together (the side runs `local` with those flags)")
     root = Path(tempfile.mkdtemp(prefix="rpcps-bench-vs-"))
     sides: dict[str, Callable[[int], float]] = {}
     if "one" in wanted:
@@ -165,7 +167,10 @@ def main() -> int:
         extra = shlex.split(args.local_args)
         sides[f"rpcps defaults (Adam), {args.local_args}"] = lambda i: rpcps(preset, args.workers, root, f"adam-args-{i}", extra)
     if "local-steps" in wanted:
-        sides[LOCAL_STEPS_SIDE] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-{i}")
+        sides[LOCAL_STEPS_SIDE] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-{i}", LOCAL_STEPS_SIDE, [])
+    if "local-steps-args" in wanted:
+        name = f"{LOCAL_STEPS_SIDE}, {args.local_args}"
+        sides[name] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-args-{i}", name, shlex.split(args.local_args))
     if "hand" in wanted:
         sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
     if "hand-setsid" in wanted:

@@ -92,6 +92,15 @@ class PullReply(WireRecord):
     buffers: list[torch.Tensor] | None = None
     """The model's buffers in signature order and their own dtypes, with every full pull from the
     shard that holds them (shard 0); None for a model without buffers."""
+    applied_floor: int = -1
+    """With ``chunks``: every step of the pulling slot up to this one is in them (or was recorded
+    without an update)..."""
+    applied_above: tuple[int, ...] = ()
+    """...and so are these above it. A reply may carry the slot's later pushes too (they were applied
+    before it was sent): overlapped local steps put back on top only the rounds that are not in it."""
+
+    def holds_step(self, step: int) -> bool:
+        return step <= self.applied_floor or step in self.applied_above
 
 
 @dataclass(frozen=True)

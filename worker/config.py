@@ -71,6 +71,12 @@ class WorkerConfig:
         choices=lambda: sorted(INNER_OPTIMIZERS),
     )
     inner_lr: float = setting(1e-3, help="with --mode local-steps: the inner optimizer's learning rate")
+    overlap_rounds: bool = setting(
+        True,
+        help="with --mode local-steps: compute the next round while the last round's delta is on the wire, and fold "
+        "its reply's parameters in between two inner steps, this worker's progress since kept on top (off: each round "
+        "waits for that reply)",
+    )
     pause_poll_s: float = 0.5
     """How often a paused worker asks whether training resumed."""
 

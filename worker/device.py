@@ -213,6 +213,16 @@ class ParameterSink:
             for mine, theirs in zip(self.flat, chunks):
                 mine.copy_(theirs)
 
+    def subtract(self, chunks: list[torch.Tensor]) -> None:
+        """Subtracts flat ``chunks`` (this shard's layout, e.g. a round's delta as pushed) from the parameters."""
+        with torch.no_grad():
+            if self.flat is not None:
+                for mine, theirs in zip(self.flat, chunks):
+                    mine.sub_(theirs)
+                return
+            for view, p in zip(self.layout.views(chunks), self.params):
+                p.sub_(view.to(p.device, p.dtype, non_blocking=True))
+
     def _adoptable(self, chunk: torch.Tensor) -> bool:
         """A plain CPU tensor of the wire's dtype that is all of its storage (a view into a larger
         buffer would keep the rest of that buffer alive as long as the model uses it)."""

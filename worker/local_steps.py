@@ -9,6 +9,8 @@ live in this process only: a restarted worker starts them afresh (docs/FAULT_TOL
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rpcps.optim_kernels import fast_kernel
@@ -21,11 +23,22 @@ class RoundStart:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
         self.origin = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+        self._index = {id(p): i for i, p in enumerate(params)}
 
     def begin(self) -> None:
         with torch.no_grad():
             for o, p in zip(self.origin, self.params):
                 o.copy_(p)
+
+    def rebase(self, params: list[torch.Tensor], load: Callable[[], None]) -> None:
+        """Moves ``params`` (some of the model's) to a new start: ``load()`` sets them to it, and the
+        round's progress so far is put back on top, so the round's delta stays what its inner steps did."""
+        with torch.no_grad():
+            progress = [p - self.origin[self._index[id(p)]] for p in params]
+            load()
+            for p, moved in zip(params, progress):
+                self.origin[self._index[id(p)]].copy_(p)
+                p.add_(moved)
 
     def deltas_as_grads(self) -> None:
         """Sets each parameter's ``.grad`` to ``start - now`` (the copy becomes it: one buffer per round)."""

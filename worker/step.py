@@ -11,6 +11,7 @@ what a push does is the trainer's (``StepSink``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +30,24 @@ class StepSink(Protocol):
     def skip_step(self, step: Step) -> None: ...
 
     def zero_grad_step(self, step: Step) -> None: ...
+
+    def between_micro_batches(self, step: Step) -> None: ...
+
+
+class MicroBatches(list[Any]):
+    """A step's micro-batches; iterating them calls ``between`` before each one after the first, once
+    the code computing the step has finished with the one before (overlapped local steps fold the
+    last round's reply into the parameters there)."""
+
+    def __init__(self, batches: list[Any], between: Callable[[], None]) -> None:
+        super().__init__(batches)
+        self._between = between
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, batch in enumerate(super().__iter__()):
+            if i:
+                self._between()
+            yield batch
 
 
 def loss_value(loss: torch.Tensor | float | None) -> float | None:
@@ -61,8 +80,10 @@ class Step:
 
     @property
     def micro_batches(self) -> list[Any]:
-        """The step's micro-batches (one, the batch itself, without accumulation)."""
-        return list(self.batch) if self.accumulate > 1 else [self.batch]
+        """The step's micro-batches (one, the batch itself, without accumulation). In --mode local-steps
+        with --overlap-rounds on, the parameters may change between them (the last round's reply folded
+        in, this round's progress kept on top), as an optimizer step changes them."""
+        return MicroBatches(list(self.batch) if self.accumulate > 1 else [self.batch], lambda: self._sink.between_micro_batches(self))
 
     def push(self, loss: torch.Tensor | float | None = None) -> None:
         """Sends the step's gradients (what backward accumulated since the step began) to the servers,

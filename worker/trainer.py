@@ -291,8 +291,17 @@ class Trainer:
             raise ValueError(f"--local-steps needs a server in --mode local-steps; this one runs --mode {self.mode}")
         owned = partition(self.signature, first.shard_count)
         self.shards: list[ShardLink] = []
-        # A round starts from the parameters its own delta produced (DiLoCo): one push on the wire.
-        window = 1 if self.mode in (Mode.SYNC, Mode.LOCAL_STEPS) else config.max_in_flight
+        # A round starts from the parameters its own delta produced (DiLoCo): one push on the wire;
+        # with overlapped rounds, from those of the round before, its own last round kept on top.
+        if self.mode == Mode.LOCAL_STEPS:
+            window = 2 if config.overlap_rounds else 1
+        else:
+            window = 1 if self.mode == Mode.SYNC else config.max_in_flight
+        self._overlapped_rounds = self.mode == Mode.LOCAL_STEPS and window > 1
+        if self._overlapped_rounds and config.topk_ratio is not None:
+            # Error feedback keeps unsent progress out of both the wire and the deltas put back on top.
+            raise ValueError("--overlap-rounds on with --topk-ratio: top-k's error feedback is not supported with "
+                             "overlapped rounds; set --overlap-rounds off")
         for client, reg, indices in zip(clients, registrations, owned):
             layout = FlatLayout(ModelSignature(tuple(self.signature.params[i] for i in indices)), reg.chunk_bytes)
             if layout.chunk_numels != tuple(reg.chunk_numels):
@@ -544,6 +553,29 @@ class Trainer:
             if buffers is not None:
                 link.stager.bind(buffers)
 
+    def between_micro_batches(self, step: Step) -> None:
+        """Overlapped local steps: the last round's reply, once it is here, is folded in between two
+        inner steps rather than at the next round (which would compute a whole round on parameters
+        that miss the other workers' last deltas); the round's own progress stays on top."""
+        if not self._overlapped_rounds or step.replay or self._round is None:
+            return
+        while self._in_flight and self._in_flight[0].future.done():
+            self._complete_oldest()
+        state: _OpenStep = step._state
+        for link in state.shards:
+            pending = link.pending
+            if pending is None:
+                continue
+            link.pending = None
+            self._round.rebase(link.params, lambda link=link, pending=pending: self._take_reply(link, pending))
+
+    def _take_reply(self, link: ShardLink, reply: PullReply) -> None:
+        """Loads the parameters of a pull or a push reply (overlapped local steps: with this worker's
+        rounds still on the wire on top)."""
+        self._load(link, reply)
+        if self._overlapped_rounds:
+            self._keep_unanswered_rounds(link, reply)
+
     def _end_step(self, step: Step, comm: float, loss: float | None) -> None:
         # The buffers belong to the window now: a caller's zero_grad must not reach them.
         for p in self.params:
@@ -585,7 +617,7 @@ class Trainer:
         stale = [link for link in shards if link.fresh_as_of < as_of]
         for link in shards:
             if link.fresh_as_of >= as_of and link.pending is not None:
-                self._load(link, link.pending)
+                self._take_reply(link, link.pending)
             link.pending = None
         while stale:
             replies = self._with_retries(lambda: self._pull_all(stale))
@@ -593,7 +625,7 @@ class Trainer:
             for link, reply in zip(stale, replies):
                 self._note_stop(reply)
                 if reply.chunks is not None:
-                    self._load(link, reply)
+                    self._take_reply(link, reply)
                 link.fresh_as_of = max(link.fresh_as_of, self.step)  # pulled now
                 paused = paused or reply.paused
             if not paused or self._stop.is_set():
@@ -612,6 +644,19 @@ class Trainer:
         for link in shards:
             while not self._stop.is_set() and link.fresh_as_of < as_of and self._unanswered(link):
                 self._complete_oldest()
+
+    def _keep_unanswered_rounds(self, link: ShardLink, reply: PullReply) -> None:
+        """Overlapped local steps: the parameters just loaded are the server's after some rounds of
+        this worker; its rounds still on the wire that they do not hold (the reply says which it
+        holds) are this worker's progress since, put back on top (each pushed delta is ``start -
+        end``, so the parameters become the server's minus them: Kale et al. 2025's eager update,
+        each worker's own delta standing in for its share of the outer steps to come). A skipped
+        round sent no delta (its buffers hold nothing of it): its progress is dropped, as the next
+        reply drops it without overlap."""
+        skipped = (1 << len(link.params)) - 1
+        for item in self._in_flight:
+            if item.shard == link.index and item.absent != skipped and not reply.holds_step(item.seq):
+                link.sink.subtract(item.buffers)
 
     def _unanswered(self, link: ShardLink) -> int:
         return sum(1 for item in self._in_flight if item.shard == link.index)

@@ -252,7 +252,9 @@ class WorkerService:
             if have_version == server.version or server.finishing:
                 self.metrics.pulls_unchanged.inc()
                 return PullReply(server.version, None, server.paused, server.finishing)
-            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused, buffers=server.buffers.for_pull_locked())
+            floor, above = record.tracker.processed()
+            reply = PullReply(server.version, server.params_for_pull_locked(), server.paused, buffers=server.buffers.for_pull_locked(),
+                              applied_floor=floor, applied_above=above)
         self.metrics.pulls_full.inc()
         self.metrics.param_bytes.inc(server.pull_bytes)
         self.metrics.pull_seconds.observe(time.perf_counter() - started)

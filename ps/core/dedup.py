@@ -25,6 +25,10 @@ class SequenceTracker:
             self.floor += 1
             self._above.remove(self.floor)
 
+    def processed(self) -> tuple[int, tuple[int, ...]]:
+        """(floor, the processed seqs above it, sorted)."""
+        return self.floor, tuple(sorted(self._above))
+
     @property
     def pending_above_floor(self) -> int:
         return len(self._above)

@@ -34,10 +34,11 @@ RTOL, ATOL = 1e-5, 1e-6
 MOVED = 1e-2
 
 
-def reference_adam(steps: int, lr: float) -> dict[str, torch.Tensor]:
-    """One process, ``torch.optim.Adam`` (fused, as the server builds it), one worker's batches in order."""
+def reference_adam(steps: int, lr: float, kind: type[torch.optim.Optimizer] = torch.optim.Adam) -> dict[str, torch.Tensor]:
+    """One process, ``torch.optim.Adam`` (or ``kind``; fused, as the server and a local-steps worker build
+    them), one worker's batches in order."""
     model = teacher_student_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+    optimizer = kind(model.parameters(), lr=lr, fused=True)
     data = TeacherStudentData(0, 1)
     for step in range(steps):
         inputs, targets = data.batch(step)
@@ -60,7 +61,9 @@ def reference_sgd(steps: int, workers: int, lr: float, momentum: float = 0.0) ->
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def run_local(procs: ProcessGroup, run_dir: Path, *args: str, sync: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+def run_local(
+    procs: ProcessGroup, run_dir: Path, *args: str, sync: bool = True, env: dict[str, str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
     """A sync SGD ``rpcps local`` run to its end (``sync=False``: the async defaults); returns (final
     parameters from its checkpoint, its summary)."""
     summary = run_dir / "summary.json"
@@ -68,7 +71,7 @@ def run_local(procs: ProcessGroup, run_dir: Path, *args: str, sync: bool = True)
     local = procs.start(run_dir.name, [
         "local", *mode, "--run-dir", run_dir,
         "--checkpoint-dir", run_dir / "ckpt", "--summary-json", summary, "--progress-s", "60", *args,
-    ])
+    ], env=env)
     assert local.wait(100) == 0, local.tail()
     return snapshot_parameters(run_dir / "ckpt"), json.loads(summary.read_text())
 
@@ -116,3 +119,28 @@ def test_one_async_worker_on_defaults_equals_one_process(procs: ProcessGroup, tm
                                 sync=False)
     assert (summary["server"]["model_version"], summary["max_staleness"]) == (steps, 0), summary["server"]
     assert_same_parameters(params, reference_adam(steps, lr))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_one_local_steps_worker_equals_one_process_with_rounds_overlapped_or_not(
+    procs: ProcessGroup, tmp_path: Path, overlap: str
+) -> None:
+    """A lone local-steps worker on defaults has each delta applied whole (outer lr 1, no momentum),
+    so the server lands where its inner steps did: one process's AdamW. With ``--overlap-rounds on``
+    the next round starts before the last one's reply, which is folded in later (mid-round or at the
+    next round) with the worker's progress since kept on top; the result is the same. The server holds
+    its third update 2 s (a fail point: a slow server), so the worker really computes a round while
+    its last one is unanswered, and that reply may carry the next round too. A fold that dropped the
+    progress, or put back a round the reply already held, loses or repeats 4 inner steps."""
+    rounds, h, lr = 12, 4, 0.01
+    run_dir = tmp_path / f"overlap-{overlap}"
+    params, summary = run_local(
+        procs, run_dir, "--workers", "1", "--steps", str(rounds), "--mode", "local-steps",
+        "--local-steps", str(h), "--inner-lr", str(lr), "--overlap-rounds", overlap, sync=False,
+        env={"RPCPS_FAILPOINTS": f"server.after_apply=hold-2@3:{tmp_path / 'slow-reply'}"},
+    )
+    assert summary["server"]["rounds"] == summary["server"]["model_version"] == rounds
+    # A round computed while the one before was unanswered started from parameters an update older.
+    assert summary["max_staleness"] == (1 if overlap == "on" else 0), summary["server"]
+    assert_same_parameters(params, reference_adam(rounds * h, lr, torch.optim.AdamW))  # the inner optimizer, one batch each

@@ -123,6 +123,25 @@ def test_parameter_sink_loads_parameter_by_parameter_when_the_wire_is_narrower()
     assert all(torch.equal(p, torch.ones_like(p)) for p in model.parameters())
 
 
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_parameter_sink_subtracts_a_pushed_delta_from_what_it_loaded(wire: torch.dtype) -> None:
+    """Overlapped local steps: the parameters become the loaded ones minus a round still on the wire,
+    on the flat path (after adopting the pulled chunks, which the model then owns) and parameter by parameter."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    params = list(model.parameters())
+    layout = FlatLayout(ModelSignature.of_module(model), chunk_bytes=4 << 20)
+    sink = ParameterSink(layout, params, wire)
+    assert (sink.flat is not None) == (wire == torch.float32)
+    pulled = [torch.randn(n).to(wire) for n in layout.chunk_numels]
+    delta = [torch.randn(n).to(wire) for n in layout.chunk_numels]
+    expected = [(a.float() - d.float()) for a, d in zip(layout.views(pulled), layout.views(delta))]
+    sink.load(pulled)
+    sink.subtract(delta)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e.view_as(p), rtol=0, atol=0)
+
+
 def test_bound_buffers_receive_the_same_gradients_backward_would_make() -> None:
     torch.manual_seed(0)
     model = teacher_student_model()

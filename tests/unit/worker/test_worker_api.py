@@ -50,6 +50,9 @@ class _Sink:
     def zero_grad_step(self, step: Step) -> None:
         self.calls.append(("zero", step.index, None))
 
+    def between_micro_batches(self, step: Step) -> None:
+        self.calls.append(("between", step.index, None))
+
 
 def test_a_step_ends_once_and_reports_its_loss_as_a_number() -> None:
     sink = _Sink()
@@ -62,6 +65,18 @@ def test_a_step_ends_once_and_reports_its_loss_as_a_number() -> None:
     step.zero_grad()  # after the end: nothing left to clear
     assert sink.calls == [("zero", 3, None), ("push", 3, 1.5)]
     assert Step(4, ("x", "y"), True, 1, sink).micro_batches == [("x", "y")]
+
+
+def test_the_sink_hears_between_micro_batches_once_the_one_before_is_done() -> None:
+    """Overlapped local steps fold a reply into the parameters there: never before the first
+    micro-batch, never after the last, and only as the loop asks for the next one."""
+    sink = _Sink()
+    step = Step(5, ["a", "b", "c"], False, 3, sink)
+    seen = []
+    for batch in step.micro_batches:
+        seen.append((batch, len(sink.calls)))
+    assert seen == [("a", 0), ("b", 1), ("c", 2)] and sink.calls == [("between", 5, None)] * 2
+    assert list(Step(6, "x", False, 1, sink).micro_batches) == ["x"] and len(sink.calls) == 2
 
 
 class _Training:

@@ -505,3 +505,15 @@ def test_a_push_to_a_standby_taking_over_waits_for_it_to_serve(server: Parameter
         with pytest.raises(NotPrimary):
             server.push(0, incarnation, 0, 0, _good_chunks(server))
     assert promotion.waited == [PROMOTION_WAIT_S]
+
+
+def test_a_full_pull_says_which_of_the_slots_steps_its_parameters_hold(server: ParameterServer) -> None:
+    """Overlapped local steps put back on top only the rounds a reply does not hold: steps 0, 1 and 3
+    applied (3 ahead of 2, as a window lets it arrive), 2 not yet."""
+    incarnation = _register(server)
+    for seq in (0, 1, 3):
+        server.push(0, incarnation, seq, server.version, _good_chunks(server, seq))
+    reply = server.pull(0, incarnation, -1)
+    assert (reply.applied_floor, reply.applied_above) == (1, (3,))
+    assert [reply.holds_step(s) for s in range(5)] == [True, True, False, True, False]
+    assert server.pull(1, _register(server, 1), -1).applied_floor == -1  # another slot: none of its steps
