@@ -122,9 +122,9 @@ def test_one_async_worker_on_defaults_equals_one_process(procs: ProcessGroup, tm
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize(("overlap", "shards"), [("off", 1), ("on", 2)])
 def test_one_local_steps_worker_equals_one_process_with_rounds_overlapped_or_not(
-    procs: ProcessGroup, tmp_path: Path, overlap: str
+    procs: ProcessGroup, tmp_path: Path, overlap: str, shards: int
 ) -> None:
     """A lone local-steps worker on defaults has each delta applied whole (outer lr 1, no momentum),
     so the server lands where its inner steps did: one process's AdamW. With ``--overlap-rounds on``
@@ -132,15 +132,16 @@ def test_one_local_steps_worker_equals_one_process_with_rounds_overlapped_or_not
     next round) with the worker's progress since kept on top; the result is the same. The server holds
     its third update 2 s (a fail point: a slow server), so the worker really computes a round while
     its last one is unanswered, and that reply may carry the next round too. A fold that dropped the
-    progress, or put back a round the reply already held, loses or repeats 4 inner steps."""
+    progress, or put back a round the reply already held, loses or repeats 4 inner steps. Two shards
+    with overlap: each shard's reply is folded into its own parameters (the hold delays one of them)."""
     rounds, h, lr = 12, 4, 0.01
     run_dir = tmp_path / f"overlap-{overlap}"
     params, summary = run_local(
         procs, run_dir, "--workers", "1", "--steps", str(rounds), "--mode", "local-steps",
-        "--local-steps", str(h), "--inner-lr", str(lr), "--overlap-rounds", overlap, sync=False,
+        "--local-steps", str(h), "--inner-lr", str(lr), "--overlap-rounds", overlap, "--shards", str(shards), sync=False,
         env={"RPCPS_FAILPOINTS": f"server.after_apply=hold-2@3:{tmp_path / 'slow-reply'}"},
     )
-    assert summary["server"]["rounds"] == summary["server"]["model_version"] == rounds
+    assert [(s["rounds"], s["model_version"]) for s in summary["shards"]] == [(rounds, rounds)] * shards
     # A round computed while the one before was unanswered started from parameters an update older.
     assert summary["max_staleness"] == (1 if overlap == "on" else 0), summary["server"]
     assert_same_parameters(params, reference_adam(rounds * h, lr, torch.optim.AdamW))  # the inner optimizer, one batch each
