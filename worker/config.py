@@ -75,7 +75,7 @@ class WorkerConfig:
         True,
         help="with --mode local-steps: compute the next round while the last round's delta is on the wire, and fold "
         "its reply's parameters in between two inner steps, this worker's progress since kept on top (off: each round "
-        "waits for that reply)",
+        "waits for that reply; always off with --topk-ratio)",
     )
     pause_poll_s: float = 0.5
     """How often a paused worker asks whether training resumed."""

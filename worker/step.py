@@ -49,6 +49,9 @@ class MicroBatches(list[Any]):
                 self._between()
             yield batch
 
+    def __reduce__(self) -> tuple[type[list[Any]], tuple[list[Any]]]:
+        return list, (list(super().__iter__()),)  # pickled (a DataLoader, torch.save) as the plain list it is
+
 
 def loss_value(loss: torch.Tensor | float | None) -> float | None:
     """The number a push reports for ``loss`` (a one-element tensor or a float; None: not reported)."""

@@ -294,14 +294,14 @@ class Trainer:
         # A round starts from the parameters its own delta produced (DiLoCo): one push on the wire;
         # with overlapped rounds, from those of the round before, its own last round kept on top.
         if self.mode == Mode.LOCAL_STEPS:
-            window = 2 if config.overlap_rounds else 1
+            # Top-k's error feedback keeps progress off the wire that a fold could not put back.
+            overlap = config.overlap_rounds and config.topk_ratio is None
+            if config.overlap_rounds and not overlap:
+                logger.info("rounds are not overlapped with --topk-ratio: each round waits for the last one's reply")
+            window = 2 if overlap else 1
         else:
             window = 1 if self.mode == Mode.SYNC else config.max_in_flight
         self._overlapped_rounds = self.mode == Mode.LOCAL_STEPS and window > 1
-        if self._overlapped_rounds and config.topk_ratio is not None:
-            # Error feedback keeps unsent progress out of both the wire and the deltas put back on top.
-            raise ValueError("--overlap-rounds on with --topk-ratio: top-k's error feedback is not supported with "
-                             "overlapped rounds; set --overlap-rounds off")
         for client, reg, indices in zip(clients, registrations, owned):
             layout = FlatLayout(ModelSignature(tuple(self.signature.params[i] for i in indices)), reg.chunk_bytes)
             if layout.chunk_numels != tuple(reg.chunk_numels):
@@ -557,14 +557,15 @@ class Trainer:
         """Overlapped local steps: the last round's reply, once it is here, is folded in between two
         inner steps rather than at the next round (which would compute a whole round on parameters
         that miss the other workers' last deltas); the round's own progress stays on top."""
-        if not self._overlapped_rounds or step.replay or self._round is None:
-            return
+        if not self._overlapped_rounds or step.replay or self._round is None or step is not self.current or step.ended:
+            return  # after push() the round's start holds its delta: nothing to fold into
         while self._in_flight and self._in_flight[0].future.done():
             self._complete_oldest()
         state: _OpenStep = step._state
         for link in state.shards:
             pending = link.pending
-            if pending is None:
+            # A gradient not yet stepped on was computed on the parameters as they are: fold later.
+            if pending is None or any(p.grad is not None for p in link.params):
                 continue
             link.pending = None
             self._round.rebase(link.params, lambda link=link, pending=pending: self._take_reply(link, pending))
@@ -956,6 +957,11 @@ class Trainer:
             self._redo.append(item)
             return
         self._rejects_in_a_row = 0
+        if self._overlapped_rounds and link.pending is not None and not link.pending.holds_step(item.seq):
+            # This round left the window but the kept reply misses it (its own reply brought no
+            # parameters): folding that one would drop the round; the worker keeps its own until a
+            # reply that holds it.
+            link.pending = None
         if reply.status == PushStatus.APPLIED:
             self._acked.note(item.shard, item.seq, reply.version, item.batch)
             self.stats.applied += 1

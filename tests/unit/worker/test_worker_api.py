@@ -6,6 +6,7 @@ tests/integration/worker/test_own_loop.py.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -77,6 +78,8 @@ def test_the_sink_hears_between_micro_batches_once_the_one_before_is_done() -> N
         seen.append((batch, len(sink.calls)))
     assert seen == [("a", 0), ("b", 1), ("c", 2)] and sink.calls == [("between", 5, None)] * 2
     assert list(Step(6, "x", False, 1, sink).micro_batches) == ["x"] and len(sink.calls) == 2
+    copied = pickle.loads(pickle.dumps(step.micro_batches))  # a DataLoader worker, torch.save: the plain list
+    assert type(copied) is list and copied == ["a", "b", "c"] and len(sink.calls) == 2
 
 
 class _Training:
