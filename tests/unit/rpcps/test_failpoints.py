@@ -46,7 +46,18 @@ def test_processes_reaching_a_point_side_by_side_count_every_hit(tmp_path: Path)
     env = {**os.environ, "PYTHONPATH": str(REPO), failpoints.ENV: f"server.after_apply=kill@100000:{marker}"}
     racers = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
     assert [r.wait(60) for r in racers] == [0, 0, 0]
-    assert Path(f"{marker}.count").read_text() == "900"
+    assert int(Path(f"{marker}.count").read_text()) == 900
+
+
+def test_a_count_is_rewritten_in_place_at_a_fixed_width_and_goes_on_from_an_older_file(tmp_path: Path) -> None:
+    """The count file is never truncated: a process killed mid-update leaves the old count or the new
+    one, never an empty file that would start the run's count again (CI run 42: 557 of 1017 hits
+    counted after a kill landed between the old code's truncate and write)."""
+    marker = tmp_path / "fp.fired"
+    Path(f"{marker}.count").write_text("41")  # the unpadded form older runs wrote
+    point = failpoints._Point(1000, str(marker))
+    assert [point.count() for _ in range(2)] == [42, 43]
+    assert Path(f"{marker}.count").read_text() == "000000000043"
 
 
 def test_a_bad_spec_names_the_points() -> None:
