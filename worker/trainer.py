@@ -196,6 +196,11 @@ class ShardLink:
     version: int = -1
     pending: PullReply | None = None
     """The newest parameters a push reply brought that are not loaded yet."""
+
+    @property
+    def all_absent(self) -> int:
+        """The presence mask of a push that moves none of this shard's parameters (a skipped step)."""
+        return (1 << len(self.params)) - 1
     fresh_as_of: int = -1
     """The newest parameters received (loaded or pending) are the server's as of this step: the
     reply to push t brings them as of step t + 1, a pull made for step t as of step t."""
@@ -536,7 +541,7 @@ class Trainer:
             payload: list[Any] = [torch.zeros(n, dtype=wire) for n in link.layout.chunk_numels]
             if link.index == 0 and self.model_buffers:
                 payload += self.model_buffers.for_push()
-            absent = (1 << len(link.params)) - 1
+            absent = link.all_absent
             self._send(_InFlight(step.index, link.index, link.version, buffers, None, step.batch, payload, absent=absent))
         self.metrics.steps_skipped.inc()
         self._end_step(step, comm, None)
@@ -654,9 +659,8 @@ class Trainer:
         each worker's own delta standing in for its share of the outer steps to come). A skipped
         round sent no delta (its buffers hold nothing of it): its progress is dropped, as the next
         reply drops it without overlap."""
-        skipped = (1 << len(link.params)) - 1
         for item in self._in_flight:
-            if item.shard == link.index and item.absent != skipped and not reply.holds_step(item.seq):
+            if item.shard == link.index and item.absent != link.all_absent and not reply.holds_step(item.seq):
                 link.sink.subtract(item.buffers)
 
     def _unanswered(self, link: ShardLink) -> int:
