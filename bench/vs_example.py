@@ -113,21 +113,17 @@ def rpcps_local_steps(p: Preset, workers: int, root: Path, tag: str, side: str, 
     return run.steady_updates_per_s() * LOCAL_STEPS
 
 
-def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str], *, server_session: bool = False) -> float:
-    """``server_session``: the server in a session of its own (``setsid``), as ``local`` starts every child;
-    this kernel's autogroup scheduling shares CPU time between sessions first (docs/BENCHMARKS.md)."""
-    wrapper = (lambda argv: ["setsid", *argv]) if server_session else None
-    run = run_by_hand(root / tag, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra,
-                      server_wrapper=wrapper)
+def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
+    run = run_by_hand(root / tag, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps, extra=extra)
     return run.steady_updates_per_s()
 
 
-SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "local-adam-args", "hand", "hand-setsid",
-         "local-steps", "local-steps-args")
+SIDES = ("one", "example", "local-sgd", "local-adam", "local-adam-unpredicted", "local-adam-args", "hand", "local-steps",
+         "local-steps-args")
 """What ``--sides`` may name: the one process, the example design (each of --example-transports),
 ``local`` with SGD, with its defaults, with its defaults but weight prediction off (what the
 default staleness remedy costs), with its defaults and ``--local-args`` (what another setting
-costs), rpcps started by hand with SGD (``hand-setsid``: its server in a session of its own), and
+costs), rpcps started by hand with SGD (as README's cluster section starts it, from one shell), and
 ``local`` in local-steps mode (H inner AdamW steps per push, equal samples), on its defaults and with
 ``--local-args``."""
 
@@ -173,10 +169,6 @@ def main() -> int:
         sides[name] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-args-{i}", name, shlex.split(args.local_args))
     if "hand" in wanted:
         sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
-    if "hand-setsid" in wanted:
-        sides["rpcps by hand, server in its own session"] = lambda i: rpcps_by_hand(
-            preset, args.workers, root, f"hand-setsid-{i}", SGD_ARGS, server_session=True
-        )
     runs: dict[str, list[float]] = {name: [] for name in sides}
     started = time.monotonic()
     for i in range(args.repeats):

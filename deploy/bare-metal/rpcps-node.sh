@@ -383,7 +383,7 @@ run_one() {
 # (0 when it finished or was stopped by a signal to this script).
 supervise() {
     local k=$1 name=${names[$1]} log=${logs[$1]}
-    local restarts=0 total=0 delay=$backoff_s rc started child=""
+    local restarts=0 total=0 delay=$backoff_s rc started child="" session
     local stopping=0
     trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
     [ -n "${envs[$k]}" ] && export "${envs[$k]?}"
@@ -392,10 +392,16 @@ supervise() {
         # rpcps ps reports this as rpcps_server_crash_restarts (what its own supervisor would set), so
         # the RpcpsServerCrashRestarted alert sees this launcher's restarts.
         [ "$name" = ps ] && export RPCPS_CRASH_RESTARTS=$total
+        # The server in a session of its own, as `rpcps ps` by hand and `rpcps local` start it: under
+        # the kernel's autogroup scheduling a session is a scheduling group, so the server's short
+        # bursts do not queue behind the workers' compute threads (ps/lifecycle/supervisor.py). A
+        # background job of this script leads no process group, so setsid execs in place: $! is the server.
+        session=""
+        [ "$name" = ps ] && command -v setsid >/dev/null && session="setsid "
         if [ "$log" = - ]; then
-            eval "${cmds[$k]} &"
+            eval "$session${cmds[$k]} &"
         else
-            eval "${cmds[$k]} >>\"\$log\" 2>&1 &"
+            eval "$session${cmds[$k]} >>\"\$log\" 2>&1 &"
         fi
         child=$!
         note "$name" "$log" "started pid $child: ${cmds[$k]}"

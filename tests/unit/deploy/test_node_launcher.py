@@ -36,7 +36,8 @@ STUB = textwrap.dedent(
         *) who=$(echo "$*" | sed -n 's/.*--worker-index \([0-9]*\).*/\1/p') ;;
     esac
     env_json=$(env | grep -E '^(RPCPS_|LOCAL_RANK=|TP_SOCKET_IFNAME=)' | sort | sed 's/"/\\"/g; s/.*/"&"/' | paste -sd, -)
-    printf '{"who": "%s", "pid": %d, "args": "%s", "env": [%s], "data_limit_kb": "%s"}\n' "$who" $$ "$*" "$env_json" "$(ulimit -d)" >> "$dir/starts"
+    read -r -a stat < "/proc/$$/stat"  # field 6: the session (the stub's name has no spaces)
+    printf '{"who": "%s", "pid": %d, "sid": %d, "args": "%s", "env": [%s], "data_limit_kb": "%s"}\n' "$who" $$ "${stat[5]}" "$*" "$env_json" "$(ulimit -d)" >> "$dir/starts"
     codes="$dir/codes.$who"
     code=$(head -n 1 "$codes" 2>/dev/null)
     [ -f "$codes" ] && sed -i 1d "$codes"
@@ -244,6 +245,21 @@ def test_the_launcher_is_the_servers_only_restarter_and_reports_its_restarts_to_
     assert all("--supervise off" in s["args"] for s in starts), [s["args"] for s in starts]
     assert [[v for v in s["env"] if v.startswith("RPCPS_CRASH_RESTARTS=")] for s in starts] == [
         ["RPCPS_CRASH_RESTARTS=0"], ["RPCPS_CRASH_RESTARTS=1"], ["RPCPS_CRASH_RESTARTS=2"]]
+
+
+def test_the_server_runs_in_a_session_of_its_own_and_the_workers_in_the_launchers(stub: Stub) -> None:
+    """Under autogroup scheduling a session is a scheduling group: the server's bursts must not queue
+    behind the workers' compute (ps/lifecycle/supervisor.py). Its restarts too; and the pid the
+    launcher waits on and signals is the server's own (setsid execs in place)."""
+    stub.script("ps", 137, 0)
+    assert stub.run("server").returncode == 0
+    servers = stub.starts("ps")
+    assert len(servers) == 2 and all(s["sid"] == s["pid"] for s in servers), servers
+    log = (stub.logs / "ps.log").read_text()
+    assert all(f"started pid {s['pid']}:" in log for s in servers), log
+    assert stub.run("workers", "--ps", "ps-0:29500").returncode == 0
+    worker = stub.starts("0")[0]
+    assert worker["sid"] != worker["pid"], worker
 
 
 def test_backoff_doubles_up_to_its_maximum(stub: Stub) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.procs import pid_alive, wait_until
+from harness.procs import pid_alive, pid_stopped, wait_until
 from ps.lifecycle import supervisor
 from ps.lifecycle.supervisor import QUICK_CRASH_S, RestartBackoff, Supervisor
 
@@ -93,6 +93,41 @@ def test_killing_the_supervisor_takes_its_child_along(tmp_path: Path) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         wait_until(lambda: not pid_alive(child), 10, "the orphaned child to die with its supervisor")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _supervised_child(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """The supervisor run as ``ps.runner`` runs it, over the stand-in child; returns it and the child's pid."""
+    log = tmp_path / "children.log"
+    proc = subprocess.Popen([sys.executable, "-P", str(Path(supervisor.__file__)), "--", sys.executable, "-c", CHILD, str(log), "serve"])
+    line = wait_until(lambda: log.exists() and log.read_text().strip(), 30, "the child to start")
+    return proc, int(line.split()[1])
+
+
+def test_the_child_runs_in_a_session_of_its_own_and_a_hangup_stops_it_cleanly(tmp_path: Path) -> None:
+    proc, child = _supervised_child(tmp_path)
+    try:
+        # Its own scheduling group under autogroup; not in the terminal's process group either.
+        assert os.getsid(child) == child != os.getsid(proc.pid)
+        os.kill(proc.pid, signal.SIGHUP)  # the terminal closed: the child is told to stop (its final snapshot)
+        assert proc.wait(30) == 0  # the stand-in child exits 0 on SIGTERM only
+        assert not pid_alive(child)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ctrl_z_stops_the_child_with_the_supervisor_and_fg_continues_both(tmp_path: Path) -> None:
+    proc, child = _supervised_child(tmp_path)
+    try:
+        os.kill(proc.pid, signal.SIGTSTP)
+        wait_until(lambda: pid_stopped(child) and pid_stopped(proc.pid), 10, "the child and its supervisor to stop")
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_until(lambda: not pid_stopped(child) and not pid_stopped(proc.pid), 10, "both to continue")
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
     finally:
         proc.kill()
         proc.wait()
