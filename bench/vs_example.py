@@ -4,7 +4,7 @@
     python -m bench.vs_example                      # the 5M MLP, batch 64, 2 workers x 300 steps, ~4 min
     python -m bench.vs_example --preset tiny        # the 22k teacher-student MLP, batch 64, 2 workers x 3000 steps
     python -m bench.vs_example --sides example,local-sgd,hand   # with rpcps started by hand, without local
-    python -m bench.vs_example --preset tiny --sides one,example,local-steps   # local steps (H=8) at equal samples
+    python -m bench.vs_example --preset tiny --sides one,example,local-steps   # local steps (H=8; --local-steps 8,16: a side per H) at equal samples
     python -m bench.vs_example --preset charlm --workers 1 --sides one,local-sgd   # the byte-level transformer, one worker
     python -m bench.vs_example --sides example,local-adam,local-adam-args --local-args "--max-in-flight 1"   # a setting's cost
 
@@ -45,6 +45,7 @@ from pathlib import Path
 
 from bench.common import local_argv, print_table, run_by_hand, run_local, run_ranks, steady_rate
 from rpcps.ports import free_port
+from worker.config import DEFAULT_LOCAL_STEPS
 
 
 @dataclass(frozen=True)
@@ -96,21 +97,20 @@ def rpcps(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> fl
     return run_local(argv, run_dir, interval_s=0.5, scrape_workers=False).steady_updates_per_s()
 
 
-LOCAL_STEPS = 8
-"""H of the local-steps side."""
-LOCAL_STEPS_SIDE = f"rpcps --mode local-steps --local-steps {LOCAL_STEPS} (batches/s)"
+def local_steps_side(h: int) -> str:
+    return f"rpcps --mode local-steps --local-steps {h} (batches/s)"
 
 
-def rpcps_local_steps(p: Preset, workers: int, root: Path, tag: str, side: str, more: list[str]) -> float:
+def rpcps_local_steps(p: Preset, workers: int, root: Path, tag: str, side: str, h: int, more: list[str]) -> float:
     """Equal samples: steps / H rounds of H batches each. Returns batches/s (updates/s x H), the
     unit of the other sides' updates/s (one batch each); records the workers' final loss under ``side``."""
     run_dir = root / tag
-    extra = ["--mode", "local-steps", "--local-steps", str(LOCAL_STEPS), *more]
-    argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps // LOCAL_STEPS, extra=extra)
+    extra = ["--mode", "local-steps", "--local-steps", str(h), *more]
+    argv = local_argv(run_dir, model=p.model, data=p.data, loss=p.loss, workers=workers, steps=p.steps // h, extra=extra)
     run = run_local(argv, run_dir, interval_s=0.5, scrape_workers=False)
     losses = [w["final_loss"] for w in run.summary["workers"]]
     FINAL_LOSS.setdefault(side, []).append(sum(losses) / len(losses))
-    return run.steady_updates_per_s() * LOCAL_STEPS
+    return run.steady_updates_per_s() * h
 
 
 def rpcps_by_hand(p: Preset, workers: int, root: Path, tag: str, extra: list[str]) -> float:
@@ -128,6 +128,16 @@ costs), rpcps started by hand with SGD (as README's cluster section starts it, f
 ``--local-args``."""
 
 
+def _h_list(text: str) -> list[int]:
+    try:
+        hs = [int(h) for h in text.split(",")]
+    except ValueError:
+        hs = []
+    if not hs or min(hs) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers >= 1, comma-separated (e.g. 8,16)")
+    return hs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vs_example", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="5m")
@@ -136,6 +146,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--example-transports", default="default,uv", help="the example design's TensorPipe options: default, uv")
     parser.add_argument("--sides", default="one,example,local-sgd,local-adam", help=f"comma-separated, of {','.join(SIDES)}")
+    parser.add_argument("--local-steps", type=_h_list, default=[DEFAULT_LOCAL_STEPS],
+                        metavar="H[,H...]", help=f"H of the local-steps sides, a side per H (default: the product's, {DEFAULT_LOCAL_STEPS})")
     parser.add_argument("--local-args", default="", help="`rpcps local` flags of the local-adam-args or local-steps-args side, "
                         "e.g. '--max-in-flight 1'")
     args = parser.parse_args()
@@ -162,11 +174,15 @@ def main() -> int:
     if "local-adam-args" in wanted:
         extra = shlex.split(args.local_args)
         sides[f"rpcps defaults (Adam), {args.local_args}"] = lambda i: rpcps(preset, args.workers, root, f"adam-args-{i}", extra)
-    if "local-steps" in wanted:
-        sides[LOCAL_STEPS_SIDE] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-{i}", LOCAL_STEPS_SIDE, [])
-    if "local-steps-args" in wanted:
-        name = f"{LOCAL_STEPS_SIDE}, {args.local_args}"
-        sides[name] = lambda i: rpcps_local_steps(preset, args.workers, root, f"local-steps-args-{i}", name, shlex.split(args.local_args))
+    for h in args.local_steps:
+        ls_side = local_steps_side(h)
+        if "local-steps" in wanted:
+            sides[ls_side] = lambda i, h=h, side=ls_side: rpcps_local_steps(preset, args.workers, root, f"local-steps-{h}-{i}", side, h, [])
+        if "local-steps-args" in wanted:
+            name = f"{ls_side}, {args.local_args}"
+            sides[name] = lambda i, h=h, name=name: rpcps_local_steps(
+                preset, args.workers, root, f"local-steps-args-{h}-{i}", name, h, shlex.split(args.local_args)
+            )
     if "hand" in wanted:
         sides["rpcps by hand, --optimizer sgd"] = lambda i: rpcps_by_hand(preset, args.workers, root, f"hand-{i}", SGD_ARGS)
     runs: dict[str, list[float]] = {name: [] for name in sides}

@@ -146,6 +146,7 @@ class Supervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True
         self._signal_child(signal.SIGTERM)
+        self._signal_child(signal.SIGCONT)  # a child stopped by Ctrl-Z acts on SIGTERM once continued
 
     def _on_stop(self, signum: int, _frame: object) -> None:
         # Job control (Ctrl-Z): the child is in a session of its own, so it stops only when told.

@@ -119,13 +119,15 @@ def test_the_child_runs_in_a_session_of_its_own_and_a_hangup_stops_it_cleanly(tm
         proc.wait()
 
 
-def test_ctrl_z_stops_the_child_with_the_supervisor_and_fg_continues_both(tmp_path: Path) -> None:
+def test_ctrl_z_stops_the_child_with_the_supervisor_fg_continues_both_and_ctrl_c_ends_a_stopped_child(tmp_path: Path) -> None:
     proc, child = _supervised_child(tmp_path)
     try:
         os.kill(proc.pid, signal.SIGTSTP)
         wait_until(lambda: pid_stopped(child) and pid_stopped(proc.pid), 10, "the child and its supervisor to stop")
         os.kill(proc.pid, signal.SIGCONT)
         wait_until(lambda: not pid_stopped(child) and not pid_stopped(proc.pid), 10, "both to continue")
+        os.kill(child, signal.SIGSTOP)  # stopped on its own: Ctrl-C must still end it
+        wait_until(lambda: pid_stopped(child), 10, "the child to stop")
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
