@@ -4,6 +4,7 @@ the target is ready, training resumed and every worker stepping again (pure logi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -46,3 +47,32 @@ def test_a_kill_waiting_for_its_standby_holds_training_until_it_is_in_sync_and_t
     driver.step()
     assert signalled == ["ps"] and [str(kill) for kill, _ in driver.fired] == ["primary@10"]
     assert len(calls) == 3, "no pause after the kill"
+
+
+def test_the_driver_reads_each_replica_once_per_poll_and_polls_fast_only_near_a_planned_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "children.json").write_text(json.dumps({"ps": {"pid": os.getpid(), "metrics_port": 1}}))
+    metrics = {1: {"rpcps_server_model_version": 0}}
+    scrapes: list[int] = []
+    monkeypatch.setattr(faults, "try_scrape", lambda port: scrapes.append(port) or metrics[port])
+    monkeypatch.setattr(_Driver, "_signal", staticmethod(lambda _children, target, _sig: True))
+    clock = itertools.count()
+    monkeypatch.setattr(faults.time, "monotonic", lambda: float(next(clock)))  # a second per call: one per read here
+    driver = _Driver(ChaosPlan(workers=1, steps=1000, kills=(Kill("ps", 100),)), tmp_path, [["ps"]])
+
+    assert driver.poll_s() == faults.POLL_S, "nothing read yet: no rate to judge by"
+    driver.step()
+    assert scrapes == [1], "the version and the unreplicated updates come from one read"
+    metrics[1]["rpcps_server_model_version"] = 10  # 10 updates/s, the kill 90 away
+    driver.step()
+    assert driver.poll_s() == faults.IDLE_POLL_S
+    metrics[1]["rpcps_server_model_version"] = 96  # 86/s: the kill is due within NEAR_S
+    driver.step()
+    assert driver.poll_s() == faults.POLL_S
+    metrics[1]["rpcps_server_model_version"] = 100
+    driver.step()
+    assert [str(kill) for kill, _ in driver.fired] == ["ps@100"] and driver.poll_s() == faults.IDLE_POLL_S
+    lag = _Driver(ChaosPlan(workers=1, steps=1000, max_replica_lag=3), tmp_path, [["ps"]])
+    lag.step()
+    assert lag.poll_s() == faults.POLL_S, "a lag bound is sampled at the fast rate throughout"
