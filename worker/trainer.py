@@ -196,11 +196,6 @@ class ShardLink:
     version: int = -1
     pending: PullReply | None = None
     """The newest parameters a push reply brought that are not loaded yet."""
-
-    @property
-    def all_absent(self) -> int:
-        """The presence mask of a push that moves none of this shard's parameters (a skipped step)."""
-        return (1 << len(self.params)) - 1
     fresh_as_of: int = -1
     """The newest parameters received (loaded or pending) are the server's as of this step: the
     reply to push t brings them as of step t + 1, a pull made for step t as of step t."""
@@ -210,6 +205,11 @@ class ShardLink:
     """time.monotonic() of the first of the window's pushes that the primary the view still names
     answered ``NotPrimary`` or ``ServerStarting`` (None since a push was answered): the worker asks
     it again until ``failover_timeout_s`` has passed since."""
+
+    @property
+    def all_absent(self) -> int:
+        """The presence mask of a push that moves none of this shard's parameters (a skipped step)."""
+        return (1 << len(self.params)) - 1
 
 
 @dataclass
@@ -659,8 +659,9 @@ class Trainer:
         each worker's own delta standing in for its share of the outer steps to come). A skipped
         round sent no delta (its buffers hold nothing of it): its progress is dropped, as the next
         reply drops it without overlap."""
+        skipped = link.all_absent
         for item in self._in_flight:
-            if item.shard == link.index and item.absent != link.all_absent and not reply.holds_step(item.seq):
+            if item.shard == link.index and item.absent != skipped and not reply.holds_step(item.seq):
                 link.sink.subtract(item.buffers)
 
     def _unanswered(self, link: ShardLink) -> int:
