@@ -71,9 +71,10 @@ class FusedInnerStep:
         self.steps = [torch.zeros((), dtype=torch.float32, device=p.device) for p in params] if stateful else []
 
     def step(self) -> None:
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]  # as torch.optim: no gradient, no step
+        stepped = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]  # as torch.optim: no gradient, no step
+        live = [i for i, _ in stepped]
         params = [self.params[i] for i in live]
-        grads = [p.grad for p in params]
+        grads = [g for _, g in stepped]
         if any(g.is_sparse for g in grads):
             raise ValueError(f"--inner-optimizer {self.name} takes dense gradients; the model produced a sparse one "
                              "(an nn.Embedding with sparse=True): build it with sparse=False")
@@ -94,7 +95,7 @@ class FusedInnerStep:
             p.grad = None
 
 
-_TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+_TORCH_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
 }
 
