@@ -63,7 +63,7 @@ def run(action: str, config: CtlConfig, as_json: bool = False) -> int:
         print(f"{prefix}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except grpc.RpcError as e:
-        message = describe_error(addr, e.code(), e.details(), config.timeout_s, tls=config.tls_ca is not None)  # type: ignore[attr-defined]
+        message = describe_error(addr, e.code(), e.details(), config.timeout_s, tls=config.tls_ca is not None)
         print(f"{prefix}: {message}", file=sys.stderr)
         return EXIT_CALL_FAILED
     result = {"address": addr, **result}
@@ -81,7 +81,7 @@ def status(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
         with grpc.insecure_channel(f"{host}:{port}") as channel:
             return call("status", channel, (), timeout_s)
     except grpc.RpcError as e:
-        raise CallFailed(describe_error(f"{host}:{port}", e.code(), e.details(), timeout_s)) from e  # type: ignore[attr-defined]
+        raise CallFailed(describe_error(f"{host}:{port}", e.code(), e.details(), timeout_s)) from e
 
 
 def health(host: str, port: int, timeout_s: float = 1.0) -> str:

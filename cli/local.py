@@ -191,14 +191,14 @@ class Supervisor:
         self.workers: list[Child] = []
         for i in range(config.workers):
             name, metrics_port = f"worker{i}", free_port()
-            child = WorkerRunConfig(
+            worker_config = WorkerRunConfig(
                 ps=store,
                 metrics_port=metrics_port,
                 process=replace(worker_process, summary_json=str(self._summary_path(name))),
                 transport=server.transport,
                 worker=replace(config.worker, worker_index=i, num_workers=config.workers),
             )
-            worker = self._child(name, "worker", child, metrics_port)
+            worker = self._child(name, "worker", worker_config, metrics_port)
             if config.worker_script is not None:
                 # The script's own code may name other defaults: --steps is what this supervisor checks.
                 script = shlex.split(config.worker_script)
@@ -393,6 +393,7 @@ class Supervisor:
                 continue
             if child.process is not None:
                 code = child.process.returncode
+                assert code is not None  # alive() polled it: the process has ended
                 child.process = None
                 if child not in self.servers and code == 0:
                     child.done = True

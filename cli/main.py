@@ -104,7 +104,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser(role: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def build_parser(role: str | None) -> tuple[argparse.ArgumentParser, dict[str, _Parser]]:
     """The parser; only ``role``'s subcommand gets its options (the others only their help line)."""
     # allow_abbrev=False: a prefix such as --worker would otherwise be taken silently as --workers.
     parser = _Parser(

@@ -198,7 +198,7 @@ def run_store(config: StoreConfig) -> int:
         transport.serve(config.listen, STORE_NAME, config.transport, secret, ranks_after_s=REBUILD_GRACE_S,
                         incarnation=f"{time.time_ns()}-{os.getpid()}", hold_snapshot_claims_s=SNAPSHOT_CLAIM_GRACE_S)
     except BaseException:
-        http.shutdown()  # type: ignore[attr-defined]
+        http.shutdown()
         raise
     registry = transport.group_registry()
     registry.authenticate(  # before the janitor writes a dead record
@@ -222,6 +222,6 @@ def run_store(config: StoreConfig) -> int:
         guard.stop()
         janitor.stop()
         transport.shutdown()
-        http.shutdown()  # type: ignore[attr-defined]
+        http.shutdown()
     write_summary(config.process.summary_json, store_summary(metrics, time.monotonic() - started))
     return 0

@@ -50,7 +50,7 @@ def load_batches(spec: str) -> list[Batch]:
 def load_scorer(eval_fn: str | None, loss: str) -> Scorer:
     if eval_fn is None:
         return loss_and_accuracy(plugins.load_loss(loss))
-    return plugins.resolve_callable(eval_fn, "eval-fn")  # type: ignore[return-value]
+    return plugins.resolve_callable(eval_fn, "eval-fn")
 
 
 def loss_and_accuracy(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Scorer:

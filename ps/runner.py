@@ -169,7 +169,7 @@ def run_server(config: ServerRunConfig) -> int:
         if store_guard is not None:
             store_guard.stop()
         control.stop(grace_s=0)
-        http.shutdown()  # type: ignore[attr-defined]
+        http.shutdown()
         raise
     if restart:
         _leave_and_restart(control, janitor, store_guard, http, _snapshot_if_stepped_down(server, replica, checkpointer, config, ledger))
@@ -246,7 +246,7 @@ def run_server(config: ServerRunConfig) -> int:
             server.sparse.stop()
         endpoints.withdraw()
         transport.shutdown()
-        http.shutdown()  # type: ignore[attr-defined]
+        http.shutdown()
     if restart_from is not None:
         lost = metrics.registry.get_sample_value("rpcps_server_rpc_listener_lost_total") or 0
         restart_self({RESTART_FROM_ENV: restart_from, LISTENER_LOST_ENV: str(int(lost))})

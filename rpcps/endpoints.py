@@ -28,6 +28,7 @@ from torch.futures import Future
 from rpcps import transport
 from rpcps.errors import RpcpsError, ServerStarting, UnknownWorker, wire_name
 from rpcps.messages import ErrorReply, FinishReply, Observation, PullReply, PushReply, Registration, RegistrationProof
+from rpcps.signature import WireSpec
 from rpcps.sparse.spec import SparsePull, SparsePush
 
 ServerRef = str
@@ -51,7 +52,7 @@ class WorkerApi(Protocol):
     def challenge(self) -> str: ...
 
     def register(
-        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None
+        self, slot: int, rpc_name: str, signature: list[WireSpec], proof: RegistrationProof | None
     ) -> Registration: ...
 
     def submit(
@@ -144,7 +145,7 @@ def register(
     ref: ServerRef,
     slot: int,
     rpc_name: str,
-    signature: list[tuple[str, list[int], str]],
+    signature: list[WireSpec],
     proof: RegistrationProof | None = None,
 ) -> Any:
     return _reply(lambda: _api(ref).register(slot, rpc_name, signature, proof))

@@ -36,7 +36,7 @@ def listening_sockets() -> dict[int, int]:
 
 def _socket_fds() -> list[tuple[int, int]]:
     """(descriptor, socket inode) of every socket this process has open."""
-    fds = []
+    fds: list[tuple[int, int]] = []
     fd_dir = Path("/proc/self/fd")
     try:
         entries = list(fd_dir.iterdir())

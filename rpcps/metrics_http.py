@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Gauge, Info, start_http_server
 
@@ -18,7 +19,7 @@ def build_info(registry: CollectorRegistry, role: str, config: dict[str, str]) -
     start.set_to_current_time()
 
 
-def serve_metrics(registry: CollectorRegistry, addr: str, port: int) -> tuple[object, int]:
+def serve_metrics(registry: CollectorRegistry, addr: str, port: int) -> tuple[WSGIServer, int]:
     """Starts the /metrics HTTP server in a daemon thread; returns (server, bound port).
 
     Port 0 picks a free port, which is logged so a person can find it.

@@ -5,7 +5,9 @@ server's optimizer (``ps.core.optim``) and a worker's inner optimizer in ``--mod
 On the CPU torch.optim defaults to its single-tensor loop: a 5M-parameter Adam step took 26 ms on one
 thread, 87 % of a server's time. The fused CPU kernels (torch >= 2.4) make one vectorised pass over each
 tensor: 3.4 ms for the 5M step (docs/BENCHMARKS.md), and the 22k-parameter MLP's whole inner step
-(forward, backward, AdamW; one thread) 519 instead of 696 us (docs/EXAMPLES.md, local steps). RMSprop
+(forward, backward, AdamW; one thread) 519 instead of 696 us (docs/EXAMPLES.md, local steps; 0.36 ms
+since the CLI loop calls the fused update without torch.optim's per-step bookkeeping:
+``worker.local_steps.FusedInnerStep``). RMSprop
 has no fused kernel, and its foreach one measured no faster than the loop, so it keeps torch's default;
 so does a device without fused kernels. Fused results differ from the loop's in the last bit (Adam,
 AdamW, Adagrad; not SGD), and the server's equal the fused kernel stepped on the model's own tensors bit

@@ -144,7 +144,7 @@ def _walk(cls: type, path: tuple[str, ...], group: str) -> Iterator[Declared]:
         meta = f.metadata.get(_KEY)
         if meta is not None:
             yield Declared(path + (f.name,), f, meta, kind, group)
-        elif dataclasses.is_dataclass(kind):
+        elif isinstance(kind, type) and dataclasses.is_dataclass(kind):
             yield from _walk(kind, path + (f.name,), _heading(kind) or group)
 
 

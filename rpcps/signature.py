@@ -12,6 +12,7 @@ never split across chunks; one larger than the limit gets a chunk of its own.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -169,7 +170,7 @@ class FlatLayout:
     def empty_chunks(self, pin_memory: bool = False, dtype: torch.dtype = WIRE_DTYPE) -> list[torch.Tensor]:
         return [torch.zeros(n, dtype=dtype, pin_memory=pin_memory) for n in self.chunk_numels]
 
-    def views(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    def views(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per-parameter views into ``chunks``, in signature order."""
         return [chunks[s.chunk][s.offset : s.offset + s.spec.numel].view(s.spec.shape) for s in self.slots]
 

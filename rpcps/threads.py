@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -362,8 +363,9 @@ class HostBudget:
                     "recompute_failed", "thread budget: recomputing failed; keeping %d threads", self.budget.intra_op, exc_info=True
                 )
 
-    def _publish(self, **changes: int) -> None:
-        """Tells the host this process's threads and use (others divide the cores by it)."""
+    def _publish(self, **changes: Any) -> None:
+        """Tells the host this process's threads and use (others divide the cores by it); ``changes``
+        are ``Entry`` fields."""
         if self._registry is None:
             return
         try:

@@ -29,9 +29,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import torch
 
@@ -166,7 +166,7 @@ class Training:
         self._data = data
         self._data_name = data_name
         self._trainer: Trainer | None = None
-        self._steps: Iterator[Step] | None = None
+        self._steps: Generator[Step, None, None] | None = None
         self._optimizer: StepOptimizer | None = None
         self._stopping = False
         self._reconnects = int(os.environ.get(RECONNECTS_ENV, "0"))
@@ -312,7 +312,7 @@ class Training:
             trainer.stop()
         self._trimmer = memory.start_trimming(config.process.malloc_trim_s)  # after start-up, which leaves the most behind
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> Literal[False]:
         if self._steps is not None:
             self._steps.close()  # a loop left early: the sequence stops (its heartbeat too)
         if exc is None:
@@ -374,7 +374,7 @@ class Training:
         if self._trimmer is not None:
             self._trimmer.stop()
             self._trimmer = None
-        if self._store_host:
+        if self._store_host and self._name is not None:  # the join named it before the store's host was kept
             transport.leave(self._name, self._store_host, self._secret)  # bounded: fails fast (or in 5 s) when the store's host is gone
             self._store_host = ""
         transport.shutdown()

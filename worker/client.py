@@ -19,6 +19,7 @@ from rpcps import endpoints, transport
 from rpcps.errors import ERROR_TYPES, RegistrationRefused, RpcpsError, ServerStarting
 from rpcps.jobsecret import JobSecret
 from rpcps.messages import ErrorReply, FinishReply, PullReply, PushReply, Registration, RegistrationProof, View
+from rpcps.signature import WireSpec
 from rpcps.sparse.spec import SparsePull, SparsePush
 from rpcps.transport.registry import ViewReading
 
@@ -134,7 +135,7 @@ class ServerClient:
         """How many shards the server has (asked of shard 0 before registering anywhere)."""
         return int(result(self._call(endpoints.shard_count)))
 
-    def register(self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]]) -> Registration:
+    def register(self, slot: int, rpc_name: str, signature: list[WireSpec]) -> Registration:
         """Takes ``slot``; with a job secret, answers a fresh challenge of the server's to prove it."""
         proof = None
         if self.secret is not None:

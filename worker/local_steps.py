@@ -9,7 +9,7 @@ live in this process only: a restarted worker starts them afresh (docs/FAULT_TOL
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.optim.adam import adam
@@ -23,7 +23,7 @@ from worker.config import INNER_OPTIMIZERS, WorkerConfig
 class RoundStart:
     """A copy of the parameters as a round began (after the pull), turned into the delta at its push."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = params
         self.origin = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -33,7 +33,7 @@ class RoundStart:
             for o, p in zip(self.origin, self.params):
                 o.copy_(p)
 
-    def rebase(self, params: list[torch.Tensor], load: Callable[[], None]) -> None:
+    def rebase(self, params: Sequence[torch.Tensor], load: Callable[[], None]) -> None:
         """Moves ``params`` (some of the model's) to a new start: ``load()`` sets them to it, and the
         round's progress so far is put back on top, so the round's delta stays what its inner steps did."""
         with torch.no_grad():
@@ -58,13 +58,16 @@ class FusedInnerStep:
     profiler's record, the dynamo guard, gathering each group's state into lists). On the 22k-parameter
     MLP that bookkeeping cost as much as the update itself: 0.15 against 0.075 ms a step, a tenth of a
     local-steps worker's CPU per batch (docs/EXAMPLES.md, local steps). The hyperparameters are those of
-    the torch.optim optimizer built with the same arguments (torch's defaults but ``lr``)."""
+    the torch.optim optimizer built with the same arguments (torch's defaults but ``lr``), whose
+    defaults keep no state this class would have to (no amsgrad, no SGD momentum)."""
 
     def __init__(self, name: str, params: list[torch.Tensor], lr: float) -> None:
         self.name = name
         self.params = params
         self.hyper = dict(_TORCH_OPTIMIZERS[name](params, lr=lr, fused=True).param_groups[0])
         del self.hyper["params"]
+        if self.hyper.get("amsgrad") or self.hyper.get("momentum"):
+            raise ValueError(f"{name}'s defaults changed: amsgrad or momentum needs state FusedInnerStep does not keep")
         stateful = name != "sgd"
         self.exp_avgs = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params] if stateful else []
         self.exp_avg_sqs = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params] if stateful else []
@@ -76,17 +79,17 @@ class FusedInnerStep:
         params = [self.params[i] for i in live]
         grads = [g for _, g in stepped]
         if any(g.is_sparse for g in grads):
-            raise ValueError(f"--inner-optimizer {self.name} takes dense gradients; the model produced a sparse one "
-                             "(an nn.Embedding with sparse=True): build it with sparse=False")
+            raise ValueError(f"the inner step of --mode local-steps takes dense gradients ({self.name} on its fused kernel); the "
+                             "model produced a sparse one (an nn.Embedding with sparse=True): build it with sparse=False")
         h = self.hyper
         with torch.no_grad():
-            if self.name == "sgd":  # torch's SGD defaults to no momentum: there are no buffers to keep
-                sgd(params, grads, [None] * len(params), fused=True, weight_decay=h["weight_decay"], momentum=h["momentum"],
-                    lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"], maximize=h["maximize"])
+            if self.name == "sgd":  # without momentum (checked above) there are no buffers to keep
+                sgd(params, grads, [None] * len(params), fused=True, weight_decay=h["weight_decay"], momentum=0.0,
+                    lr=h["lr"], dampening=0.0, nesterov=False, maximize=h["maximize"])
                 return
             _ADAM_STEPS[self.name](
                 params, grads, [self.exp_avgs[i] for i in live], [self.exp_avg_sqs[i] for i in live], [],
-                [self.steps[i] for i in live], fused=True, amsgrad=h["amsgrad"], beta1=h["betas"][0], beta2=h["betas"][1],
+                [self.steps[i] for i in live], fused=True, amsgrad=False, beta1=h["betas"][0], beta2=h["betas"][1],
                 lr=h["lr"], weight_decay=h["weight_decay"], eps=h["eps"], maximize=h["maximize"],
             )
 

@@ -33,13 +33,14 @@ worker waiting on the old one gives up on it then.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -365,7 +366,7 @@ class Trainer:
     def registration(self) -> Registration:
         return self.shards[0].registration
 
-    def steps(self, data: Iterable[Any], accumulate: int = 1, source: str | None = None) -> Iterator[Step]:
+    def steps(self, data: Iterable[Any], accumulate: int = 1, source: str | None = None) -> Generator[Step, None, None]:
         """The slot's steps from where the servers resumed it, each to be ended by ``push`` or ``skip``.
 
         ``data`` is positioned at the resumed step (``accumulate`` items per step); parameters are
@@ -573,7 +574,7 @@ class Trainer:
             if pending is None or any(p.grad is not None for p in link.params):
                 continue
             link.pending = None
-            self._round.rebase(link.params, lambda link=link, pending=pending: self._take_reply(link, pending))
+            self._round.rebase(link.params, functools.partial(self._take_reply, link, pending))
 
     def _take_reply(self, link: ShardLink, reply: PullReply) -> None:
         """Loads the parameters of a pull or a push reply (overlapped local steps: with this worker's
@@ -721,7 +722,7 @@ class Trainer:
                     raise pending
                 replies.append(self._result(link, pending))
             except _PRIMARY_LOST as e:
-                replies.append(self._call_after_loss(link, lambda link=link: result(start(link)), e))
+                replies.append(self._call_after_loss(link, functools.partial(_call_at, start, link), e))
         return replies
 
     def _result(self, link: ShardLink, pending: transport.Pending) -> Any:
@@ -998,3 +999,8 @@ class Trainer:
                     link.client.heartbeat(self.slot, link.registration.incarnation)
                 except Exception as e:  # noqa: BLE001 - the training loop reports real failures
                     logger.debug("heartbeat to shard %d failed: %s", link.index, e)
+
+
+def _call_at(start: Callable[[ShardLink], transport.Pending], link: ShardLink) -> Any:
+    """``result(start(link))``: a call to one shard, made again after its primary was lost."""
+    return result(start(link))

@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from typing import NoReturn
 
 from prometheus_client import Counter
 
@@ -99,12 +100,12 @@ class RegistrationGate:
         while self._issued and now - next(iter(self._issued.values())) > TTL_S:
             self._issued.popitem(last=False)
 
-    def _refuse_observer(self, reason: str, why: str) -> None:
+    def _refuse_observer(self, reason: str, why: str) -> NoReturn:
         self.refused.labels(reason).inc()
         logger.warning("refused an observation of the model: %s", why)
         raise RegistrationRefused(f"observation of the model refused: {why}")
 
-    def _refuse(self, reason: str, slot: int, rpc_name: str, why: str) -> None:
+    def _refuse(self, reason: str, slot: int, rpc_name: str, why: str) -> NoReturn:
         self.refused.labels(reason).inc()
         logger.warning("refused registration of worker slot %s by '%s': %s", peer_text(slot), peer_text(rpc_name), why)
         raise RegistrationRefused(f"registration of worker slot {slot} refused: {why}")

@@ -56,7 +56,7 @@ from rpcps.messages import (
     RegistrationProof,
     Removed,
 )
-from rpcps.signature import ModelSignature
+from rpcps.signature import ModelSignature, WireSpec
 from rpcps.sparse.spec import SparsePull
 from rpcps.summary import run_summary
 
@@ -113,7 +113,7 @@ class WorkerService:
         return self.gate.challenge()
 
     def register(
-        self, slot: int, rpc_name: str, signature: list[tuple[str, list[int], str]], proof: RegistrationProof | None = None
+        self, slot: int, rpc_name: str, signature: list[WireSpec], proof: RegistrationProof | None = None
     ) -> Registration:
         self._check_serving()
         self.gate.check(slot, rpc_name, proof)
@@ -195,6 +195,7 @@ class WorkerService:
             record = self._record_for_push(slot, incarnation, seq)
             if record is None:
                 return done(PushReply(PushStatus.DUPLICATE, self.server.version, 0))
+            buffers: list[torch.Tensor] | SkipNonfinite | None
             chunks, buffers = self.server.buffers.split(chunks, len(self.server.layout))
             try:
                 grads = self.push_checks.check(slot, seq, chunks, absent)
@@ -206,6 +207,7 @@ class WorkerService:
             for skip in (grads, buffers, checked):
                 if isinstance(skip, SkipNonfinite):
                     return self._skipped(record, seq, skip.where)
+            assert not isinstance(grads, SkipNonfinite) and not isinstance(buffers, SkipNonfinite)
             assert not isinstance(checked, SkipNonfinite)
             if absent and absent == self._all_absent and checked is None and self.mode.mode != Mode.SYNC:
                 return self._skipped_by_worker(record, seq)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -195,7 +195,7 @@ def _save(path: Path, obj: Any) -> dict[str, Any]:
     """Writes ``obj`` durably to ``path``; returns its manifest entry (size and SHA-256)."""
     h = hashlib.sha256()
     with open(path, "wb") as f:
-        torch.save(obj, _Hashing(f, h))
+        torch.save(obj, cast(IO[bytes], _Hashing(f, h)))  # write and flush are all torch.save uses
         f.flush()
         os.fsync(f.fileno())
     return {"size": path.stat().st_size, "sha256": h.hexdigest()}

@@ -86,10 +86,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         if not method.startswith(self._prefix):
             return continuation(handler_call_details)
-        reason = check_bearer(handler_call_details.invocation_metadata or (), self._token)  # type: ignore[attr-defined]
+        reason = check_bearer(handler_call_details.invocation_metadata or (), self._token)
         if reason is None:
             return continuation(handler_call_details)
         logger.warning("refused control call %s: %s", peer_text(method), reason)  # the caller chose the method path

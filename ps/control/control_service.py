@@ -357,7 +357,7 @@ def _file_pieces(version: int, files: Iterator[tuple[str, bytes | PartFile]]) ->
     for path, content in files:
         data = content.data() if isinstance(content, PartFile) else content
         for i in range(0, max(len(data), 1), EXPORT_PIECE_BYTES):
-            head = {"path": path, "total_bytes": len(data), **({"model_version": version} if first else {})} if i == 0 else {}
+            head: dict[str, Any] = {"path": path, "total_bytes": len(data), **({"model_version": version} if first else {})} if i == 0 else {}
             yield control_pb2.ExportModelChunk(data=data[i : i + EXPORT_PIECE_BYTES], **head)
             first = False
 

@@ -7,6 +7,8 @@ the highest contiguous processed sequence number plus the few processed above it
 
 from __future__ import annotations
 
+from typing import cast
+
 
 class SequenceTracker:
     def __init__(self, floor: int = -1) -> None:
@@ -38,6 +40,6 @@ class SequenceTracker:
 
     @classmethod
     def from_state(cls, state: dict[str, object]) -> SequenceTracker:
-        t = cls(int(state["floor"]))  # type: ignore[arg-type]
-        t._above = {int(s) for s in state["above"]}  # type: ignore[union-attr]
+        t = cls(int(cast(int, state["floor"])))
+        t._above = {int(s) for s in cast("list[int]", state["above"])}
         return t

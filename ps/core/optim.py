@@ -39,7 +39,7 @@ _REFUSED_KWARGS = {"params", "differentiable", "capturable"}
 _KERNEL_KWARGS = ("fused", "foreach")
 
 
-def check_kwargs(cls: type, kwargs: dict[str, Any], what: str) -> None:
+def check_kwargs(cls: type[Any], kwargs: dict[str, Any], what: str) -> None:
     """Refuses a keyword ``cls`` does not take (or one that breaks the flat-chunk equivalence), naming the usable ones."""
     allowed = list(inspect.signature(cls.__init__).parameters)[2:]  # after self and params/optimizer
     for key in kwargs:

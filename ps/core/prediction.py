@@ -17,6 +17,8 @@ Sparse rows are served as they are (their row optimizers keep no direction to ex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rpcps.staleness import StalenessMean, extrapolate_into
@@ -26,7 +28,7 @@ PREDICTED_OPTIMIZERS = frozenset({"adam", "adamw"})
 
 
 class WeightPrediction:
-    def __init__(self, masters: list[torch.Tensor], factor: float) -> None:
+    def __init__(self, masters: Sequence[torch.Tensor], factor: float) -> None:
         self.factor = factor
         self._masters = masters
         self._before = [torch.empty_like(m) for m in masters]

@@ -17,6 +17,8 @@ The common case (every parameter has a gradient: mask 0) costs one integer test.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rpcps.signature import FlatLayout, Slot
@@ -44,7 +46,7 @@ class HeldSlices:
     accumulator may start elsewhere, creates its state at construction, so it is held like the rest).
     """
 
-    def __init__(self, layout: FlatLayout, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer, absent: int) -> None:
+    def __init__(self, layout: FlatLayout, masters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, absent: int) -> None:
         self._masters = masters
         self._optimizer = optimizer
         self._slots = absent_slots(layout, absent)

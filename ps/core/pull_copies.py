@@ -21,7 +21,7 @@ serialisation until TensorPipe's write completes). tests/unit/ps/core/test_pull_
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ class PullCopies:
         self._version = -1
 
     def for_version(
-        self, version: int, masters: list[torch.Tensor], write: Callable[[list[torch.Tensor]], None] | None = None
+        self, version: int, masters: Sequence[torch.Tensor], write: Callable[[list[torch.Tensor]], None] | None = None
     ) -> list[torch.Tensor]:
         """Under the server's lock: the copy of ``masters`` at ``version`` (made on the first ask);
         ``write``, when given, fills the buffers instead of a plain copy (weight prediction)."""
@@ -59,7 +59,7 @@ class PullCopies:
         """Buffer sets held (the current one and those that were being sent at the last new version)."""
         return len(self._sets)
 
-    def _fill(self, masters: list[torch.Tensor], write: Callable[[list[torch.Tensor]], None] | None) -> list[torch.Tensor]:
+    def _fill(self, masters: Sequence[torch.Tensor], write: Callable[[list[torch.Tensor]], None] | None) -> list[torch.Tensor]:
         idle = [s for s in self._sets if s is not self._current and self._idle(s)]
         if idle:
             dropped = idle[1:]

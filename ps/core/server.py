@@ -127,6 +127,8 @@ class ParameterServer:
             params = dict(model.named_parameters())
             for view, slot in zip(self.layout.views(self._masters), self.layout.slots):
                 view.copy_(params[slot.spec.name].detach().to(WIRE_DTYPE))
+        self.optimizer: torch.optim.Optimizer
+        self.schedule: torch.optim.lr_scheduler.LRScheduler | None
         if config.mode == Mode.LOCAL_STEPS:
             self.optimizer, self.schedule = build_outer(config.outer, config.min_workers, list(self._masters)), None
         else:
@@ -559,7 +561,7 @@ class ParameterServer:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs do not say so
 
 
 def answer(done: list[tuple[Future, Any]]) -> None:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.futures import Future
@@ -170,7 +171,7 @@ class Standby:
             calls = [transport.call_async(primary, replica_endpoints.replica_snapshot, (attached.attach_id, k), self.rpc_timeout_s)
                      for k in batch]
             for k, pending in zip(batch, calls):
-                pieces[k] = _unwrap(pending.wait())  # type: ignore[assignment]
+                pieces[k] = cast(torch.Tensor, _unwrap(pending.wait()))  # a replica_snapshot piece
         data = torch.cat([p for p in pieces if p is not None]).numpy().tobytes()
         if len(data) != attached.size_bytes:
             raise CatchUpFailed(f"the state from {primary} came to {len(data)} bytes, not {attached.size_bytes}")
@@ -188,7 +189,7 @@ class Standby:
 
     # ---- following -------------------------------------------------------------------------------
 
-    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float, in_view: bool) -> Ack | Fenced:
+    def append(self, attach_id: str, epoch: int, sender: str, entries: list[LogEntry], sent_at: float, in_view: bool) -> Ack | Fenced | ErrorReply:
         """``in_view``: the sender's view names this standby (its acknowledgements now commit entries)."""
         del sent_at
         self.gate.check_attach_id(self.attach_id, attach_id, f"append from '{peer_text(sender)}'")  # before any state is told

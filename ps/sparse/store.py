@@ -35,7 +35,8 @@ from rpcps.sparse.spec import SparsePull, TableSpec
 
 logger = logging.getLogger(__name__)
 
-SPARSE_OPTIMIZERS = {cls.name: cls for cls in ROW_OPTIMIZERS}  # type: ignore[attr-defined]
+SPARSE_OPTIMIZERS: dict[str, Callable[..., Any]] = {cls.name: cls for cls in ROW_OPTIMIZERS}
+"""The row optimizers' classes by name (each built with its settings, ``lr=...``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -125,7 +126,7 @@ def table_config(spec: TableSpec, config: SparseConfig) -> TableConfig:
     )
 
 
-Eviction = Callable[[str, torch.Tensor, int], None]
+Eviction = Callable[[str, torch.Tensor, int], object]
 """Takes one table's eviction decision (table name, ids, the table's clock at the decision) into
 the server's log; ``SparseStore.evict`` applies it there."""
 

@@ -95,7 +95,7 @@ class EtcdClient:
                 result = call(index, min(left, per_try_s))
             except grpc.RpcError as e:
                 last = e
-                code = e.code()  # type: ignore[attr-defined]
+                code = e.code()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._move_past(index)
                 retry = code == grpc.StatusCode.UNAVAILABLE or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -113,7 +113,7 @@ class EtcdClient:
                     self.endpoints[start], what, self.endpoints[index], 1000 * (time.monotonic() + self.timeout_s - deadline),
                 )
             return result
-        detail = f"{last.code().name}: {last.details()}" if last is not None else "deadline passed"  # type: ignore[attr-defined]
+        detail = f"{last.code().name}: {last.details()}" if last is not None else "deadline passed"
         raise EtcdUnavailable(
             f"etcd ({','.join(map(str, self.endpoints))}) did not answer {what} within {self.timeout_s:g}s ({detail})"
             + _tls_hint(detail, self._tls is not None)

@@ -174,7 +174,7 @@ class EtcdStore(dist.Store):
 
     def _polling(self, keys: list[str], timeout: timedelta | None = None) -> Iterator[None]:
         """Yields until the caller returns; raises DistStoreError once the timeout has passed."""
-        limit = (timeout or self.timeout).total_seconds()
+        limit = (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]  # dist.Store.timeout: a pybind property its stubs lack
         deadline = time.monotonic() + limit
         pause = _POLL_FIRST_S
         while True:

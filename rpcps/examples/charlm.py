@@ -139,9 +139,9 @@ def build_corpus(
         files[held].append(rel)
         budget[held] -= len(text)
     train, held_out = (_as_bytes_tensor(b"".join(parts[h])) for h in (False, True))
-    for name, text in (("training", train), ("held-out", held_out)):
-        if len(text) < CONTEXT + 1:
-            raise ValueError(f"{root} gave only {len(text)} bytes of {name} text; at least {CONTEXT + 1} are needed")
+    for name, kept in (("training", train), ("held-out", held_out)):
+        if len(kept) < CONTEXT + 1:
+            raise ValueError(f"{root} gave only {len(kept)} bytes of {name} text; at least {CONTEXT + 1} are needed")
     return Corpus(train, held_out, tuple(files[False]), tuple(files[True]), skipped)
 
 

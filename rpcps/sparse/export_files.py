@@ -35,7 +35,7 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from rpcps.model_file import fsync_dir, load_state_dict, resolve_format, to_bytes
 
@@ -191,7 +191,7 @@ class TableParts:
         self.parts.append(entry)
         self.rows += n
         self._filled = 0
-        return PartFile(entry["file"], tensors, self.fmt, entry)
+        return PartFile(cast(str, entry["file"]), tensors, self.fmt, entry)
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:

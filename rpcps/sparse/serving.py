@@ -144,6 +144,7 @@ def load_export(model: torch.nn.Module, path: str | Path, device: str | torch.de
     model.load_state_dict(load_dense(path, manifest))
     rows = load_rows(path, declared_tables(model), where, verify)
     for module in model.modules():
-        if getattr(module, "sparse_tables", ()) and callable(getattr(module, "attach", None)):
-            module.attach(rows)
+        attach = getattr(module, "attach", None)
+        if getattr(module, "sparse_tables", ()) and callable(attach):
+            attach(rows)
     return model.to(where).eval()

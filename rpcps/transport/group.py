@@ -192,8 +192,9 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
     _require_protection()
     _loopback_agent(address)
     deadline = time.monotonic() + options.connect_timeout_s
+    rank_client: dist.TCPStore | None = None
     if isinstance(address, EtcdAddress):
-        rank, rank_client = _etcd_rank(address, deadline), None
+        rank = _etcd_rank(address, deadline)
     else:
         rank, rank_client = _store_rank(address, deadline)
     if rank > membership.MAX_RANK:
@@ -206,7 +207,11 @@ def join(address: StoreAddress, base_name: str, options: TransportOptions) -> st
         f"one that died stays listed until its liveness key in etcd ends, {ALIVE_TTL_S} s after its last renewal)"
         if isinstance(address, EtcdAddress) else "one that died stays listed until the group's janitor removes it, within seconds)"
     ))
-    beat_view = _announce_alive(address, name, deadline) if rank_client is None else membership.agent_store(rank_client)
+    if rank_client is None:  # in etcd, where this process announces that it is alive itself
+        assert isinstance(address, EtcdAddress)
+        beat_view = _announce_alive(address, name, deadline)
+    else:
+        beat_view = membership.agent_store(rank_client)
     try:
         with membership.beating_while_joining(beat_view, name):
             _init_filtered_rpc(name, rank, address, options)

@@ -63,6 +63,12 @@ class TokenBusy(RuntimeError):
     """A join or leave holds the group token right now; try again shortly."""
 
 
+def _agent() -> Any:
+    """This process's RPC agent, a TensorPipeAgent: its ``store`` and ``_update_group_membership``
+    (what dynamic membership reads and calls) are not declared on the base class torch's stubs return."""
+    return api._get_current_rpc_agent()
+
+
 @contextmanager
 def _holding_token(dead_holder: str = "") -> Iterator[None]:
     """Takes the group token without waiting, so joins cannot run while the member list changes.
@@ -78,7 +84,7 @@ def _holding_token(dead_holder: str = "") -> Iterator[None]:
     secret kept the next one from ever being told so, issue 12's CI runs). The token is released
     with the ``"Done"`` marker torch's waiters poll for, the dead holder's included.
     """
-    with _token_of(api._get_current_rpc_agent().store, f"Token_for_rpcps-{os.getpid()}-{next(_token_names)}_join", dead_holder):
+    with _token_of(_agent().store, f"Token_for_rpcps-{os.getpid()}-{next(_token_names)}_join", dead_holder):
         yield
 
 
@@ -171,7 +177,7 @@ def _unlist(store: dist.Store, drop: Callable[[str], bool]) -> list[str]:
 
 def store_members() -> dict[str, int]:
     """The group's member list as the store has it: name -> rank (torch writes "name-rank," entries)."""
-    raw = api._get_current_rpc_agent().store.get(_MEMBERS_KEY).decode()
+    raw = _agent().store.get(_MEMBERS_KEY).decode()
     members: dict[str, int] = {}
     for entry in raw.split(","):
         name, sep, rank = entry.rpartition("-")
@@ -214,7 +220,7 @@ def tidy(names: Iterable[str], dead_holder: str = "") -> tuple[list[str], list[s
 def _adopt_relisted(known: set[str]) -> list[str]:
     """Makes this agent (the store's host) know every member that put itself back in the member list
     after a restart of the store (``relist_self``); returns their names. Call holding the token."""
-    agent = api._get_current_rpc_agent()
+    agent = _agent()
     store = agent.store
     adopted = []
     for name, rank in store_members().items():
@@ -229,14 +235,14 @@ def _adopt_relisted(known: set[str]) -> list[str]:
 
 def own_address() -> bytes:
     """Where this member's agent listens, as it published it in the store when it joined."""
-    return bytes(api._get_current_rpc_agent().store.get(_ADDRESS_PREFIX + my_name()))
+    return bytes(_agent().store.get(_ADDRESS_PREFIX + my_name()))
 
 
 def relist_self(address: bytes) -> None:
     """Puts this member back into a restarted store: its address and its member-list entry, under its
     name and rank, so a process that joins later calls it and can be called by it. Raises TokenBusy
     while a join is in progress."""
-    agent = api._get_current_rpc_agent()
+    agent = _agent()
     me = agent.get_worker_info()
     with _holding_token():
         store = agent.store
@@ -261,7 +267,7 @@ def unknown_listed() -> list[str]:
 def forget_here(name: str) -> None:
     """Makes this process's agent forget member ``name``, leaving the store's list as it is (the
     member already took itself off it)."""
-    agent = api._get_current_rpc_agent()
+    agent = _agent()
     info = next((w for w in agent.get_worker_infos() if w.name == name), None)
     if info is not None:
         agent._update_group_membership(info, [], {}, False)
@@ -269,7 +275,7 @@ def forget_here(name: str) -> None:
 
 
 def _forget_locked(name: str) -> bool:
-    agent = api._get_current_rpc_agent()
+    agent = _agent()
     forgotten = False
     info = next((w for w in agent.get_worker_infos() if w.name == name), None)
     if info is not None:
@@ -319,7 +325,7 @@ def guarded_update_group_membership(worker_info: Any, my_devices: Any, reverse_d
     """
     if is_join is not True:
         raise PermissionError("leaving the RPC group through _update_group_membership is refused here")
-    holder = api._get_current_rpc_agent().store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
+    holder = _agent().store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
     if holder != f"Token_for_{worker_info.name}_join":
         raise PermissionError(f"{worker_info.name} does not hold the group's join token; refused")
     return _utils._update_group_membership(worker_info, my_devices, reverse_device_map, is_join)
@@ -349,7 +355,7 @@ class JoinTokenWatch:
 
     def stale_holder(self, now: float) -> str:
         """The token's holder when it has held the token past its age (above); "" otherwise."""
-        store = api._get_current_rpc_agent().store
+        store = _agent().store
         holder = store.compare_set(_TOKEN_KEY, "", "").decode()  # reads without changing it
         if not holder:
             self._seen = self._beat = None
@@ -399,21 +405,21 @@ def beating_while_joining(store: dist.Store, name: str) -> Iterator[None]:
 
 
 def my_name() -> str:
-    return api._get_current_rpc_agent().get_worker_info().name
+    return _agent().get_worker_info().name
 
 
 def my_rank() -> int:
-    return int(api._get_current_rpc_agent().get_worker_info().id)
+    return int(_agent().get_worker_info().id)
 
 
 def highest_known_rank() -> int:
     """The highest rank this process's agent maps to a process (its own, or a peer's it has not dropped)."""
-    agent = api._get_current_rpc_agent()
+    agent = _agent()
     return max([int(agent.get_worker_info().id), *(int(w.id) for w in agent.get_worker_infos())])
 
 
 def member_names() -> list[str]:
-    return [w.name for w in api._get_current_rpc_agent().get_worker_infos()]
+    return [w.name for w in _agent().get_worker_infos()]
 
 
 REPAIR_KINDS = ("members", "address", "rank_counter")
@@ -449,7 +455,7 @@ class StoreKeeper:
     """More ranks than this handed out between two checks (a second apart) is not joins but tampering."""
 
     def __init__(self) -> None:
-        agent = api._get_current_rpc_agent()
+        agent = _agent()
         self._store = agent.store
         self._raw = agent.store.underlying_store
         self._addresses: dict[tuple[str, int], bytes] = {}
@@ -468,7 +474,7 @@ class StoreKeeper:
         return repairs
 
     def _known(self) -> dict[str, int]:
-        return {w.name: w.id for w in api._get_current_rpc_agent().get_worker_infos()}
+        return {w.name: w.id for w in _agent().get_worker_infos()}
 
     def _get(self, key: str) -> bytes | None:
         # get() on a missing key blocks for the store's timeout; check first.
@@ -549,7 +555,7 @@ def _show(value: bytes | None) -> str:
 def ranks_handed_out() -> int | None:
     """The group's rank counter (each joining process takes one); None when the store does not answer."""
     try:
-        return int(api._get_current_rpc_agent().store.underlying_store.add(RANK_COUNTER_KEY, 0))
+        return int(_agent().store.underlying_store.add(RANK_COUNTER_KEY, 0))
     except (RuntimeError, ValueError) as e:
         logger.debug("could not read the rank counter: %s", e)
         return None

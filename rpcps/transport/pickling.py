@@ -428,7 +428,7 @@ def _require(condition: bool, message: str) -> None:
 
 def _check_torch_internals() -> None:
     """Fails loudly when the torch internals this module relies on have changed."""
-    pickler_cls = getattr(_rpc_internal, "_InternalRPCPickler", None)
+    pickler_cls: Any = getattr(_rpc_internal, "_InternalRPCPickler", None)
     _require(pickler_cls is not None, "torch.distributed.rpc.internal._InternalRPCPickler is gone: re-check the hook")
     _require(
         _rpc_internal._unpickler in (pickle.Unpickler, RestrictedUnpickler),

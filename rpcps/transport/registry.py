@@ -76,6 +76,8 @@ class StoreClient(Protocol):
 
     def set(self, key: str, value: str) -> None: ...
 
+    def check(self, keys: list[str]) -> bool: ...
+
 
 @runtime_checkable
 class RevisionStore(Protocol):
@@ -357,6 +359,7 @@ class Registry:
             raw, revision = self._read_revision(key)
             if raw != text:
                 return False, None
+        assert revision is not None, "a RevisionStore's read has a revision"
         at = revision
         now = self._call(lambda: revisions.set_at_revision(key, at, desired, absent_keys))
         return now is not None, now

@@ -112,7 +112,7 @@ class ReconnectingStore(dist.Store):
                 if self._opening is None:
                     self._opening = self._open_in_background()
                 opening = self._opening
-        wait = self.timeout if self._connected else self.connect_timeout
+        wait = self.timeout if self._connected else self.connect_timeout  # type: ignore[attr-defined]  # dist.Store.timeout: a pybind property its stubs lack
         try:
             return opening.result(timeout=wait.total_seconds()), True
         except FutureTimeout:
@@ -125,7 +125,7 @@ class ReconnectingStore(dist.Store):
         """Fails at once when nothing listens (one refused connect: torch's client would retry for its
         whole timeout and log a C++ stack trace per attempt)."""
         try:
-            with socket.create_connection((self.host, self.port), timeout=min(self.timeout.total_seconds(), 1.0)):
+            with socket.create_connection((self.host, self.port), timeout=min(self.timeout.total_seconds(), 1.0)):  # type: ignore[attr-defined]  # dist.Store.timeout: a pybind property its stubs lack
                 pass
         except OSError as e:
             raise dist.DistNetworkError(f"nothing answers at the group's store {self.host}:{self.port} ({e})") from None
@@ -147,7 +147,7 @@ class ReconnectingStore(dist.Store):
 
         def open_and_install() -> dist.TCPStore:
             try:
-                client = open_client(self.host, self.port, self.connect_timeout.total_seconds(), self.timeout)
+                client = open_client(self.host, self.port, self.connect_timeout.total_seconds(), self.timeout)  # type: ignore[attr-defined]  # dist.Store.timeout: a pybind property its stubs lack
             except (RuntimeError, OSError):
                 self._give_up(mine[0])
                 raise
@@ -180,10 +180,10 @@ class ReconnectingStore(dist.Store):
         raise AssertionError("unreachable")
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._run(lambda c: c.compare_set(key, _text(expected), _text(desired)))
+        return self._run(lambda c: c.compare_set(key, _text(expected), _text(desired)))  # type: ignore[arg-type]  # the stubs say str; the C++ takes bytes
 
     def set(self, key: str, value: Any) -> None:
-        self._run(lambda c: c.set(key, _text(value)))
+        self._run(lambda c: c.set(key, _text(value)))  # type: ignore[arg-type]  # the stubs say str; the C++ takes bytes
 
     def add(self, key: str, amount: int) -> int:
         return int(self._run(lambda c: c.add(key, amount)))
@@ -197,7 +197,7 @@ class ReconnectingStore(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         if (why := hopeless(keys)) is not None:
             raise dist.DistStoreError(why)
-        self._run(lambda c: c.wait(keys, timeout or self.timeout))
+        self._run(lambda c: c.wait(keys, timeout or self.timeout))  # type: ignore[attr-defined]  # dist.Store.timeout: a pybind property its stubs lack
 
     def delete_key(self, key: str) -> bool:
         return bool(self._run(lambda c: c.delete_key(key)))
