@@ -54,18 +54,17 @@ class RoundStart:
 class FusedInnerStep:
     """torch.optim's Adam, AdamW or SGD update, taken by its public functional form on the fused kernel
     (``torch.optim.adamw.adamw``, ``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``) on state kept
-    here: bit for bit what ``torch.optim.AdamW(fused=True).step()`` does, without the bookkeeping of an Optimizer's step (the
-    profiler's record, the dynamo guard, gathering each group's state into lists). On the 22k-parameter
-    MLP that bookkeeping cost as much as the update itself: 0.15 against 0.075 ms a step, a tenth of a
-    local-steps worker's CPU per batch (docs/EXAMPLES.md, local steps). The hyperparameters are those of
-    the torch.optim optimizer built with the same arguments (torch's defaults but ``lr``), whose
-    defaults keep no state this class would have to (no amsgrad, no SGD momentum)."""
+    here: bit for bit what ``torch.optim.AdamW(fused=True).step()`` does, without the bookkeeping of
+    an Optimizer's step (the profiler's record, the dynamo guard, gathering each group's state). On
+    the 22k-parameter MLP that bookkeeping cost as much as the update itself: 0.15 against 0.075 ms a
+    step, a tenth of a local-steps worker's CPU per batch (docs/EXAMPLES.md, local steps). The
+    hyperparameters are the ``defaults`` of the torch.optim optimizer built with the same arguments
+    (torch's own but ``lr``), which keep no state this class would have to (no amsgrad, no SGD momentum)."""
 
     def __init__(self, name: str, params: list[torch.Tensor], lr: float) -> None:
         self.name = name
         self.params = params
-        self.hyper = dict(_TORCH_OPTIMIZERS[name](params, lr=lr, fused=True).param_groups[0])
-        del self.hyper["params"]
+        self.hyper = _TORCH_OPTIMIZERS[name](params, lr=lr, fused=True).defaults
         if self.hyper.get("amsgrad") or self.hyper.get("momentum"):
             raise ValueError(f"{name}'s defaults changed: amsgrad or momentum needs state FusedInnerStep does not keep")
         stateful = name != "sgd"
@@ -74,13 +73,18 @@ class FusedInnerStep:
         self.steps = [torch.zeros((), dtype=torch.float32, device=p.device) for p in params] if stateful else []
 
     def step(self) -> None:
-        stepped = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]  # as torch.optim: no gradient, no step
-        live = [i for i, _ in stepped]
-        params = [self.params[i] for i in live]
-        grads = [g for _, g in stepped]
-        if any(g.is_sparse for g in grads):
-            raise ValueError(f"the inner step of --mode local-steps takes dense gradients ({self.name} on its fused kernel); the "
-                             "model produced a sparse one (an nn.Embedding with sparse=True): build it with sparse=False")
+        live: list[int] = []
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for i, p in enumerate(self.params):
+            if p.grad is None:  # as torch.optim: no gradient, no step
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"the inner step of --mode local-steps takes dense gradients ({self.name} on its fused kernel); "
+                                 "the model produced a sparse one (an nn.Embedding with sparse=True): build it with sparse=False")
+            live.append(i)
+            params.append(p)
+            grads.append(p.grad)
         h = self.hyper
         with torch.no_grad():
             if self.name == "sgd":  # without momentum (checked above) there are no buffers to keep
