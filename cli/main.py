@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from rpcps import memory
 from rpcps.options import add_settings, resolve
 from rpcps.settings import Declared, build, declared
 
@@ -159,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every pipe a peer closes, at every normal shutdown too. rpcps reports lost peers itself, in one
     # line each; whoever wants torch's own lines back sets TORCH_CPP_LOG_LEVEL=WARNING (or INFO).
     os.environ.setdefault(CPP_LOG_LEVEL_ENV, CPP_LOG_LEVEL)
+    memory.prefer_huge_pages(os.environ)  # before torch's first allocation, which reads it (rpcps.memory)
     args, config = parse(argv)
     run = _load(ROLES[args.role].run)
     if args.role == "ctl":

@@ -103,3 +103,50 @@ def test_the_warm_up_trims_at_every_wake_up_then_once_per_interval() -> None:
     steady = [warm_up + k * memory.WARMUP_SPLIT for k in range(1, 5)]
     assert due == list(range(1, warm_up + 1)) + steady  # the interval's own ticks after the warm-up, nothing between
     assert memory.WARMUP_SPLIT > 1 and memory.WARMUP_INTERVALS >= 1  # a warm-up that trims more often than steady state
+
+
+def test_huge_pages_are_asked_for_unless_the_environment_decided() -> None:
+    environ: dict[str, str] = {}
+    memory.prefer_huge_pages(environ)
+    assert environ == {memory.HUGE_PAGES_ENV: "1"}
+    operator = {memory.HUGE_PAGES_ENV: "0"}
+    memory.prefer_huge_pages(operator)
+    assert operator == {memory.HUGE_PAGES_ENV: "0"}
+
+
+def test_every_rpcps_command_asks_for_huge_pages_before_it_parses_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cli.main.main`` sets it before any role's code runs (torch reads it at its first allocation)."""
+    import cli.main
+
+    class Parsed(Exception):
+        pass
+
+    def parse_(argv: object) -> None:
+        assert os.environ.get(memory.HUGE_PAGES_ENV) == "1"
+        raise Parsed
+
+    monkeypatch.delenv(memory.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setattr(cli.main, "parse", parse_)
+    with pytest.raises(Parsed):
+        cli.main.main(["worker"])
+
+
+@pytest.mark.parametrize(
+    ("environ", "mode", "says"),
+    [
+        ({}, "always [madvise] never", "off (THP_MEM_ALLOC_ENABLE unset)"),
+        ({"THP_MEM_ALLOC_ENABLE": "0"}, "always [madvise] never", "off (THP_MEM_ALLOC_ENABLE=0)"),
+        ({"THP_MEM_ALLOC_ENABLE": "1"}, "always [madvise] never", "on for blocks of 2 MB and more (kernel mode madvise)"),
+        ({"THP_MEM_ALLOC_ENABLE": "1"}, "[always] madvise never", "on for blocks of 2 MB and more (kernel mode always)"),
+        ({"THP_MEM_ALLOC_ENABLE": "1"}, "always madvise [never]", "asked for, but the kernel's transparent huge pages are off (never)"),
+        ({"THP_MEM_ALLOC_ENABLE": "1"}, None, "asked for, but this kernel has no transparent huge pages"),
+    ],
+)
+def test_the_log_says_whether_huge_pages_are_on_and_why(
+    tmp_path: os.PathLike[str], environ: dict[str, str], mode: str | None, says: str
+) -> None:
+    mode_file = os.path.join(tmp_path, "enabled")
+    if mode is not None:
+        with open(mode_file, "w") as f:
+            f.write(mode + "\n")
+    assert memory.huge_pages_state(environ, mode_file) == says
