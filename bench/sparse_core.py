@@ -144,13 +144,20 @@ Pull = Callable[[torch.Tensor], object]
 def _table(config: TableConfig, via_store: bool) -> tuple[SparseTable, Pull]:
     """A fresh table and the call that pulls its ids: the table itself, or the server's SparseStore
     (``ps.sparse.store``: the table built from a SparseConfig as the server builds it, pulls through
-    the store's request checks, rows returned in the fp32 wire dtype)."""
+    the store's request checks, rows returned in the fp32 wire dtype; the server's pulls only admit
+    new ids and its next update creates their rows, so each pull here is followed by that update)."""
     if not via_store:
         table = SparseTable(config)
         return table, table.pull
     sparse = SparseConfig(optimizer=config.optimizer.name, lr=config.optimizer.lr)
     store = SparseStore((TableSpec(name=config.name, table_id=config.table_id, dim=config.dim),), sparse, 0, 1)
-    return store.tables[config.name], lambda ids: store.pull({config.name: ids}, torch.float32)
+
+    def pull_then_create(ids: torch.Tensor) -> object:
+        rows = store.pull({config.name: ids}, torch.float32)
+        store.apply(None, store.take_admitted())
+        return rows
+
+    return store.tables[config.name], pull_then_create
 
 
 def _rss_after_next_trim(trimmer: Trimmer, deadline_s: float = 60.0) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, TypeVar
 
 from cli.main import CPP_LOG_LEVEL, CPP_LOG_LEVEL_ENV
+from rpcps.memory import HUGE_PAGES_ENV
 from rpcps.ports import free_port, free_ports
 from rpcps.prefork import ForkedProcess, ForkServer
 from rpcps.scrape import scrape_metrics, try_scrape
@@ -103,7 +104,9 @@ def _fork_server() -> ForkServer | None:
     server = _fork_servers.get(os.getpid())  # keyed by pid: a forked test process must not share its parent's
     if server is None or server.process.poll() is not None:
         server = _fork_servers[os.getpid()] = ForkServer(
-            child_env(), REPO, preload_env={CPP_LOG_LEVEL_ENV: CPP_LOG_LEVEL}, pdeathsig=signal.SIGTERM
+            # What every rpcps command sets before torch loads (cli.main.main), set here before the
+            # server's torch does: a forked child cannot change what torch read as it loaded.
+            child_env(), REPO, preload_env={CPP_LOG_LEVEL_ENV: CPP_LOG_LEVEL, HUGE_PAGES_ENV: "1"}, pdeathsig=signal.SIGTERM
         )
     return server
 

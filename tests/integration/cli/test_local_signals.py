@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.procs import ProcessGroup, descendants, pid_alive, try_scrape, wait_until
+from harness.procs import Proc, ProcessGroup, descendants, pid_alive, try_scrape, wait_until
 from tests.integration.conftest import wait_for_updates
 
 pytestmark = pytest.mark.integration
@@ -18,12 +18,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_local_stops_cleanly_on_sigint(procs: ProcessGroup, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    local = procs.start("local", ["local", "--workers", "2", "--steps", "1000000", "--run-dir", run_dir, "--progress-s", "1"])
-    targets = wait_until(lambda: _targets(run_dir), timeout=30, what="local's Prometheus targets file")
-    ps_port = next(t["targets"][0] for t in targets if t["labels"]["role"] == "ps").rsplit(":", 1)[1]
-    wait_for_updates(int(ps_port), 20, timeout=90, proc=local)
-    wait_until(lambda: try_scrape(int(ps_port)).get("rpcps_server_live_workers") == 2, timeout=60,
-               what="both workers to be live on the server")
+    local = _training_local(procs, run_dir, "--progress-s", "1")
     titles = {pid: _cmdline(pid) for pid in descendants(local.pid)}
     children = [pid for pid, title in titles.items() if "trainer_entry.py" in title]  # each shows its own command line
     assert len(children) == 3, f"expected a server and two workers below local, found {titles}"
@@ -47,10 +42,7 @@ def test_a_killed_local_takes_its_children_with_it(procs: ProcessGroup, tmp_path
     """kill -9 of local: its fork server dies with it and each child gets SIGTERM and stops in order (all at
     once: a worker may find its server gone first)."""
     run_dir = tmp_path / "run"
-    local = procs.start("local", ["local", "--workers", "2", "--steps", "1000000", "--run-dir", run_dir])
-    targets = wait_until(lambda: _targets(run_dir), timeout=30, what="local's Prometheus targets file")
-    ps_port = next(t["targets"][0] for t in targets if t["labels"]["role"] == "ps").rsplit(":", 1)[1]
-    wait_for_updates(int(ps_port), 20, timeout=90, proc=local)
+    local = _training_local(procs, run_dir)
     children = [pid for pid in descendants(local.pid) if "trainer_entry.py" in _cmdline(pid)]
     assert len(children) == 3, children
 
@@ -60,6 +52,18 @@ def test_a_killed_local_takes_its_children_with_it(procs: ProcessGroup, tmp_path
     for i in range(2):  # each ended in order: its steps so far done, or stopped while its server went first
         log = (run_dir / f"worker{i}.log").read_text()
         assert "worker.api: done:" in log or "worker.api: stopped by signal while the server went away" in log, log[-2000:]
+
+
+def _training_local(procs: ProcessGroup, run_dir: Path, *flags: str) -> Proc:
+    """``local`` with a server and two workers, once the server applied 20 updates and both workers are
+    live on it (one worker alone can make the 20 while the other still starts, and has logged nothing)."""
+    local = procs.start("local", ["local", "--workers", "2", "--steps", "1000000", "--run-dir", run_dir, *flags])
+    targets = wait_until(lambda: _targets(run_dir), timeout=30, what="local's Prometheus targets file")
+    ps_port = int(next(t["targets"][0] for t in targets if t["labels"]["role"] == "ps").rsplit(":", 1)[1])
+    wait_for_updates(ps_port, 20, timeout=90, proc=local)
+    wait_until(lambda: try_scrape(ps_port).get("rpcps_server_live_workers") == 2, timeout=60,
+               what="both workers to be live on the server")
+    return local
 
 
 def _targets(run_dir: Path) -> list[dict] | None:
