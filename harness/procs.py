@@ -105,8 +105,10 @@ def _fork_server() -> ForkServer | None:
     if server is None or server.process.poll() is not None:
         server = _fork_servers[os.getpid()] = ForkServer(
             # What every rpcps command sets before torch loads (cli.main.main), set here before the
-            # server's torch does: a forked child cannot change what torch read as it loaded.
-            child_env(), REPO, preload_env={CPP_LOG_LEVEL_ENV: CPP_LOG_LEVEL, HUGE_PAGES_ENV: "1"}, pdeathsig=signal.SIGTERM
+            # server's torch does: a forked child cannot change what torch read as it loaded. Huge
+            # pages as there too: on unless the environment decides.
+            child_env(), REPO, pdeathsig=signal.SIGTERM,
+            preload_env={CPP_LOG_LEVEL_ENV: CPP_LOG_LEVEL, HUGE_PAGES_ENV: os.environ.get(HUGE_PAGES_ENV, "1")},
         )
     return server
 
