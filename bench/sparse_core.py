@@ -49,7 +49,7 @@ from ps.sparse.index import IdIndex
 from ps.sparse.row_optim import FTRL, SGD, Adagrad, LazyAdam, RowWiseAdagrad
 from ps.sparse.store import SparseConfig, SparseStore
 from ps.sparse.table import SparseTable, TableConfig
-from rpcps.memory import Trimmer, start_trimming, tune_malloc
+from rpcps.memory import Trimmer, prefer_huge_pages, start_trimming, tune_malloc
 from rpcps.process import ProcessOptions
 from rpcps.sparse.hashing import derive_key, keyed_hash
 from rpcps.sparse.spec import TableSpec
@@ -223,6 +223,7 @@ def main() -> None:
         "(default: the product's default; 0: off)",
     )
     args = p.parse_args()
+    prefer_huge_pages(os.environ)  # what every rpcps command does first (torch reads it at its first allocation, still to come)
     tune_malloc()  # what every rpcps process does first (arenas capped); MALLOC_* in the environment wins
     key = derive_key(2024)
     config = TableConfig(spec=TableSpec(name="bench", table_id=0, dim=args.dim), optimizer=OPTIMIZERS[args.optimizer]())

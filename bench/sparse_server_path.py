@@ -41,6 +41,7 @@ from ps.sparse.store import SPARSE_OPTIMIZERS, SparseConfig, SparseStore
 from ps.sparse.table import SparseTable
 from rpcps.examples import ctr
 from rpcps.host_registry import Entry
+from rpcps.memory import prefer_huge_pages
 from rpcps.sparse.hashing import keyed_hash
 from rpcps.sparse.spec import SparsePull
 from rpcps.threads import share, usable_cores
@@ -153,6 +154,7 @@ def main() -> None:
     args = p.parse_args()
     if args.warmup < 0 or args.steps < 1 or args.push_lag < 0:
         p.error(f"--warmup and --push-lag must be >= 0 and --steps >= 1, got {args.warmup}, {args.push_lag} and {args.steps}")
+    prefer_huge_pages(os.environ)  # as every rpcps command does, before torch's first allocation (still to come)
     threads = server_threads(usable_cores())
     torch.set_num_threads(threads)
     print(f"intra-op threads: {threads} (what the host budget gives a busy server beside 2 CPU workers here)")
