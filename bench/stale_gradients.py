@@ -13,7 +13,7 @@ from everything else rpcps does. ``--delay 0`` is ``bench.reference_train``'s on
 The remedies (``rpcps.staleness``, the functions the server applies; any may be combined):
 ``--lr-scale`` (lr / (1 + tau)), ``--dc-lambda`` (DC-ASGD-a), ``--gap-aware``, ``--predict`` (the
 served parameters moved ahead by the delay with Adam's moments), ``--warmup W`` (the first W steps
-fresh), ``--beta1`` (Adam's first-moment decay). Prints one JSON object: the settings, the held-out
+fresh), ``--beta1`` and ``--beta2`` (Adam's moment decays; the server's async default is beta2 0.95). Prints one JSON object: the settings, the held-out
 scores at the end (and at each ``--eval-at`` step) and the seconds the training steps took.
 
 ``--accumulate K`` is K-async SGD (Dutta et al. 2018, "Slow and Stale Gradients Can Win the Race"):
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="served parameters moved AHEAD Adam steps ahead (no value: the delay; Adam only)")
     p.add_argument("--warmup", type=int, default=0, help="the first W steps use fresh gradients")
     p.add_argument("--beta1", type=float, help="Adam's beta1 (default: torch's 0.9)")
+    p.add_argument("--beta2", type=float, help="Adam's beta2 (default: torch's 0.999)")
     p.add_argument("--lr", type=float, help="default: the example's RECIPE")
     p.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="one update from the mean of every K gradients (K-async SGD; --delay then counts gradients)")
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = plugins.load_loss(recipe.loss)
     lr = a.lr or recipe.lr
     kwargs: dict = {"lr": lr}
-    if a.beta1 is not None:
-        kwargs["betas"] = (a.beta1, 0.999)
+    if a.beta1 is not None or a.beta2 is not None:
+        kwargs["betas"] = (0.9 if a.beta1 is None else a.beta1, 0.999 if a.beta2 is None else a.beta2)
     optimizer, _ = build_optimizer(OptimizerConfig(name=recipe.optimizer, kwargs=kwargs), list(model.parameters()))
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     scores[str(steps)] = example.evaluate(model)
     report = {"example": a.example, "delay": a.delay, "steps": steps, "seed": a.seed, "optimizer": recipe.optimizer,
               "lr": lr, "lr_scale": a.lr_scale, "dc_lambda": a.dc_lambda, "gap_aware": a.gap_aware,
-              "predict": ahead, "warmup": a.warmup, "beta1": a.beta1, "accumulate": k, "train_s": round(train_s, 2),
+              "predict": ahead, "warmup": a.warmup, "beta1": a.beta1, "beta2": a.beta2, "accumulate": k, "train_s": round(train_s, 2),
               "held_out": scores[str(steps)], "held_out_at": scores}
     emit_json(report)
     return 0

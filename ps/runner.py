@@ -94,7 +94,7 @@ def run_server(config: ServerRunConfig) -> int:
         "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
         config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),
         config.core.optimizer_name,
-        config.core.optimizer_settings if config.core.mode == Mode.LOCAL_STEPS else torch_kwargs(config.core.optimizer),
+        config.core.optimizer_settings if config.core.mode == Mode.LOCAL_STEPS else torch_kwargs(config.core.applied_optimizer),
     )
     finish_workers = threading.Event()
 

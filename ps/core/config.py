@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ps.core.optim import OptimizerConfig
+from ps.core.optim import ADAM_OPTIMIZERS, OptimizerConfig
 from ps.core.outer import OUTER_NAME, OuterConfig
 from ps.sparse.store import SparseConfig
 from rpcps.messages import Mode
@@ -15,6 +15,12 @@ from rpcps.wire import WIRE_DTYPES
 _MIB = 1024 * 1024
 DEFAULT_PREDICT_AHEAD = 1.0
 MAX_PREDICT_AHEAD = 8.0
+ADAM_DEFAULT_BETA1 = 0.9
+DEFAULT_ASYNC_BETA2 = 0.99
+"""Adam's beta2 under async and bounded: torch's 0.999 averages squared gradients over ~1,000
+updates, 0.99 over ~100, so the step a stale gradient takes is scaled by what gradients are now.
+0.95 helped the transformer more and cost the digits CNN up to 3 accuracy points
+(docs/EXAMPLES.md, "Staleness remedies")."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,6 +51,12 @@ class ServerCoreConfig:
         help="async and bounded with adam/adamw: pulls get the parameters moved ahead along the last update by this many "
         "times the recent mean staleness, where the push will land (weight prediction; 0: off; docs/EXAMPLES.md)",
         metavar="FACTOR",
+    )
+    async_beta2: float = setting(
+        DEFAULT_ASYNC_BETA2,
+        help="async and bounded with adam/adamw, unless --optimizer-args sets betas: Adam's beta2 (torch's own is 0.999); "
+        "a shorter memory of squared gradients makes stale gradients cost less (docs/EXAMPLES.md)",
+        metavar="B",
     )
     wire_dtype: str = setting(
         "fp32",
@@ -89,6 +101,8 @@ class ServerCoreConfig:
             raise ValueError(f"max_workers must be in [1, 32000], got {self.max_workers}")
         if not 0 <= self.predict_ahead <= MAX_PREDICT_AHEAD:
             raise ValueError(f"predict_ahead must be in [0, {MAX_PREDICT_AHEAD:g}] (0 turns weight prediction off), got {self.predict_ahead}")
+        if not 0 <= self.async_beta2 < 1:
+            raise ValueError(f"async_beta2 must be in [0, 1) (0.999 is torch's own), got {self.async_beta2}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.mode == Mode.LOCAL_STEPS and self.optimizer.schedule is not None:
@@ -100,8 +114,17 @@ class ServerCoreConfig:
         return OUTER_NAME if self.mode == Mode.LOCAL_STEPS else self.optimizer.name
 
     @property
+    def applied_optimizer(self) -> OptimizerConfig:
+        """--optimizer as the server builds it: under async and bounded, Adam's beta2 is --async-beta2
+        unless --optimizer-args names the betas (beta1 stays torch's default)."""
+        named = self.optimizer.optimizer_kwargs
+        if self.mode not in (Mode.ASYNC, Mode.BOUNDED) or self.optimizer.name not in ADAM_OPTIMIZERS or "betas" in named:
+            return self.optimizer
+        return replace(self.optimizer, kwargs={**named, "betas": (ADAM_DEFAULT_BETA1, self.async_beta2)})
+
+    @property
     def optimizer_settings(self) -> str:
         """What the optimizer is built with, for logs and the replicas' comparison."""
         if self.mode == Mode.LOCAL_STEPS:
             return f"lr={self.outer.lr_for(self.min_workers):g} momentum={self.outer.momentum}"
-        return str(sorted(self.optimizer.optimizer_kwargs.items()))
+        return str(sorted(self.applied_optimizer.optimizer_kwargs.items()))

@@ -25,6 +25,9 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "rmsprop": torch.optim.RMSprop,
 }
 
+ADAM_OPTIMIZERS = frozenset({"adam", "adamw"})
+"""Optimizers with Adam's moments (``betas``, ``exp_avg``, ``exp_avg_sq``)."""
+
 SCHEDULES: dict[str, type[torch.optim.lr_scheduler.LRScheduler]] = {
     "step": torch.optim.lr_scheduler.StepLR,
     "cosine": torch.optim.lr_scheduler.CosineAnnealingLR,

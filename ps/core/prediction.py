@@ -21,9 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ps.core.optim import ADAM_OPTIMIZERS
 from rpcps.staleness import StalenessMean, extrapolate_into
 
-PREDICTED_OPTIMIZERS = frozenset({"adam", "adamw"})
+PREDICTED_OPTIMIZERS = ADAM_OPTIMIZERS
 """Optimizers whose last step is a smoothed direction (a momentum over steps) worth extrapolating."""
 
 

@@ -132,7 +132,7 @@ class ParameterServer:
         if config.mode == Mode.LOCAL_STEPS:
             self.optimizer, self.schedule = build_outer(config.outer, config.min_workers, list(self._masters)), None
         else:
-            self.optimizer, self.schedule = build_optimizer(config.optimizer, list(self._masters))
+            self.optimizer, self.schedule = build_optimizer(config.applied_optimizer, list(self._masters))
         self.buffers = BufferStore(self.signature.buffers, dict(persistent_buffers(model)))
         specs = declared_tables(model)
         if specs and config.mode in (Mode.SYNC, Mode.LOCAL_STEPS):

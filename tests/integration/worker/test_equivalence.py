@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.procs import ProcessGroup
+from ps.core.config import DEFAULT_ASYNC_BETA2
 from rpcps.tasks import TeacherStudentData, teacher_student_model
 from tests.integration.checkpoints import snapshot_parameters
 
@@ -34,11 +35,13 @@ RTOL, ATOL = 1e-5, 1e-6
 MOVED = 1e-2
 
 
-def reference_adam(steps: int, lr: float, kind: type[torch.optim.Optimizer] = torch.optim.Adam) -> dict[str, torch.Tensor]:
+def reference_adam(
+    steps: int, lr: float, kind: type[torch.optim.Optimizer] = torch.optim.Adam, beta2: float = 0.999
+) -> dict[str, torch.Tensor]:
     """One process, ``torch.optim.Adam`` (or ``kind``; fused, as the server and a local-steps worker build
     them), one worker's batches in order."""
     model = teacher_student_model()
-    optimizer = kind(model.parameters(), lr=lr, fused=True)
+    optimizer = kind(model.parameters(), lr=lr, betas=(0.9, beta2), fused=True)
     data = TeacherStudentData(0, 1)
     for step in range(steps):
         inputs, targets = data.batch(step)
@@ -110,15 +113,15 @@ def test_two_shards_equal_one_server(procs: ProcessGroup, tmp_path: Path) -> Non
 def test_one_async_worker_on_defaults_equals_one_process(procs: ProcessGroup, tmp_path: Path) -> None:
     """Async mode, Adam, weight prediction and the push window all on their defaults: a lone worker's
     every gradient is computed on the parameters its previous push made (``--max-in-flight 1``), so
-    nothing is stale and nothing is predicted, and the run is one process's Adam (issue 27: the
-    default window of 2 made each gradient one update old, +21 % bits/char on the transformer).
+    nothing is stale and nothing is predicted, and the run is one process's Adam with async's beta2
+    (issue 27: the default window of 2 made each gradient one update old, +21 % bits/char on the transformer).
     A window that lets a step compute before the last push is applied moves the parameters by far
     more than the tolerance."""
     steps, lr = 40, 0.01
     params, summary = run_local(procs, tmp_path / "async", "--workers", "1", "--steps", str(steps), "--lr", str(lr),
                                 sync=False)
     assert (summary["server"]["model_version"], summary["max_staleness"]) == (steps, 0), summary["server"]
-    assert_same_parameters(params, reference_adam(steps, lr))
+    assert_same_parameters(params, reference_adam(steps, lr, beta2=DEFAULT_ASYNC_BETA2))
 
 
 @pytest.mark.timeout(150)

@@ -38,7 +38,7 @@ def test_an_unused_branch_stays_bit_identical_and_the_rest_steps_as_torch_optim_
     server, model = make_server(config)
     before = server.master_tensors()
     incarnation = server.register(0, "w0", server.signature.to_wire()).incarnation
-    reference = OPTIMIZERS[name](model.parameters(), **torch_kwargs(config))
+    reference = OPTIMIZERS[name](model.parameters(), **torch_kwargs(server.config.applied_optimizer))  # async's betas
     params = list(model.parameters())
     for seq in range(8):
         grads = grads_like(model, seq)

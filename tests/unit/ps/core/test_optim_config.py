@@ -64,8 +64,27 @@ def test_valid_config_builds_the_named_optimizer_and_schedule() -> None:
         ({"mode": "bounded"}, "needs max_staleness"),
         ({"max_staleness": 3}, "applies to mode .bounded. only"),
         ({"mode": "lockstep"}, "mode must be one of"),
+        ({"async_beta2": 1.0}, r"async_beta2 must be in \[0, 1\) \(0.999 is torch's own\), got 1.0"),
     ],
 )
 def test_server_core_config_names_the_bad_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServerCoreConfig(**kwargs)
+
+
+@pytest.mark.parametrize("mode", ["async", "bounded"])
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_async_adam_gets_the_async_beta2_unless_betas_are_named(mode: str, name: str) -> None:
+    extra = {"max_staleness": 2} if mode == "bounded" else {}
+    config = ServerCoreConfig(mode=mode, optimizer=OptimizerConfig(name=name, lr=0.01), async_beta2=0.9, **extra)
+    opt, _ = build_optimizer(config.applied_optimizer, [torch.nn.Parameter(torch.zeros(3))])
+    assert opt.defaults["betas"] == (0.9, 0.9) and opt.defaults["lr"] == 0.01
+    assert "('betas', (0.9, 0.9))" in config.optimizer_settings  # what replicas compare
+    named = OptimizerConfig(name=name, kwargs={"lr": 0.01, "betas": [0.8, 0.999]})
+    assert ServerCoreConfig(mode=mode, optimizer=named, **extra).applied_optimizer == named
+
+
+@pytest.mark.parametrize(("mode", "name"), [("sync", "adam"), ("async", "sgd"), ("async", "rmsprop")])
+def test_sync_and_non_adam_optimizers_are_built_as_configured(mode: str, name: str) -> None:
+    optimizer = OptimizerConfig(name=name, lr=0.01)
+    assert ServerCoreConfig(mode=mode, optimizer=optimizer).applied_optimizer == optimizer
