@@ -13,8 +13,8 @@ from everything else rpcps does. ``--delay 0`` is ``bench.reference_train``'s on
 The remedies (``rpcps.staleness``, the functions the server applies; any may be combined):
 ``--lr-scale`` (lr / (1 + tau)), ``--dc-lambda`` (DC-ASGD-a), ``--gap-aware``, ``--predict`` (the
 served parameters moved ahead by the delay with Adam's moments), ``--warmup W`` (the first W steps
-fresh), ``--beta1`` and ``--beta2`` (Adam's moment decays; the server's async default is beta2 0.95). Prints one JSON object: the settings, the held-out
-scores at the end (and at each ``--eval-at`` step) and the seconds the training steps took.
+fresh), ``--beta1`` and ``--beta2`` (Adam's moment decays; the server's async default is beta2
+0.99, ``--async-beta2``). Prints one JSON object: the settings, the held-out scores at the end (and at each ``--eval-at`` step) and the seconds the training steps took.
 
 ``--accumulate K`` is K-async SGD (Dutta et al. 2018, "Slow and Stale Gradients Can Win the Race"):
 one update from the mean of every K gradients, whichever workers sent them, and ``--delay`` counts
