@@ -11,10 +11,11 @@ gradient is N updates old, without any process, RPC or other worker, so it tells
 from everything else rpcps does. ``--delay 0`` is ``bench.reference_train``'s one-process run.
 
 The remedies (``rpcps.staleness``, the functions the server applies; any may be combined):
-``--lr-scale`` (lr / (1 + tau)), ``--dc-lambda`` (DC-ASGD-a), ``--gap-aware``, ``--predict`` (the
-served parameters moved ahead by the delay with Adam's moments), ``--warmup W`` (the first W steps
-fresh), ``--beta1`` and ``--beta2`` (Adam's moment decays; the server's async default is beta2
-0.99, ``--async-beta2``). Prints one JSON object: the settings, the held-out scores at the end (and at each ``--eval-at`` step) and the seconds the training steps took.
+``--lr-scale`` (lr / (1 + tau); ``--lr-scale inverse``: lr / tau from tau 2 on, the server's
+``--staleness-lr``), ``--dc-lambda`` (DC-ASGD-a), ``--gap-aware``, ``--predict`` (the served
+parameters moved ahead by the delay with Adam's moments), ``--warmup W`` (the first W steps fresh),
+``--beta1`` and ``--beta2`` (Adam's moment decays; the server's async default is beta2 0.99,
+``--async-beta2``). Prints one JSON object: the settings, the held-out scores at the end (and at each ``--eval-at`` step) and the seconds the training steps took.
 
 ``--accumulate K`` is K-async SGD (Dutta et al. 2018, "Slow and Stale Gradients Can Win the Race"):
 one update from the mean of every K gradients, whichever workers sent them, and ``--delay`` counts
@@ -37,6 +38,8 @@ from bench.common import emit_json
 from ps.core.optim import OptimizerConfig, build_optimizer
 from rpcps import examples, plugins, staleness
 
+LR_SCALES = {"plus-one": staleness.lr_scale, "inverse": staleness.lr_inverse}
+
 
 def _served(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ahead: float) -> dict[str, torch.Tensor]:
     """What a pull returns now: the model's state, its parameters moved ``ahead`` steps when predicting."""
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="default: the example's RECIPE")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--eval-at", default="", help="comma-separated steps to also score the held-out set at")
-    p.add_argument("--lr-scale", action="store_true", help="learning rate / (1 + staleness)")
+    p.add_argument("--lr-scale", nargs="?", const="plus-one", choices=sorted(LR_SCALES), metavar="RULE",
+                   help="plus-one (no value): learning rate / (1 + staleness); inverse: / staleness from 2 on (the server's --staleness-lr)")
     p.add_argument("--dc-lambda", type=float, default=0.0, help="DC-ASGD-a's lambda0 (0: off)")
     p.add_argument("--gap-aware", action="store_true", help="gradient / (1 + |gap| / running RMS of steps)")
     p.add_argument("--predict", nargs="?", type=float, const=-1.0, default=0.0, metavar="AHEAD",
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     g = g / staleness.gap_aware(g, p_, served[names[i]], step_rms[i].rms())
                 p_.grad = g
             before = [p_.detach().clone() for p_ in params] if a.gap_aware else []
-            scale = staleness.lr_scale(tau) if a.lr_scale else 1.0
+            scale = LR_SCALES[a.lr_scale](tau) if a.lr_scale else 1.0
             for group in optimizer.param_groups:
                 group["lr"] = lr * scale
             optimizer.step()

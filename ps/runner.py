@@ -91,10 +91,11 @@ def run_server(config: ServerRunConfig) -> int:
     )
     service = WorkerService(server, gate=RegistrationGate(secret, metrics.registrations_refused))
     logger.info(
-        "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s",
+        "model %s: %d parameters in %d chunks (largest %d bytes: TensorPipe channels %s); optimizer %s %s%s",
         config.model, server.signature.numel, len(server.layout), largest_chunk, ",".join(config.transport.rpc_channels or ()),
         config.core.optimizer_name,
         config.core.optimizer_settings if config.core.mode == Mode.LOCAL_STEPS else torch_kwargs(config.core.applied_optimizer),
+        ", lr / staleness from 2 updates old" if config.core.scales_lr_by_staleness else "",
     )
     finish_workers = threading.Event()
 

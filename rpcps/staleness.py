@@ -6,7 +6,8 @@ simulator (``bench/stale_gradients.py``) and the server's apply step call the sa
 the simulator measured is what the server does. Every function is deterministic (the same inputs give
 the same bits), which a standby that replays the primary's log relies on.
 
-- ``lr_scale``: the learning rate divided by ``1 + tau`` (Zhang et al. 2016, "Staleness-aware Async-SGD").
+- ``lr_scale``: the learning rate divided by ``1 + tau``; ``lr_inverse``: divided by ``tau`` once a
+  gradient is at least one update old, Zhang et al. 2016's own rule ("Staleness-aware Async-SGD").
 - ``dc_asgd``: delay compensation with an adaptive lambda (DC-ASGD-a, Zheng et al. 2017):
   ``g + lam * g*g / sqrt(v) * (now - stale)``, Adam's second moment ``v`` as the mean square.
 - ``gap_aware``: ``g / (1 + |now - stale| / C)`` (Barkai et al. 2020), ``C`` the running RMS of the
@@ -57,6 +58,17 @@ def lr_scale(tau: int) -> float:
     if tau < 0:
         raise ValueError(f"staleness must be >= 0, got {tau}")
     return 1.0 / (1 + tau)
+
+
+def lr_inverse(tau: int) -> float:
+    """The factor Zhang et al.'s rule scales the learning rate by: ``1 / tau``, and 1 for ``tau`` 0 or 1.
+
+    A gradient one update old keeps the full rate, so what two async workers see (one update of
+    staleness each) is unchanged; a gradient three updates old (four workers) takes a third of it.
+    """
+    if tau < 0:
+        raise ValueError(f"staleness must be >= 0, got {tau}")
+    return 1.0 / max(1, tau)
 
 
 def dc_asgd(grad: torch.Tensor, now: torch.Tensor, stale: torch.Tensor, adam: AdamView | None, lam: float) -> torch.Tensor:

@@ -58,6 +58,11 @@ class ServerCoreConfig:
         "a shorter memory of squared gradients makes stale gradients cost less (docs/EXAMPLES.md)",
         metavar="B",
     )
+    staleness_lr: bool = setting(
+        True,
+        help="async and bounded: a gradient k >= 2 updates old steps with the learning rate / k (Zhang et al. 2016); "
+        "fresh and one-update-old gradients keep the full rate (docs/EXAMPLES.md)",
+    )
     wire_dtype: str = setting(
         "fp32",
         help="dtype of gradients and parameters on the wire; the server keeps fp32 masters and optimizer state",
@@ -121,6 +126,11 @@ class ServerCoreConfig:
         if self.mode not in (Mode.ASYNC, Mode.BOUNDED) or self.optimizer.name not in ADAM_OPTIMIZERS or "betas" in named:
             return self.optimizer
         return replace(self.optimizer, kwargs={**named, "betas": (ADAM_DEFAULT_BETA1, self.async_beta2)})
+
+    @property
+    def scales_lr_by_staleness(self) -> bool:
+        """Each applied gradient's learning rate is scaled by ``rpcps.staleness.lr_inverse`` of its staleness."""
+        return self.staleness_lr and self.mode in (Mode.ASYNC, Mode.BOUNDED)
 
     @property
     def optimizer_settings(self) -> str:

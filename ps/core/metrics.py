@@ -89,6 +89,12 @@ class ServerMetrics:
             "Updates ahead the newest pulled parameters were moved by weight prediction (--predict-ahead; 0: served as they are).",
             registry=r,
         )
+        self.lr_scale = Gauge(
+            "rpcps_server_lr_scale",
+            "Factor the newest applied update scaled the learning rate by for its staleness (--staleness-lr; 1: the full rate).",
+            registry=r,
+        )
+        self.lr_scale.set(1)
         self.delta_norm = Gauge(
             "rpcps_server_local_steps_delta_norm", "L2 norm of the newest parameter delta received (--mode local-steps; this shard's part).",
             registry=r,

@@ -7,6 +7,8 @@ model's own tensors, which gives the same result only when every update is eleme
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,23 @@ def load_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     optimizer.load_state_dict(state)
     for group, kernel in zip(optimizer.param_groups, kernels):
         group.update(kernel)
+
+
+@contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """Steps taken inside use every group's learning rate times ``scale``; the rates are restored after
+    (before a schedule reads them), also when a step raises."""
+    if scale == 1.0:
+        yield
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates):
+            group["lr"] = lr
 
 
 def build_optimizer(

@@ -38,7 +38,7 @@ from ps.core.buffers import BufferStore
 from ps.core.config import ServerCoreConfig
 from ps.core.dedup import SequenceTracker
 from ps.core.metrics import ServerMetrics
-from ps.core.optim import build_optimizer, load_state
+from ps.core.optim import build_optimizer, load_state, scaled_lr
 from ps.core.outer import build_outer
 from ps.core.prediction import PREDICTED_OPTIMIZERS, WeightPrediction
 from ps.core.presence import HeldSlices
@@ -53,6 +53,7 @@ from rpcps.messages import Control, Evicted, LogEntry, Mark, Mode, PushReply, Pu
 from rpcps.partition import partition_digest, shard_signature
 from rpcps.signature import WIRE_DTYPE, FlatLayout, ModelSignature, named_state, persistent_buffers
 from rpcps.sparse.spec import declared_tables
+from rpcps.staleness import lr_inverse
 from rpcps.wire import to_dense_fp32, wire_dtype
 
 logger = logging.getLogger(__name__)
@@ -317,7 +318,10 @@ class ParameterServer:
         held = HeldSlices(self.layout, self._masters, self.optimizer, update.absent) if update.absent else None
         if self.prediction is not None:
             self.prediction.before_step_locked()
-        self.optimizer.step()
+        lr_scale = self._lr_scale(update)
+        with scaled_lr(self.optimizer, lr_scale):
+            self.optimizer.step()
+        self.metrics.lr_scale.set(lr_scale)
         if held is not None:
             held.restore()
         for master in self._masters:
@@ -355,6 +359,13 @@ class ParameterServer:
         for listener in self._listeners:
             listener(event)
         return self.version
+
+    def _lr_scale(self, update: Update) -> float:
+        """The factor ``update``'s step scales the learning rate by: 1, or with --staleness-lr that of
+        its stalest gradient. The staleness is in the log entry, so a standby scales alike."""
+        if not self.config.scales_lr_by_staleness:
+            return 1.0
+        return lr_inverse(max(staleness for *_, staleness in update.contributions))
 
     def digest_locked(self) -> str:
         """Under the lock: a fingerprint (CRC-32) of the parameters, the optimizer state, the version,

@@ -42,6 +42,7 @@ def compatibility(server: ParameterServer, config: ServerRunConfig) -> dict[str,
         "mode": str(config.core.mode),
         "max_staleness": str(config.core.max_staleness),
         "optimizer": f"{config.core.optimizer_name} {config.core.optimizer_settings}",
+        "staleness_lr": str(config.core.scales_lr_by_staleness),
         "schedule": f"{optimizer.schedule} {sorted((optimizer.schedule_kwargs or {}).items())}",
         "wire_dtype": config.core.wire_dtype,
         "torch": str(torch.__version__),  # a TorchVersion, which the allow-list (rightly) does not let through

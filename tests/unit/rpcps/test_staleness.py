@@ -21,6 +21,12 @@ def test_lr_scale_is_one_over_one_plus_staleness() -> None:
         staleness.lr_scale(-1)
 
 
+def test_lr_inverse_is_one_over_staleness_from_two_updates_old() -> None:
+    assert [staleness.lr_inverse(tau) for tau in (0, 1, 2, 3, 4)] == [1.0, 1.0, 0.5, 1 / 3, 0.25]
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        staleness.lr_inverse(-1)
+
+
 def test_dc_asgd_first_step() -> None:
     # beta2 0.75, no moment yet: v_hat = g*g*(1 - 0.75) / (1 - 0.75) = g*g, so the term is lam*|g|*(now - stale).
     adam = AdamView(_t(0, 0), _t(0, 0), step=0, lr=0.1, beta1=0.9, beta2=0.75, eps=0.0)

@@ -447,10 +447,11 @@ def test_concurrent_pushes_lose_no_update() -> None:
     """4 threads x N pushes with SGD lr=1 and constant gradients: every update lands exactly once.
 
     Parameters start at 0 and thread t always pushes (t + 1) / 4, so the exact final value is
-    -sum over threads of N * (t + 1) / 4 (all values are exact in fp32).
+    -sum over threads of N * (t + 1) / 4 (all values are exact in fp32). The pushes race, so their
+    staleness varies from run to run: --staleness-lr is off to keep every step at lr 1.
     """
     threads, pushes = 4, 150
-    server, _ = make_server(OptimizerConfig(name="sgd", kwargs={"lr": 1.0}), zero=True)
+    server, _ = make_server(OptimizerConfig(name="sgd", kwargs={"lr": 1.0}), zero=True, staleness_lr=False)
     incarnations = [_register(server, t) for t in range(threads)]
     barrier = threading.Barrier(threads)
     errors: list[BaseException] = []
