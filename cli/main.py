@@ -139,7 +139,17 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Any]:
     try:
         return args, build(_load(spec.config), resolve(args, settings, sub))
     except ValueError as e:  # a config's own validation: it names the setting and what it allows
-        sub.exit(2, f"{sub.prog}: error: {e}\n")
+        sub.exit(2, f"{sub.prog}: error: {_flag_for_field(str(e), settings)}\n")
+
+
+def _flag_for_field(message: str, settings: Sequence[Declared]) -> str:
+    """A config's validation names its field ("async_beta2 must be ..."); the person typed a flag, so
+    a message that starts with the field of a flag of the same name (--async-beta2) starts with the
+    flag instead. Fields behind a flag of another name (``optimizer`` is --sparse-optimizer; "optimizer
+    'sgd' ..." is about --optimizer) are left as they are."""
+    field, _, rest = message.partition(" ")
+    flag = "--" + field.replace("_", "-")
+    return f"{flag} {rest}" if rest and any(d.path[-1] == field and d.flag == flag for d in settings) else message
 
 
 def _unrecognized(unknown: list[str], parser: argparse.ArgumentParser) -> str:

@@ -26,15 +26,15 @@ def _assert_one_clear_error(stderr: str, role: str, message: str) -> None:
 
 
 BAD_SETTINGS = [
-    (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "steps must be >= 1, got -1"),
+    (["worker", "--ps", "127.0.0.1:1", "--steps", "-1"], 2, "--steps must be >= 1, got -1"),
     (["ps", "--optimizer", "nope"], 2, "argument --optimizer: 'nope' is not one of ['adagrad', 'adam'"),
     (["ps", "--metrics-port", "0", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'], 2,
      "optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', 'momentum'"),
     (["ps", "--metrics-port", "0", "--model", "no_such_module:model"], 2,
      "--model 'no_such_module:model': cannot import 'no_such_module'"),
     (["worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"], 2,
-     "worker_index must be in [0, 2) for 2 workers, got 2"),
-    (["local", "--steps", "0"], 2, "steps must be >= 1, got 0"),
+     "--worker-index must be in [0, 2) for 2 workers, got 2"),
+    (["local", "--steps", "0"], 2, "--steps must be >= 1, got 0"),
     (["local", "--worker", "2"], 2, "unrecognized arguments: --worker 2; did you mean --workers? (see `rpcps local --help`)"),
     (["worker", "--ps", "127.0.0.1:1", "--stesp", "5"], 2,
      "unrecognized arguments: --stesp 5; did you mean --steps? (see `rpcps worker --help`)"),

@@ -132,10 +132,12 @@ def test_ctl_reads_its_address_from_the_environment(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        (["worker", "--ps", "h:1", "--steps", "-1"], "rpcps worker: error: steps must be >= 1, got -1"),
+        (["worker", "--ps", "h:1", "--steps", "-1"], "rpcps worker: error: --steps must be >= 1, got -1"),
+        (["ps", "--async-beta2", "1"], "rpcps ps: error: --async-beta2 must be in [0, 1) (0.999 is torch's own), got 1.0"),
+        (["ps", "--outer-lr", "-1"], "rpcps ps: error: outer lr must be > 0 (--outer-lr), got -1.0"),
         (["worker", "--steps", "ten"], "rpcps worker: error: argument --steps: 'ten' is not an integer (see `rpcps worker --help`)"),
         (["ps", "--listen", "nohost"], "rpcps ps: error: argument --listen: 'nohost' is not HOST:PORT (see `rpcps ps --help`)"),
-        (["ps", "--mode", "bounded"], "rpcps ps: error: mode 'bounded' needs max_staleness (--max-staleness K)"),
+        (["ps", "--mode", "bounded"], "rpcps ps: error: --mode 'bounded' needs max_staleness (--max-staleness K)"),
         (["ps", "--tls-cert", "/c"], "rpcps ps: error: --tls-cert and --tls-key go together: pass both for TLS, or neither for plaintext"),
         (["ctl", "restart"], None),
     ],
@@ -150,6 +152,13 @@ def test_a_bad_flag_is_one_line_that_names_it(capsys: pytest.CaptureFixture[str]
         assert err == [line]
     else:
         assert "invalid choice: 'restart'" in err[0]
+
+
+def test_a_message_about_a_field_behind_another_flag_keeps_its_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """``optimizer`` is the field of --sparse-optimizer; "optimizer 'sgd' ..." is about --optimizer."""
+    with pytest.raises(SystemExit):
+        parse(["ps", "--optimizer", "sgd", "--optimizer-args", '{"momentom": 0.9}'])
+    assert capsys.readouterr().err.startswith("rpcps ps: error: optimizer 'sgd' has no setting 'momentom'; it accepts ['lr', ")
 
 
 def test_choices_come_from_the_registries_that_implement_them() -> None:
